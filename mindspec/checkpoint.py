@@ -1,0 +1,179 @@
+"""Read Llama-family weights from (sharded) safetensors without torch.
+
+The safetensors format is an 8-byte header length, a JSON header and raw little-endian data, so
+we memory-map it: a rank that only needs a shard of a matrix reads only those rows.
+"""
+import hashlib
+import json
+import os
+import struct
+
+import numpy as np
+
+from .config import load_config
+from .errors import MindspecError
+
+_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I64": np.int64,
+           "I32": np.int32, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+
+
+def _np_dtype(name, path):
+    if name == "BF16":
+        import ml_dtypes
+        return ml_dtypes.bfloat16
+    if name not in _DTYPES:
+        raise MindspecError(f"{path}: unsupported tensor dtype {name}")
+    return _DTYPES[name]
+
+
+class SafetensorsFile:
+    def __init__(self, path):
+        self.path = path
+        try:
+            size = os.path.getsize(path)
+            with open(path, "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                if n <= 0 or 8 + n > size:
+                    raise ValueError("header length out of range")
+                self.header_bytes = f.read(n)
+            header = json.loads(self.header_bytes)
+            header.pop("__metadata__", None)
+            self._data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n) if size > 8 + n else None
+            for name, info in header.items():
+                b, e = info["data_offsets"]
+                want = int(np.prod(info["shape"], dtype=np.int64)) * np.dtype(_np_dtype(info["dtype"], path)).itemsize
+                if e - b != want or e > size - 8 - n:
+                    raise ValueError(f"tensor {name} has inconsistent offsets")
+        except MindspecError:
+            raise
+        except (OSError, ValueError, KeyError, TypeError, struct.error) as e:
+            raise MindspecError(f"not a valid safetensors file: {path} ({e})") from None
+        self.header = header
+
+    def names(self):
+        return list(self.header)
+
+    def get(self, name):
+        """Return the tensor as float32 (or its integer dtype), a fresh array."""
+        info = self.header[name]
+        b, e = info["data_offsets"]
+        dt = _np_dtype(info["dtype"], self.path)
+        arr = self._data[b:e].view(dt).reshape(info["shape"])
+        return arr.astype(np.float32) if np.dtype(dt).kind == "f" or info["dtype"] == "BF16" else np.array(arr)
+
+
+class Checkpoint:
+    """A Hugging Face Llama checkpoint directory: config + weights (one file or sharded with an index)."""
+
+    def __init__(self, model_dir):
+        self.dir = model_dir
+        self.config = load_config(model_dir)
+        single = os.path.join(model_dir, "model.safetensors")
+        index = os.path.join(model_dir, "model.safetensors.index.json")
+        self._files = {}
+        if os.path.exists(index):
+            try:
+                with open(index, encoding="utf-8") as f:
+                    weight_map = json.load(f)["weight_map"]
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise MindspecError(f"bad safetensors index {index} ({e})") from None
+            self._where = dict(weight_map)
+        elif os.path.exists(single):
+            self._where = {n: "model.safetensors" for n in self._open("model.safetensors").names()}
+        else:
+            raise MindspecError(f"no model.safetensors (or index) in {model_dir}")
+        self._check_names()
+
+    def _open(self, fname):
+        if fname not in self._files:
+            path = os.path.join(self.dir, fname)
+            if not os.path.exists(path):
+                raise MindspecError(f"safetensors shard missing: {path}")
+            self._files[fname] = SafetensorsFile(path)
+        return self._files[fname]
+
+    def _check_names(self):
+        cfg = self.config
+        need = ["model.embed_tokens.weight", "model.norm.weight"]
+        for i in range(cfg.num_hidden_layers):
+            need += [f"model.layers.{i}.{n}.weight" for n in LAYER_WEIGHTS]
+        if not cfg.tie_word_embeddings:
+            need.append("lm_head.weight")
+        missing = [n for n in need if n not in self._where]
+        if missing:
+            raise MindspecError(f"checkpoint {self.dir} is missing {len(missing)} tensors, e.g. {missing[0]}")
+
+    def get(self, name):
+        if name == "lm_head.weight" and self.config.tie_word_embeddings and name not in self._where:
+            name = "model.embed_tokens.weight"
+        arr = self._open(self._where[name]).get(name)
+        want = expected_shape(self.config, name)
+        if want is not None and tuple(arr.shape) != want:
+            raise MindspecError(f"{self.dir}: tensor {name} has shape {tuple(arr.shape)}, config says {want}")
+        return arr
+
+    def fingerprint(self):
+        """Cheap identity of the weights: config, headers and sampled data bytes of every shard."""
+        h = hashlib.sha256()
+        with open(os.path.join(self.dir, "config.json"), "rb") as f:
+            h.update(f.read())
+        for fname in sorted(set(self._where.values())):
+            sf = self._open(fname)
+            h.update(sf.header_bytes)
+            if sf._data is not None:
+                n = len(sf._data)
+                for i in range(17):
+                    off = (n - 1) * i // 16
+                    h.update(bytes(sf._data[off:off + 4096]))
+        return h.hexdigest()[:16]
+
+
+LAYER_WEIGHTS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                 "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+                 "input_layernorm", "post_attention_layernorm")
+
+
+def expected_shape(cfg, name):
+    d, hd = cfg.hidden_size, cfg.head_dim
+    shapes = {
+        "model.embed_tokens.weight": (cfg.vocab_size, d), "lm_head.weight": (cfg.vocab_size, d),
+        "model.norm.weight": (d,),
+        "self_attn.q_proj.weight": (cfg.num_attention_heads * hd, d),
+        "self_attn.k_proj.weight": (cfg.num_key_value_heads * hd, d),
+        "self_attn.v_proj.weight": (cfg.num_key_value_heads * hd, d),
+        "self_attn.o_proj.weight": (d, cfg.num_attention_heads * hd),
+        "mlp.gate_proj.weight": (cfg.intermediate_size, d), "mlp.up_proj.weight": (cfg.intermediate_size, d),
+        "mlp.down_proj.weight": (d, cfg.intermediate_size),
+        "input_layernorm.weight": (d,), "post_attention_layernorm.weight": (d,),
+    }
+    if name in shapes:
+        return shapes[name]
+    return shapes.get(".".join(name.split(".")[3:]))
+
+
+def write_checkpoint(model_dir, cfg_dict, tensors, shard_bytes=None):
+    """Write a HF-style directory (config.json + safetensors, sharded with an index when asked)."""
+    from safetensors.numpy import save_file
+    os.makedirs(model_dir, exist_ok=True)
+    with open(os.path.join(model_dir, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(cfg_dict, f, indent=2)
+    tensors = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
+    if not shard_bytes:
+        save_file(tensors, os.path.join(model_dir, "model.safetensors"))
+        return
+    shards, cur, size = [], {}, 0
+    for k, v in tensors.items():
+        if cur and size + v.nbytes > shard_bytes:
+            shards.append(cur)
+            cur, size = {}, 0
+        cur[k] = v
+        size += v.nbytes
+    shards.append(cur)
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(model_dir, fname))
+        weight_map.update({k: fname for k in shard})
+    with open(os.path.join(model_dir, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
+        json.dump({"metadata": {"total_size": sum(v.nbytes for v in tensors.values())},
+                   "weight_map": weight_map}, f, indent=2)

@@ -1,0 +1,103 @@
+"""Llama-family model configuration read from a Hugging Face `config.json`."""
+import json
+import os
+from dataclasses import dataclass, field, asdict
+
+from .errors import MindspecError
+
+SUPPORTED_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    bos_token_id: int = None
+    eos_token_ids: tuple = field(default_factory=tuple)
+
+    @property
+    def q_per_kv(self):
+        return self.num_attention_heads // self.num_key_value_heads
+
+    def to_json(self):
+        return asdict(self)
+
+
+def _eos_list(v):
+    if v is None:
+        return ()
+    return tuple(v) if isinstance(v, (list, tuple)) else (int(v),)
+
+
+def config_from_dict(raw, where="config.json"):
+    arch = (raw.get("architectures") or ["LlamaForCausalLM"])[0]
+    if arch not in SUPPORTED_ARCHS and raw.get("model_type") != "llama":
+        raise MindspecError(f"{where}: architecture {arch!r} is not a Llama-family model")
+    scaling = raw.get("rope_scaling")
+    if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
+        raise MindspecError(f"{where}: rope_scaling {scaling.get('rope_type', scaling.get('type'))!r} "
+                            "is not supported (only plain RoPE)")
+    try:
+        heads = int(raw["num_attention_heads"])
+        hidden = int(raw["hidden_size"])
+        cfg = LlamaConfig(
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_hidden_layers=int(raw["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
+            head_dim=int(raw.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
+            rope_theta=float(raw.get("rope_theta", 10000.0)),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=_eos_list(raw.get("eos_token_id")),
+        )
+    except KeyError as e:
+        raise MindspecError(f"{where}: missing key {e.args[0]!r}") from None
+    except (TypeError, ValueError) as e:
+        raise MindspecError(f"{where}: bad value ({e})") from None
+    if cfg.num_attention_heads % cfg.num_key_value_heads:
+        raise MindspecError(f"{where}: num_attention_heads {heads} is not a multiple of "
+                            f"num_key_value_heads {cfg.num_key_value_heads}")
+    if cfg.head_dim % 2:
+        raise MindspecError(f"{where}: head_dim must be even for RoPE, got {cfg.head_dim}")
+    return cfg
+
+
+def _read_json(path, what):
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise MindspecError(f"{what} not found: {path}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise MindspecError(f"{what} is not valid JSON: {path} ({e})") from None
+
+
+def load_config(model_dir):
+    """Read config.json (+ generation_config.json for EOS ids) from a checkpoint directory."""
+    if not os.path.isdir(model_dir):
+        raise MindspecError(f"model directory not found: {model_dir}")
+    path = os.path.join(model_dir, "config.json")
+    raw = _read_json(path, "config.json")
+    if not isinstance(raw, dict):
+        raise MindspecError(f"config.json is not a JSON object: {path}")
+    gen_path = os.path.join(model_dir, "generation_config.json")
+    if os.path.exists(gen_path):
+        gen = _read_json(gen_path, "generation_config.json")
+        if isinstance(gen, dict) and gen.get("eos_token_id") is not None:
+            raw = dict(raw, eos_token_id=sorted(set(_eos_list(raw.get("eos_token_id")))
+                                                | set(_eos_list(gen["eos_token_id"]))))
+    return config_from_dict(raw, path)

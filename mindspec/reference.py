@@ -1,0 +1,48 @@
+"""A plain numpy Llama forward pass: the numerical reference the ONNX draft and the MindSpore target
+are tested against. Slow and cache-free on purpose: it is the definition, not the implementation."""
+import numpy as np
+
+
+def rope_tables(head_dim, theta, positions):
+    """cos, sin of shape [T, head_dim // 2] for the given absolute positions (HF rotate-half layout)."""
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    ang = np.asarray(positions, dtype=np.float64)[:, None] * inv_freq[None, :]
+    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+
+
+def apply_rope(x, cos, sin):
+    """x: [H, T, D]; cos/sin: [T, D/2]."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def rms_norm(x, w, eps):
+    x64 = x.astype(np.float64)
+    return (x64 / np.sqrt((x64 * x64).mean(-1, keepdims=True) + eps)).astype(np.float32) * w
+
+
+def reference_logits(cfg, get, ids, n_layers=None):
+    """Logits [T, V] for token ids [T]. `get(name)` returns a HF-named weight as float32."""
+    ids = np.asarray(ids)
+    T, H, KV, D = len(ids), cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    x = get("model.embed_tokens.weight")[ids]
+    cos, sin = rope_tables(D, cfg.rope_theta, np.arange(T))
+    causal = np.triu(np.full((T, T), -np.inf, dtype=np.float32), 1)
+    for i in range(cfg.num_hidden_layers if n_layers is None else n_layers):
+        w = lambda n: get(f"model.layers.{i}.{n}.weight")  # noqa: E731
+        h = rms_norm(x, w("input_layernorm"), cfg.rms_norm_eps)
+        q = (h @ w("self_attn.q_proj").T).reshape(T, H, D).transpose(1, 0, 2)
+        k = (h @ w("self_attn.k_proj").T).reshape(T, KV, D).transpose(1, 0, 2)
+        v = (h @ w("self_attn.v_proj").T).reshape(T, KV, D).transpose(1, 0, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k, v = np.repeat(k, H // KV, axis=0), np.repeat(v, H // KV, axis=0)
+        s = q @ k.transpose(0, 2, 1) / np.sqrt(D) + causal
+        s = np.exp(s - s.max(-1, keepdims=True))
+        a = (s / s.sum(-1, keepdims=True)) @ v
+        x = x + a.transpose(1, 0, 2).reshape(T, H * D) @ w("self_attn.o_proj").T
+        h = rms_norm(x, w("post_attention_layernorm"), cfg.rms_norm_eps)
+        g = h @ w("mlp.gate_proj").T
+        x = x + ((g / (1 + np.exp(-g))) * (h @ w("mlp.up_proj").T)) @ w("mlp.down_proj").T
+    x = rms_norm(x, get("model.norm.weight"), cfg.rms_norm_eps)
+    return x @ get("lm_head.weight").T

@@ -1,0 +1,83 @@
+"""Tiny random Llama checkpoints, written by the tests themselves (HF layout, real files)."""
+import json
+import os
+
+import numpy as np
+import pytest
+
+from mindspec.checkpoint import LAYER_WEIGHTS, expected_shape, write_checkpoint
+from mindspec.config import config_from_dict
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content']"
+                 " + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
+                 "{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def write_tiny_tokenizer(model_dir):
+    """A byte-level BPE tokenizer (3 specials + 256 bytes, no merges), saved as tokenizer.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+    alphabet = ByteLevel.alphabet()
+    vocab = {t: i for i, t in enumerate(SPECIALS)}
+    for ch in sorted(alphabet):
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIALS)
+    tok.save(os.path.join(model_dir, "tokenizer.json"))
+    with open(os.path.join(model_dir, "tokenizer_config.json"), "w") as f:
+        json.dump({"bos_token": None, "eos_token": "<|im_end|>", "chat_template": CHAT_TEMPLATE,
+                   "add_bos_token": False}, f)
+    return len(vocab)
+
+
+def make_tiny_checkpoint(model_dir, vocab=320, hidden=64, layers=2, heads=4, kv_heads=2, inter=96,
+                         head_dim=None, tie=False, seed=0, shard_bytes=None, scale=0.15, base=None,
+                         noise=0.0, eos=2):
+    """Write a random Llama checkpoint. With `base` (a dict of tensors), copy it and add `noise`
+    (relative) instead: a same-vocabulary draft that disagrees with its target now and then."""
+    raw = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab,
+           "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
+           "num_attention_heads": heads, "num_key_value_heads": kv_heads, "rms_norm_eps": 1e-5,
+           "rope_theta": 10000.0, "max_position_embeddings": 4096, "tie_word_embeddings": tie,
+           "bos_token_id": 1, "eos_token_id": eos}
+    if head_dim:
+        raw["head_dim"] = head_dim
+    cfg = config_from_dict(raw)
+    rng = np.random.default_rng(seed)
+    names = ["model.embed_tokens.weight", "model.norm.weight"] + [
+        f"model.layers.{i}.{n}.weight" for i in range(layers) for n in LAYER_WEIGHTS]
+    if not tie:
+        names.append("lm_head.weight")
+    tensors = {}
+    for n in names:
+        shape = expected_shape(cfg, n)
+        if base is not None:
+            w = base[n]
+            t = w + noise * np.abs(w).mean() * rng.standard_normal(shape)
+        elif n.endswith("norm.weight"):
+            t = 1.0 + 0.1 * rng.standard_normal(shape)
+        elif "embed" in n or "lm_head" in n:
+            t = rng.standard_normal(shape)
+        else:
+            t = scale * rng.standard_normal(shape) / np.sqrt(shape[1] / 64)
+        tensors[n] = t.astype(np.float32)
+    write_checkpoint(model_dir, raw, tensors, shard_bytes=shard_bytes)
+    write_tiny_tokenizer(model_dir)
+    with open(os.path.join(model_dir, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": eos, "bos_token_id": 1}, f)
+    return str(model_dir), tensors
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tmp_path_factory):
+    """(dir, tensors) of the shared tiny target."""
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("target"))
+
+
+@pytest.fixture(scope="session")
+def tiny_draft_ckpt(tmp_path_factory, tiny_target):
+    """A noisy copy of the tiny target: same vocabulary, disagrees often."""
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("draftckpt"), base=tiny_target[1], noise=0.6, seed=1)
