@@ -1,0 +1,91 @@
+"""`mindspec` command line: export, generate, convert. Bad input: one line on stderr, exit 2."""
+import argparse
+import json
+import sys
+
+from .errors import MindspecError
+
+
+def _ids(text):
+    try:
+        return [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of token ids: {text!r}") from None
+
+
+def cmd_export(a):
+    from mindspec.export import export_draft
+    m = export_draft(a.model, a.out, quantize=a.quantize, layers=a.layers, max_seq=a.max_seq)
+    print(f"wrote {a.out} ({m['num_layers']} layers, quantize={m['quantize']}) and {a.out}.json")
+
+
+def cmd_convert(a):
+    from .convert import convert_gguf
+    print(f"wrote {convert_gguf(a.gguf, a.out)}")
+
+
+def cmd_generate(a):
+    from .pipeline import load
+    pipe = load(target=a.target, draft=False if a.no_speculate else a.draft, k=a.k, max_seq=a.max_seq)
+    stream = None if a.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
+    res = pipe.generate(prompt=a.prompt, prompt_ids=a.prompt_ids, max_new_tokens=a.max_new_tokens,
+                        temperature=a.temperature, stop=a.stop, chat=a.chat, on_text=stream)
+    s = res.stats
+    if a.json:
+        print(json.dumps({"text": res.text, "token_ids": res.token_ids, "finish_reason": res.finish_reason,
+                          "stats": s}))
+        return
+    print()
+    acc = f"acceptance {s['acceptance_rate']:.2f}, " if s["acceptance_rate"] is not None else ""
+    print(f"[{s['new_tokens']} tokens in {s['wall_s']:.2f} s = {s['tokens_per_s']:.1f} tok/s; {acc}"
+          f"{s['tokens_per_target_call']:.2f} tokens per target call; "
+          f"{f'K={pipe.k}' if pipe.draft_path else 'target only'}]", file=sys.stderr)
+
+
+def parser():
+    p = argparse.ArgumentParser(prog="mindspec", description="Speculative decoding: MindSpore target, ONNX draft.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    e = sub.add_parser("export", help="export a draft checkpoint to ONNX (+ manifest)")
+    e.add_argument("--model", required=True, help="Hugging Face Llama checkpoint directory")
+    e.add_argument("--out", required=True, help="output .onnx path (manifest written to OUT.json)")
+    e.add_argument("--quantize", choices=["int8", "q8", "q4"], default=None)
+    e.add_argument("--layers", type=int, default=None, help="keep only the first N layers")
+    e.add_argument("--max-seq", type=int, default=None, help="default KV-cache length for the draft")
+    e.set_defaults(func=cmd_export)
+    c = sub.add_parser("convert", help="convert a Llama GGUF file into a Hugging Face directory")
+    c.add_argument("--gguf", required=True)
+    c.add_argument("--out", required=True)
+    c.set_defaults(func=cmd_convert)
+    g = sub.add_parser("generate", help="generate text with a target + draft pair")
+    g.add_argument("prompt", nargs="?", default=None)
+    g.add_argument("--prompt-ids", type=_ids, default=None, help="comma-separated token ids instead of text")
+    g.add_argument("--target", default=None, help="target checkpoint dir (default: the embedded model)")
+    g.add_argument("--draft", default=None, help="draft .onnx from `mindspec export` (default: embedded)")
+    g.add_argument("-k", type=int, default=4, help="draft tokens per target call (a K bucket: 1..8)")
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--max-seq", type=int, default=None, help="fix the KV-cache length (default: sized to the job)")
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--no-speculate", action="store_true", help="target-only decoding (the baseline)")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    g.set_defaults(func=cmd_generate)
+    return p
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
+    if args.cmd == "generate" and args.prompt is None and args.prompt_ids is None:
+        args.prompt = "Once upon a time"
+    try:
+        args.func(args)
+    except MindspecError as e:
+        print(f"mindspec: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""The speculative decoding loop, shared by generate, serve and batch."""
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Stats:
+    new_tokens: int = 0
+    target_calls: int = 0  # prefill counts as one: it produces the first token
+    drafted: int = 0
+    accepted: int = 0
+    accepted_at: list = field(default_factory=list)  # [i] = steps whose draft i was accepted
+    k_used: dict = field(default_factory=dict)  # K -> steps
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    wall_s: float = 0.0
+
+    def record(self, k, n_accepted):
+        self.drafted += k
+        self.accepted += n_accepted
+        self.k_used[k] = self.k_used.get(k, 0) + 1
+        self.accepted_at += [0] * (k - len(self.accepted_at))
+        for i in range(n_accepted):
+            self.accepted_at[i] += 1
+
+    def as_dict(self):
+        return {"new_tokens": self.new_tokens, "target_calls": self.target_calls,
+                "drafted": self.drafted, "accepted": self.accepted,
+                "acceptance_rate": self.accepted / self.drafted if self.drafted else None,
+                "tokens_per_target_call": self.new_tokens / max(self.target_calls, 1),
+                "accepted_at": self.accepted_at, "k_used": {str(k): v for k, v in sorted(self.k_used.items())},
+                "prefill_s": round(self.prefill_s, 4), "draft_s": round(self.draft_s, 4),
+                "verify_s": round(self.verify_s, 4), "wall_s": round(self.wall_s, 4),
+                "tokens_per_s": self.new_tokens / self.wall_s if self.wall_s else None}
+
+
+def pick_k(buckets, k, limit):
+    """The largest compiled bucket <= min(k, limit); 0 means: no room to draft, decode plainly."""
+    fit = [b for b in buckets if b <= min(k, limit)]
+    return fit[-1] if fit else 0
+
+
+def decode(target, proposer, prompt_ids, max_new_tokens, k, stats):
+    """Yield the tokens committed by each target call (1..K+1 of them) until max_new_tokens or the
+    cache is full; the caller stops early on EOS / stop strings by closing the generator.
+
+    Invariant: the target cache holds seq[:-1] (target.pos == len(seq) - 1), so a rejected draft
+    is rolled back by moving that integer, never by copying."""
+    seq, n_prompt = list(prompt_ids), len(prompt_ids)
+    t = time.perf_counter()
+    seq.append(target.prefill(seq))
+    stats.prefill_s += time.perf_counter() - t
+    stats.target_calls += 1
+    yield seq[-1:]
+    if proposer is not None:
+        proposer.reset()
+    while len(seq) - n_prompt < max_new_tokens and target.pos < target.max_seq:
+        left = max_new_tokens - (len(seq) - n_prompt)  # drafting past it would be thrown away
+        kk = pick_k(target.buckets, k, min(left - 1, target.max_seq - target.pos - 1)) if proposer else 0
+        t0 = time.perf_counter()
+        if kk == 0:
+            new = [target.decode(seq[-1])]
+        else:
+            drafts = proposer.get_candidates(seq, kk)  # [K]
+            t1 = time.perf_counter()
+            stats.draft_s += t1 - t0
+            n, nxt = target.verify(seq[-1], drafts)
+            new = drafts[:n] + [nxt]
+            stats.record(kk, n)
+            proposer.update_candidate_strategy(seq + new, n)
+            t0 = t1
+        stats.verify_s += time.perf_counter() - t0
+        stats.target_calls += 1
+        seq += new
+        yield new

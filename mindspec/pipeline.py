@@ -1,0 +1,151 @@
+"""`mindspec.load(...)` -> Pipeline: target + draft + tokenizer, and `generate` over the shared loop."""
+import os
+import time
+from dataclasses import dataclass
+
+from .checkpoint import Checkpoint
+from .errors import MindspecError
+from .loop import Stats, decode
+from .proposer import OnnxProposer
+from .tokenizer import StreamDecoder, Tokenizer
+
+SEQ_ROUND = 256  # max_seq grows in steps of this: each size is a new set of compiled graphs
+DEFAULT_BUCKETS = (1, 2, 4, 8)
+
+
+@dataclass
+class Result:
+    token_ids: list
+    text: str
+    stats: dict
+    finish_reason: str  # "stop" (EOS or stop string) or "length"
+
+
+def _round_up(n, m):
+    return (n + m - 1) // m * m
+
+
+class Pipeline:
+    def __init__(self, target, draft=None, k=4, max_seq=None, buckets=DEFAULT_BUCKETS, device=None,
+                 cache_dir=None):
+        from mindspec.graphs.runner import init_mindspore
+        if not 1 <= int(k) <= max(buckets):
+            raise MindspecError(f"-k must be between 1 and the largest K bucket {max(buckets)}, got {k}")
+        self.k = int(k)
+        self.buckets = tuple(sorted(set(buckets) | {self.k}))
+        self.ckpt = Checkpoint(target)
+        self.cfg = self.ckpt.config
+        self.tokenizer = Tokenizer(target)
+        if self.tokenizer.vocab_size > self.cfg.vocab_size:
+            raise MindspecError(f"tokenizer has {self.tokenizer.vocab_size} tokens but the model's vocab_size "
+                                f"is {self.cfg.vocab_size}")
+        self.eos = set(self.cfg.eos_token_ids) | set(self.tokenizer.eos_token_ids)
+        self.draft_path = draft
+        self.manifest = self._check_draft(draft) if draft else None
+        self.fixed_max_seq = max_seq
+        self.device = init_mindspore(device, cache_dir)
+        self.target = self.proposer = None
+        if max_seq:
+            self._build(max_seq)
+
+    def _check_draft(self, path):
+        from mindspec.export import read_manifest
+        m = read_manifest(path)
+        if m["vocab_size"] != self.cfg.vocab_size:
+            raise MindspecError(f"draft {path} has vocabulary size {m['vocab_size']}, the target has "
+                                f"{self.cfg.vocab_size}: a draft must share its target's tokenizer")
+        fp = m.get("tokenizer_fingerprint")
+        if fp and fp != self.tokenizer.vocab_fingerprint():
+            raise MindspecError(f"draft {path} was exported from a model with a different tokenizer "
+                                f"({m.get('source')}): a draft must share its target's tokenizer")
+        return m
+
+    def _build(self, max_seq):
+        """(Re)build the target graphs and the draft cache for `max_seq` positions."""
+        from mindspec.export import DraftSession
+        from mindspec.graphs.runner import TargetModel
+        if max_seq > self.cfg.max_position_embeddings:
+            raise MindspecError(f"{max_seq} positions exceed the model's max_position_embeddings "
+                                f"{self.cfg.max_position_embeddings}")
+        self.target = TargetModel(self.ckpt, max_seq, self.buckets)
+        if self.draft_path:
+            self.proposer = OnnxProposer(DraftSession(self.draft_path, max_seq=self.target.max_seq))
+
+    def _capacity(self, n_prompt, max_new_tokens):
+        if self.fixed_max_seq:
+            if n_prompt + 1 > self.fixed_max_seq:
+                raise MindspecError(f"prompt is {n_prompt} tokens; it does not fit max_seq {self.fixed_max_seq}")
+            return
+        need = min(_round_up(n_prompt + max_new_tokens + max(self.buckets) + 1, SEQ_ROUND),
+                   self.cfg.max_position_embeddings)
+        if n_prompt + 1 > need:
+            raise MindspecError(f"prompt is {n_prompt} tokens; the model takes at most "
+                                f"{self.cfg.max_position_embeddings - 1}")
+        if self.target is None or self.target.max_seq < need:
+            self._build(need)
+
+    def encode(self, prompt=None, prompt_ids=None, chat=False):
+        if (prompt is None) == (prompt_ids is None):
+            raise MindspecError("give exactly one of a prompt or prompt ids")
+        if prompt_ids is not None:
+            ids = [int(i) for i in prompt_ids]
+            bad = [i for i in ids if not 0 <= i < self.cfg.vocab_size]
+            if bad:
+                raise MindspecError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})")
+        else:
+            text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
+            ids = self.tokenizer.encode(text)
+        if not ids:
+            raise MindspecError("the prompt is empty")
+        return ids
+
+    def generate(self, prompt=None, prompt_ids=None, max_new_tokens=64, temperature=0.0, seed=None,
+                 stop=None, chat=False, on_text=None):
+        """Generate greedily; `on_text(delta)` receives text as it is produced."""
+        if temperature and temperature > 0:
+            raise MindspecError("sampling (temperature > 0) is not supported yet: use temperature 0")
+        if max_new_tokens < 1:
+            raise MindspecError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        ids = self.encode(prompt, prompt_ids, chat)
+        self._capacity(len(ids), max_new_tokens)
+        self.target.rollback(0)
+        stats, out, finish, cut = Stats(), [], "length", False
+        stream, text, shown = StreamDecoder(self.tokenizer), "", 0
+        stops = [s for s in (stop or []) if s]
+        hold = max((len(s) for s in stops), default=1) - 1  # never stream a half-seen stop string
+        t0 = time.perf_counter()
+        for new in decode(self.target, self.proposer, ids, max_new_tokens, self.k, stats):
+            for tok in new:
+                out.append(tok)
+                if tok in self.eos:
+                    finish = "stop"
+                    break
+                text += stream.push([tok])
+                hit = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+                if hit >= 0:
+                    text, finish, cut = text[:hit], "stop", True
+                    break
+            if finish == "stop":
+                break
+            if on_text and len(text) - hold > shown:
+                on_text(text[shown:len(text) - hold])
+                shown = len(text) - hold
+        if not cut:
+            text += stream.flush()
+        out = out[:max_new_tokens]
+        stats.new_tokens = len(out)
+        stats.wall_s = time.perf_counter() - t0
+        if on_text and len(text) > shown:
+            on_text(text[shown:])
+        return Result(out, text, stats.as_dict(), finish)
+
+
+def load(target=None, draft=None, k=4, **kw):
+    """Load a target checkpoint dir and an ONNX draft (None: target-only). With no target, the
+    embedded default pair (SmolLM2-135M-Instruct and its 8-bit self-draft) is used; draft=False
+    then loads the default target alone."""
+    if target is None:
+        from .default import default_pair
+        target, default_draft = default_pair()
+        draft = default_draft if draft is None else draft
+    return Pipeline(target, draft or None, k=k, **kw)
