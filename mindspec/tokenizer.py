@@ -1,0 +1,136 @@
+"""Tokenizer for a Hugging Face model directory, without torch or transformers.
+
+tokenizer.json is run by the `tokenizers` package; tokenizer_config.json supplies what transformers
+would add on top: BOS/EOS tokens, add_bos_token and the Jinja chat template.
+"""
+import hashlib
+import json
+import os
+
+from .errors import MindspecError
+
+
+def _token_str(v):
+    """tokenizer_config stores special tokens as a string or as a serialized AddedToken dict."""
+    if isinstance(v, dict):
+        v = v.get("content")
+    return v if isinstance(v, str) else None
+
+
+class Tokenizer:
+    def __init__(self, model_dir):
+        from tokenizers import Tokenizer as _HFTokenizer
+        path = os.path.join(model_dir, "tokenizer.json")
+        if not os.path.exists(path):
+            raise MindspecError(f"tokenizer.json not found: {path}")
+        try:
+            self._tok = _HFTokenizer.from_file(path)
+        except Exception as e:  # tokenizers raises a bare Exception on bad JSON
+            raise MindspecError(f"tokenizer.json is not a valid tokenizer: {path} "
+                                f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+        cfg = {}
+        cfg_path = os.path.join(model_dir, "tokenizer_config.json")
+        if os.path.exists(cfg_path):
+            try:
+                with open(cfg_path, encoding="utf-8") as f:
+                    cfg = json.load(f)
+            except (OSError, ValueError) as e:
+                raise MindspecError(f"tokenizer_config.json is not valid JSON: {cfg_path} ({e})") from None
+            if not isinstance(cfg, dict):
+                raise MindspecError(f"tokenizer_config.json is not a JSON object: {cfg_path}")
+        self.bos_token = _token_str(cfg.get("bos_token"))
+        self.eos_token = _token_str(cfg.get("eos_token"))
+        self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
+        self.add_bos_token = bool(cfg.get("add_bos_token", False)) and self.bos_token_id is not None
+        self.chat_template = cfg.get("chat_template")
+        if isinstance(self.chat_template, list):  # transformers' named-template form
+            named = {t.get("name"): t.get("template") for t in self.chat_template if isinstance(t, dict)}
+            self.chat_template = named.get("default")
+        eos = self._tok.token_to_id(self.eos_token) if self.eos_token else None
+        self.eos_token_ids = set() if eos is None else {eos}
+
+    @property
+    def vocab_size(self):
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text):
+        """Ids of `text`; special tokens written in it (e.g. "<|im_start|>") become their ids.
+        BOS is prepended when tokenizer_config asks for it, unless the text already starts with it
+        (chat templates often write it themselves)."""
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if self.add_bos_token and (not ids or ids[0] != self.bos_token_id):
+            ids.insert(0, self.bos_token_id)
+        return ids
+
+    def decode(self, ids, skip_special_tokens=False):
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token):
+        return self._tok.token_to_id(token)
+
+    def apply_chat_template(self, messages, add_generation_prompt=True):
+        """Render chat messages to a prompt string, the way transformers does."""
+        if not self.chat_template:
+            raise MindspecError("this tokenizer has no chat_template (tokenizer_config.json); "
+                                "pass a plain prompt instead")
+        from jinja2 import TemplateError
+        try:
+            template = _jinja_env().from_string(self.chat_template)
+            return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                   bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        except TemplateError as e:
+            raise MindspecError(f"chat template failed: {e}") from None
+
+    def vocab_fingerprint(self):
+        """Identity of the token -> id map: a draft must share it with its target."""
+        vocab = sorted(self._tok.get_vocab(with_added_tokens=True).items(), key=lambda kv: (kv[1], kv[0]))
+        blob = json.dumps(vocab, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _raise_exception(message):
+    from jinja2 import TemplateError
+    raise TemplateError(message)
+
+
+def _jinja_env():
+    # Same settings as transformers, so templates written for it render identically.
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
+    env.globals["raise_exception"] = _raise_exception
+    return env
+
+
+class StreamDecoder:
+    """Turns ids arriving a few at a time into text, never emitting half a UTF-8 character.
+
+    Decodes a small window (the previously emitted tokens + the new ones) and emits the difference,
+    so cost per push stays constant and tokenizers that drop a leading space at the start of a
+    decode (SentencePiece) still join correctly.
+    """
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.ids = []
+        self._prefix = 0  # start of the decode window
+        self._read = 0    # ids before this are already emitted
+
+    def push(self, ids):
+        self.ids.extend(int(i) for i in ids)
+        prefix_text = self.tok.decode(self.ids[self._prefix:self._read])
+        text = self.tok.decode(self.ids[self._prefix:])
+        # A trailing U+FFFD means a multi-byte character is still incomplete: wait for more bytes.
+        if len(text) <= len(prefix_text) or text.endswith("\ufffd"):
+            return ""
+        self._prefix, self._read = self._read, len(self.ids)
+        return text[len(prefix_text):]
+
+    def flush(self):
+        if self._read == len(self.ids):
+            return ""
+        prefix_text = self.tok.decode(self.ids[self._prefix:self._read])
+        text = self.tok.decode(self.ids[self._prefix:])
+        self._prefix = self._read = len(self.ids)
+        return text[len(prefix_text):]

@@ -1,0 +1,180 @@
+"""GGUF -> HF conversion on a tiny GGUF written here with gguf.GGUFWriter, the way llama.cpp writes one."""
+import json
+import os
+
+import numpy as np
+import pytest
+
+from mindspec.checkpoint import LAYER_WEIGHTS, Checkpoint, expected_shape
+from mindspec.config import config_from_dict, load_config
+from mindspec.convert import convert_gguf, find_default_gguf
+from mindspec.errors import MindspecError
+from mindspec.tokenizer import Tokenizer
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+MERGES = ["h e", "l l", "he ll", "hell o", "Ġ w", "o r", "Ġw or", "1 2"]
+CHAT = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
+        "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+DIMS = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2)
+Q8_TENSORS = {"model.embed_tokens.weight", "model.layers.0.self_attn.k_proj.weight"}
+_GGUF_LAYER = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+               "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+               "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
+               "post_attention_layernorm": "ffn_norm"}
+
+
+def _vocab():
+    from tokenizers.pre_tokenizers import ByteLevel
+    tokens = SPECIALS + sorted(ByteLevel.alphabet()) + [m.replace(" ", "") for m in MERGES]
+    types = [3] * len(SPECIALS) + [1] * (len(tokens) - len(SPECIALS))
+    return tokens, types
+
+
+def _llama_cpp_permute(w, n_head):
+    """What llama.cpp's convert_hf_to_gguf does to Q/K rows (the inverse of our un-permute)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, w.shape[1]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_tiny_gguf(path, arch="llama", tok_model="gpt2", pre="smollm", add_bos=False, seed=0,
+                    vocab_meta=None):
+    """Returns the HF-layout float32 tensors the GGUF was made from (tied embeddings: no output.weight)."""
+    import gguf
+    tokens, types = _vocab()
+    cfg = config_from_dict(dict(DIMS, vocab_size=len(tokens)))
+    rng = np.random.default_rng(seed)
+    names = ["model.embed_tokens.weight", "model.norm.weight"] + [
+        f"model.layers.{i}.{n}.weight" for i in range(cfg.num_hidden_layers) for n in LAYER_WEIGHTS]
+    hf = {n: rng.standard_normal(expected_shape(cfg, n)).astype(np.float32) for n in names}
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_context_length(512)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_dimension_count(cfg.head_dim)
+    w.add_rope_freq_base(50000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_vocab_size(vocab_meta or len(tokens))
+    w.add_tokenizer_model(tok_model)
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(MERGES)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(add_bos)
+    w.add_chat_template(CHAT)
+    for name, t in hf.items():
+        parts = name.split(".")
+        gname = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}.get(
+            name) or f"blk.{parts[2]}.{_GGUF_LAYER['.'.join(parts[3:-1])]}.weight"
+        if name.endswith("q_proj.weight"):
+            t = _llama_cpp_permute(t, cfg.num_attention_heads)
+        elif name.endswith("k_proj.weight"):
+            t = _llama_cpp_permute(t, cfg.num_key_value_heads)
+        if name in Q8_TENSORS:
+            w.add_tensor(gname, gguf.quants.quantize(t, gguf.GGMLQuantizationType.Q8_0),
+                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(gname, t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return hf
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    d = tmp_path_factory.mktemp("gguf")
+    hf = write_tiny_gguf(d / "tiny.gguf")
+    out = convert_gguf(str(d / "tiny.gguf"), str(d / "hf"))
+    return out, hf
+
+
+def test_weights_match_originals(converted):
+    out, hf = converted
+    ck = Checkpoint(out)
+    for name, want in hf.items():
+        got = ck.get(name)
+        assert got.dtype == np.float32 and got.shape == want.shape, name
+        if name in Q8_TENSORS:  # blocks of 32 int8 with an fp16 scale: within one step absmax/127
+            step = np.abs(want).reshape(want.shape[0], -1, 32).max(-1, keepdims=True) / 127
+            assert np.all(np.abs(got - want).reshape(step.shape[:2] + (32,)) <= step), name
+        else:
+            np.testing.assert_array_equal(got, want, err_msg=name)
+
+
+def test_config_and_tied_embeddings(converted):
+    out, hf = converted
+    cfg = load_config(out)
+    assert (cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers) == (
+        len(_vocab()[0]), 64, 96, 2)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (4, 2, 16)
+    assert cfg.rope_theta == 50000.0 and cfg.rms_norm_eps == pytest.approx(1e-6)
+    assert cfg.max_position_embeddings == 512 and cfg.tie_word_embeddings
+    assert cfg.bos_token_id == 1 and cfg.eos_token_ids == (2,)
+    with open(os.path.join(out, "generation_config.json")) as f:
+        assert json.load(f) == {"bos_token_id": 1, "eos_token_id": 2}
+    ck = Checkpoint(out)
+    assert "lm_head.weight" not in ck._where
+    np.testing.assert_array_equal(ck.get("lm_head.weight"), ck.get("model.embed_tokens.weight"))
+
+
+def test_tokenizer_round_trip_and_merges(converted):
+    tok = Tokenizer(converted[0])
+    tokens, _ = _vocab()
+    ids = tok.encode("hello world")
+    assert ids == [tokens.index("hello"), tokens.index("Ġwor"), tokens.index("l"), tokens.index("d")]
+    assert tok.decode(ids) == "hello world"
+    assert tok.encode("<|im_start|>hi<|im_end|>")[0] == 1 and tok.encode("<|im_end|>") == [2]
+    # smollm splits digits one by one before BPE, so the "1 2" merge never applies
+    assert tok.encode("1212") == [tokens.index(c) for c in "1212"]
+    text = "héllo 世界 <|im_end|> 42"
+    assert tok.decode(tok.encode(text)) == text
+    assert tok.eos_token_ids == {2} and tok.vocab_size == len(tokens)
+
+
+def test_chat_template_renders(converted):
+    tok = Tokenizer(converted[0])
+    s = tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert s == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.encode(s)[0] == 1
+
+
+@pytest.mark.parametrize("pre, pieces", [("llama-bpe", ["12", "1", "2"]),  # digits in groups of 3
+                                         ("gpt2", ["12", "12"]),  # a whole number is one word
+                                         ("something-new", ["12", "12"])])  # falls back to gpt2
+def test_pre_tokenizers_and_add_bos(tmp_path, pre, pieces):
+    write_tiny_gguf(tmp_path / "b.gguf", pre=pre, add_bos=True)
+    tok = Tokenizer(convert_gguf(str(tmp_path / "b.gguf"), str(tmp_path / "hf")))
+    tokens, _ = _vocab()
+    assert tok.encode("1212") == [1] + [tokens.index(p) for p in pieces]
+    assert tok.decode(tok.encode("hello 1212")[1:]) == "hello 1212"
+    assert tok.encode("<|im_start|>x")[:2] != [1, 1]  # BOS already in the text: not doubled
+
+
+@pytest.mark.parametrize("kind", ["junk", "missing", "arch", "tokenizer", "shape"])
+def test_bad_files_raise_one_line_error(tmp_path, kind):
+    path = tmp_path / "bad.gguf"
+    if kind == "junk":
+        path.write_bytes(b"GGUF" + os.urandom(200))
+    elif kind == "arch":
+        write_tiny_gguf(path, arch="gpt2")
+    elif kind == "tokenizer":
+        write_tiny_gguf(path, tok_model="llama")
+    elif kind == "shape":  # metadata disagrees with the embedding matrix
+        write_tiny_gguf(path, vocab_meta=100)
+    with pytest.raises(MindspecError) as e:
+        convert_gguf(str(path), str(tmp_path / "out"))
+    assert "\n" not in str(e.value) and "bad.gguf" in str(e.value)
+
+
+def test_find_default_gguf_missing(monkeypatch):
+    import importlib.util
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(MindspecError, match="setup"):
+        find_default_gguf()

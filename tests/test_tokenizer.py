@@ -1,0 +1,130 @@
+"""Tokenizer wrapper and streaming detokenization on the tiny byte-level tokenizer from conftest."""
+import json
+import random
+
+import pytest
+
+from conftest import CHAT_TEMPLATE, write_tiny_tokenizer
+from mindspec.errors import MindspecError
+from mindspec.tokenizer import StreamDecoder, Tokenizer
+
+TEXT = "héllo 世界 🦙!"
+
+
+@pytest.fixture()
+def tok_dir(tmp_path):
+    write_tiny_tokenizer(tmp_path)
+    return tmp_path
+
+
+def test_byte_tokens_round_trip(tok_dir):
+    tok = Tokenizer(str(tok_dir))
+    ids = tok.encode(TEXT)
+    assert len(ids) == len(TEXT.encode("utf-8"))  # no merges: one token per byte
+    assert tok.decode(ids) == TEXT
+    assert tok.vocab_size == 3 + 256 and tok.eos_token_ids == {2} and tok.bos_token_id is None
+
+
+def test_special_tokens(tok_dir):
+    tok = Tokenizer(str(tok_dir))
+    ids = tok.encode("<|im_start|>user\nhi<|im_end|>")
+    assert ids[0] == 1 and ids[-1] == 2 and len(ids) == 2 + len("user\nhi")
+    assert tok.decode(ids, skip_special_tokens=True) == "user\nhi"
+    assert tok.decode(ids) == "<|im_start|>user\nhi<|im_end|>"
+
+
+def test_stream_decoder_never_splits_a_character(tok_dir):
+    tok = Tokenizer(str(tok_dir))
+    ids = tok.encode(TEXT)
+    sd = StreamDecoder(tok)
+    pieces = [sd.push([i]) for i in ids] + [sd.flush()]
+    assert "".join(pieces) == TEXT
+    assert all("\ufffd" not in p for p in pieces)
+    assert pieces[:3] == ["h", "", "é"]  # é is two bytes: nothing until the second arrives
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_stream_decoder_random_chunks_equal_decode(tok_dir, seed):
+    tok = Tokenizer(str(tok_dir))
+    ids = tok.encode("<|im_start|>" + TEXT * 3 + "<|im_end|>")
+    rng = random.Random(seed)
+    sd, out, i = StreamDecoder(tok), [], 0
+    while i < len(ids):
+        n = rng.randint(0, 4)
+        out.append(sd.push(ids[i:i + n]))
+        i += n
+    assert "".join(out) + sd.flush() == tok.decode(ids)
+
+
+def test_stream_decoder_flushes_incomplete_tail(tok_dir):
+    tok = Tokenizer(str(tok_dir))
+    ids = tok.encode("a世")[:-1]  # "a" + two of the three bytes of 世
+    sd = StreamDecoder(tok)
+    assert sd.push(ids[:1]) == "a"
+    assert sd.push(ids[1:]) == ""  # held back: the text ends with U+FFFD
+    tail = sd.flush()
+    assert tail and "a" + tail == tok.decode(ids)  # a generation cut mid-character still shows it
+    assert sd.flush() == ""
+
+
+def test_chat_template(tok_dir):
+    tok = Tokenizer(str(tok_dir))
+    msgs = [{"role": "user", "content": "hi"}]
+    assert tok.apply_chat_template(msgs) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.apply_chat_template(msgs, add_generation_prompt=False) == "<|im_start|>user\nhi<|im_end|>\n"
+
+
+def test_chat_template_errors(tok_dir):
+    cfg_path = tok_dir / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] = "{{ raise_exception('only user turns') }}"
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(MindspecError, match="only user turns"):
+        Tokenizer(str(tok_dir)).apply_chat_template([{"role": "system", "content": "x"}])
+    del cfg["chat_template"]
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(MindspecError, match="chat_template"):
+        Tokenizer(str(tok_dir)).apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_add_bos_token(tok_dir):
+    cfg_path = tok_dir / "tokenizer_config.json"
+    cfg_path.write_text(json.dumps({"bos_token": {"content": "<|endoftext|>"}, "eos_token": "<|im_end|>",
+                                    "add_bos_token": True, "chat_template": CHAT_TEMPLATE}))
+    tok = Tokenizer(str(tok_dir))
+    assert tok.encode("a") == [0, tok.encode("a")[1]]
+    assert tok.encode("<|endoftext|>a")[:2] != [0, 0]  # already there: not doubled
+
+
+def test_vocab_fingerprint(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    write_tiny_tokenizer(a)
+    write_tiny_tokenizer(b)
+    assert Tokenizer(str(a)).vocab_fingerprint() == Tokenizer(str(b)).vocab_fingerprint()
+    raw = json.loads((b / "tokenizer.json").read_text())
+    vocab = raw["model"]["vocab"]
+    first, second = sorted(vocab, key=vocab.get)[3:5]  # swap the ids of two byte tokens
+    vocab[first], vocab[second] = vocab[second], vocab[first]
+    (b / "tokenizer.json").write_text(json.dumps(raw))
+    assert Tokenizer(str(a)).vocab_fingerprint() != Tokenizer(str(b)).vocab_fingerprint()
+
+
+@pytest.mark.parametrize("broken, name", [("missing", "tokenizer.json"), ("garbled", "tokenizer.json"),
+                                          ("garbled_config", "tokenizer_config.json")])
+def test_bad_files(tok_dir, broken, name):
+    if broken == "missing":
+        (tok_dir / "tokenizer.json").unlink()
+    elif broken == "garbled":
+        (tok_dir / "tokenizer.json").write_text("{not json")
+    else:
+        (tok_dir / "tokenizer_config.json").write_text("[1, 2")
+    with pytest.raises(MindspecError) as e:
+        Tokenizer(str(tok_dir))
+    assert name in str(e.value) and "\n" not in str(e.value)
+
+
+def test_config_is_optional(tok_dir):
+    (tok_dir / "tokenizer_config.json").unlink()
+    tok = Tokenizer(str(tok_dir))
+    assert tok.eos_token_ids == set() and tok.decode(tok.encode(TEXT)) == TEXT
