@@ -1,116 +1,110 @@
 """The target Llama decoder as a MindSpore static graph with a preallocated KV cache.
 
-One KV Parameter per layer, shape [B, KV, S, D], written with scatter_nd_update at absolute
+One K and one V Parameter per layer, shape [B, KV, S, D], written with scatter_nd_update at absolute
 positions start..start+T-1. Attention runs over the whole static cache with a position mask
 (key_pos <= query_pos), so rollback is free: stale slots past the current position are masked
 and later overwritten. `start` is a 0-d Tensor, never a Python int (an int recompiles per value).
+
+On CPU the cost of a small model is dominated by per-kernel dispatch (~20 us a kernel, measured),
+so the weights are pre-folded to need few kernels per layer (see fuse.py).
 """
 import numpy as np
 import mindspore as ms
 from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
-from mindspec.reference import rope_tables
+from .fuse import fused_weights, rope_rows
 
 NEG = -1e9  # finite "minus infinity": exp() underflows to exactly 0 in float32
 
 
+def _param(arr, name, dtype):
+    return Parameter(Tensor(arr, dtype), name=name, requires_grad=False)
+
+
 class LlamaDecoder(nn.Cell):
-    """ids [B, T] + start -> final-normed hidden states [B, T, d]; writes K/V into the cache."""
+    """ids [B, T] + start -> logits [B, T, V]; writes K/V of the T positions into the cache."""
 
     def __init__(self, cfg, get, max_seq, batch=1, dtype=ms.float32):
         super().__init__()
         self.L, self.H, self.KV, self.D = (cfg.num_hidden_layers, cfg.num_attention_heads,
                                            cfg.num_key_value_heads, cfg.head_dim)
         self.G = self.H // self.KV
+        self.N = (self.H + 2 * self.KV) * self.D  # width of the fused q|k|v projection
         self.eps = cfg.rms_norm_eps
-        self.scale = 1.0 / float(np.sqrt(self.D))
-        p = lambda name: Parameter(Tensor(get(name), dtype), name=name, requires_grad=False)  # noqa: E731
-        self.embed = p("model.embed_tokens.weight")
-        self.final_norm = p("model.norm.weight")
-        names = [f"model.layers.{i}.{n}.weight" for i in range(self.L)
-                 for n in ("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-                           "self_attn.o_proj", "post_attention_layernorm", "mlp.gate_proj",
-                           "mlp.up_proj", "mlp.down_proj")]
-        self.w = ParameterTuple([p(n) for n in names])
+        w = fused_weights(cfg, get)
+        self.embed = _param(w["embed"], "embed", dtype)
+        self.head = _param(w["head"], "head", dtype)
+        self.w = ParameterTuple([_param(w[f"{n}.{i}"], f"{n}.{i}", dtype)
+                                 for i in range(self.L) for n in ("qkv", "o", "gate_up", "down")])
         shape = (batch, self.KV, max_seq, self.D)
-        self.k_cache = ParameterTuple([Parameter(Tensor(np.zeros(shape, np.float32), dtype), name=f"k_cache.{i}",
-                                                 requires_grad=False) for i in range(self.L)])
-        self.v_cache = ParameterTuple([Parameter(Tensor(np.zeros(shape, np.float32), dtype), name=f"v_cache.{i}",
-                                                 requires_grad=False) for i in range(self.L)])
-        cos, sin = rope_tables(self.D, cfg.rope_theta, np.arange(max_seq))
-        self.cos, self.sin = Tensor(cos, dtype), Tensor(sin, dtype)  # [S, D/2]
+        self.k_cache = ParameterTuple([_param(np.zeros(shape, np.float32), f"k_cache.{i}", dtype)
+                                       for i in range(self.L)])
+        self.v_cache = ParameterTuple([_param(np.zeros(shape, np.float32), f"v_cache.{i}", dtype)
+                                       for i in range(self.L)])
+        cos, sin = rope_rows(cfg, max_seq)
+        self.cos, self.sin = Tensor(cos, dtype), Tensor(sin, dtype)  # [S, N]
         self.key_pos = Tensor(np.arange(max_seq, dtype=np.int32))  # [S]
+        self.qk_t = ops.BatchMatMul(transpose_b=True)  # q @ k^T without materialising k^T
         self.batch_index = Tensor(np.arange(batch, dtype=np.int32))
         self.head_index = Tensor(np.arange(self.KV, dtype=np.int32))
 
-    def rms(self, x, w):  # x [B, T, d]
-        var = ops.mean(x * x, -1, keep_dims=True)
-        return x * ops.rsqrt(var + self.eps) * w
-
-    def linear(self, x, w):  # x [B, T, in], w [out, in] -> [B, T, out]
-        B, T, n = x.shape
-        # ops.dense reads W in checkpoint layout; measured faster on CPU than MatMul(transpose_b)
-        return ops.dense(x.reshape(B * T, n), w).reshape(B, T, -1)
-
-    def rope(self, x, cos, sin):  # x [B, N, T, D], cos/sin [T, D/2]
-        x1, x2 = ops.split(x, self.D // 2, -1)
-        return ops.concat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1)
+    def norm(self, x):  # x [B*T, d]; the RMSNorm weight is folded into the next matmul
+        return x * ops.rsqrt(ops.mean(x * x, -1, keep_dims=True) + self.eps)
 
     def construct(self, ids, start):
         """ids [B, T] int32; start 0-d int32 (absolute position of ids[:, 0])."""
         B, T = ids.shape
+        S = self.key_pos.shape[0]
         qpos = ops.arange(T, dtype=ms.int32) + start  # [T]
-        cos, sin = ops.gather(self.cos, qpos, 0), ops.gather(self.sin, qpos, 0)  # [T, D/2]
+        cos = ops.gather(self.cos, qpos, 0).reshape(1, T, self.N)  # [1, T, N]
+        sin = ops.gather(self.sin, qpos, 0).reshape(1, T, self.N)
         mask = ops.select(self.key_pos.reshape(1, -1) <= qpos.reshape(-1, 1),
-                          ops.zeros((T, self.key_pos.shape[0]), ms.float32),
-                          ops.fill(ms.float32, (T, self.key_pos.shape[0]), NEG))  # [T, S]
+                          ops.zeros((T, S), ms.float32), ops.fill(ms.float32, (T, S), NEG))  # [T, S]
         mask = ops.tile(mask, (self.G, 1))  # [G*T, S]: query rows grouped per KV head
-        # scatter index [B, KV, T, 3] for cache[b, h, qpos[t]]
         bi = ops.broadcast_to(self.batch_index.reshape(B, 1, 1), (B, self.KV, T))
         hi = ops.broadcast_to(self.head_index.reshape(1, self.KV, 1), (B, self.KV, T))
         ti = ops.broadcast_to(qpos.reshape(1, 1, T), (B, self.KV, T))
-        idx = ops.stack((bi, hi, ti), -1)
-        x = ops.gather(self.embed, ids, 0)  # [B, T, d]
+        idx = ops.stack((bi, hi, ti), -1)  # [B, KV, T, 3]: cache[b, h, qpos[t]]
+        x = ops.gather(self.embed, ids.reshape(-1), 0)  # [B*T, d]
         for i in range(self.L):
-            ln1, wq, wk, wv, wo, ln2, wg, wu, wd = self.w[9 * i:9 * i + 9]
-            h = self.rms(x, ln1)
-            q = self.linear(h, wq).reshape(B, T, self.H, self.D).transpose(0, 2, 1, 3)  # [B, H, T, D]
-            k = self.linear(h, wk).reshape(B, T, self.KV, self.D).transpose(0, 2, 1, 3)  # [B, KV, T, D]
-            v = self.linear(h, wv).reshape(B, T, self.KV, self.D).transpose(0, 2, 1, 3)
-            q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
+            w_qkv, w_o, w_gu, w_down = self.w[4 * i:4 * i + 4]
+            a, a_rot = ops.split(ops.dense(self.norm(x), w_qkv), self.N, -1)  # [B*T, N] each
+            # RoPE as x*cos + rotate_half(x)*sin, rotate_half precomputed in the weights (v: cos 1, sin 0)
+            a = a.reshape(B, T, self.N) * cos + a_rot.reshape(B, T, self.N) * sin
+            a = a.reshape(B, T, self.H + 2 * self.KV, self.D).transpose(0, 2, 1, 3)
+            q, k, v = ops.split(a, (self.H, self.KV, self.KV), 1)  # [B, H|KV|KV, T, D]
             kc = ops.scatter_nd_update(self.k_cache[i], idx, k)  # [B, KV, S, D]
             vc = ops.scatter_nd_update(self.v_cache[i], idx, v)
             # GQA without copying the cache: the G query heads of a KV head become extra rows
-            qg = q.reshape(B, self.KV, self.G * T, self.D)
-            s = ops.matmul(qg, kc.transpose(0, 1, 3, 2)) * self.scale + mask  # [B, KV, G*T, S]
-            a = ops.matmul(ops.softmax(s, -1), vc)  # [B, KV, G*T, D]
-            a = a.reshape(B, self.H, T, self.D).transpose(0, 2, 1, 3).reshape(B, T, self.H * self.D)
-            x = x + self.linear(a, wo)
-            h = self.rms(x, ln2)
-            x = x + self.linear(ops.silu(self.linear(h, wg)) * self.linear(h, wu), wd)
-        return self.rms(x, self.final_norm)
+            s = self.qk_t(q.reshape(B, self.KV, self.G * T, self.D), kc) + mask  # [B, KV, G*T, S]
+            o = ops.matmul(ops.softmax(s, -1), vc)  # [B, KV, G*T, D]
+            o = o.reshape(B, self.H, T, self.D).transpose(0, 2, 1, 3).reshape(B * T, self.H * self.D)
+            x = x + ops.dense(o, w_o)
+            g, u = ops.split(ops.dense(self.norm(x), w_gu), w_down.shape[1], -1)  # [B*T, I] each
+            x = x + ops.dense(ops.silu(g) * u, w_down)
+        return ops.dense(self.norm(x), self.head).reshape(B, T, -1)
 
 
 class Logits(nn.Cell):
     """ids [B, T], start -> logits [B, T, V] (float32)."""
 
-    def __init__(self, decoder, lm_head):
+    def __init__(self, decoder):
         super().__init__()
-        self.decoder, self.lm_head = decoder, lm_head
+        self.decoder = decoder
 
     def construct(self, ids, start):
-        return self.decoder.linear(self.decoder(ids, start), self.lm_head).astype(ms.float32)
+        return self.decoder(ids, start).astype(ms.float32)
 
 
 class Argmax(nn.Cell):
     """ids [B, T], start -> greedy next tokens [B, T] int32 (prefill chunks, target-only decode)."""
 
-    def __init__(self, logits):
+    def __init__(self, decoder):
         super().__init__()
-        self.logits = logits
+        self.decoder = decoder
 
     def construct(self, ids, start):
-        return ops.argmax(self.logits(ids, start), -1).astype(ms.int32)
+        return ops.argmax(self.decoder(ids, start), -1).astype(ms.int32)
 
 
 class GreedyVerify(nn.Cell):
@@ -121,12 +115,12 @@ class GreedyVerify(nn.Cell):
     next_token [B] (the target's token after that prefix: recovered, or bonus when all K agree).
     """
 
-    def __init__(self, argmax):
+    def __init__(self, decoder):
         super().__init__()
-        self.argmax = argmax
+        self.decoder = decoder
 
     def construct(self, ids, start):
-        g = self.argmax(ids, start)  # [B, K+1]
+        g = ops.argmax(self.decoder(ids, start), -1).astype(ms.int32)  # [B, K+1]
         K = ids.shape[1] - 1
         match = (g[:, :K] == ids[:, 1:]).astype(ms.int32)  # [B, K]
         n_acc = ops.cumprod(match, 1).sum(1).astype(ms.int32)  # [B]

@@ -37,11 +37,9 @@ class TargetModel:
         self.max_seq = round_up(max_seq, PREFILL_CHUNK)
         self.buckets = tuple(sorted(buckets))
         self.decoder = LlamaDecoder(self.cfg, ckpt.get, self.max_seq, batch=1, dtype=dtype)
-        head = self.decoder.embed if self.cfg.tie_word_embeddings else ms.Parameter(
-            Tensor(ckpt.get("lm_head.weight"), dtype), name="lm_head.weight", requires_grad=False)
-        self._logits = Logits(self.decoder, head)
-        self._argmax = Argmax(self._logits)
-        self._verify = GreedyVerify(self._argmax)
+        self._logits = Logits(self.decoder)
+        self._argmax = Argmax(self.decoder)
+        self._verify = GreedyVerify(self.decoder)
         for cell in (self._logits, self._argmax, self._verify):
             cell.set_train(False)
         self.pos = 0  # tokens whose K/V are valid in the cache

@@ -10,7 +10,7 @@ class Stats:
     drafted: int = 0
     accepted: int = 0
     accepted_at: list = field(default_factory=list)  # [i] = steps whose draft i was accepted
-    k_used: dict = field(default_factory=dict)  # K -> steps
+    k_used: dict = field(default_factory=dict)  # K -> target calls after prefill (0: plain decode)
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -61,6 +61,7 @@ def decode(target, proposer, prompt_ids, max_new_tokens, k, stats):
         t0 = time.perf_counter()
         if kk == 0:
             new = [target.decode(seq[-1])]
+            stats.record(0, 0)
         else:
             drafts = proposer.get_candidates(seq, kk)  # [K]
             t1 = time.perf_counter()

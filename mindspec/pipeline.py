@@ -100,8 +100,13 @@ class Pipeline:
         return ids
 
     def generate(self, prompt=None, prompt_ids=None, max_new_tokens=64, temperature=0.0, seed=None,
-                 stop=None, chat=False, on_text=None):
-        """Generate greedily; `on_text(delta)` receives text as it is produced."""
+                 stop=None, chat=False, on_text=None, k=None, speculate=True):
+        """Generate greedily; `on_text(delta)` receives text as it is produced. `k` overrides the
+        pipeline's K for this call (a compiled bucket); speculate=False decodes with the target
+        alone through the same graphs (the baseline)."""
+        k = self.k if k is None else int(k)
+        if k not in self.buckets:
+            raise MindspecError(f"K={k} is not a compiled bucket {list(self.buckets)}")
         if temperature and temperature > 0:
             raise MindspecError("sampling (temperature > 0) is not supported yet: use temperature 0")
         if max_new_tokens < 1:
@@ -114,7 +119,8 @@ class Pipeline:
         stops = [s for s in (stop or []) if s]
         hold = max((len(s) for s in stops), default=1) - 1  # never stream a half-seen stop string
         t0 = time.perf_counter()
-        for new in decode(self.target, self.proposer, ids, max_new_tokens, self.k, stats):
+        proposer = self.proposer if speculate else None
+        for new in decode(self.target, proposer, ids, max_new_tokens, k, stats):
             for tok in new:
                 out.append(tok)
                 if tok in self.eos:

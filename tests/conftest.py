@@ -80,4 +80,4 @@ def tiny_target(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_draft_ckpt(tmp_path_factory, tiny_target):
     """A noisy copy of the tiny target: same vocabulary, disagrees often."""
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("draftckpt"), base=tiny_target[1], noise=0.6, seed=1)
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("draftckpt"), base=tiny_target[1], noise=0.1, seed=1)

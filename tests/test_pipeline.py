@@ -1,0 +1,94 @@
+"""End to end through the library: speculative greedy == target-only greedy, token for token."""
+import numpy as np
+import pytest
+
+import mindspec
+from mindspec.checkpoint import Checkpoint
+from mindspec.export import DraftSession, export_draft
+from mindspec.graphs.runner import TargetModel
+from mindspec.reference import reference_logits
+
+PROMPTS = [[5, 6, 7], [100, 3, 250, 17, 9], [42], list(range(10, 50)), [300, 301, 302, 7, 7, 7, 7],
+           [9, 8, 7, 6, 5, 4, 3], [200, 100], [60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70]]
+
+
+@pytest.fixture(scope="module")
+def noisy_draft(tiny_draft_ckpt, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("drafts") / "noisy.onnx")
+    export_draft(tiny_draft_ckpt[0], path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def self_draft(tiny_target, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("drafts") / "self.onnx")
+    export_draft(tiny_target[0], path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def pipe(tiny_target, noisy_draft):
+    return mindspec.load(target=tiny_target[0], draft=noisy_draft, k=4, max_seq=128)
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_speculative_greedy_equals_target_only(pipe, k):
+    drafted = accepted = 0
+    for ids in PROMPTS:
+        base = pipe.generate(prompt_ids=ids, max_new_tokens=30, speculate=False)
+        spec = pipe.generate(prompt_ids=ids, max_new_tokens=30, k=k)
+        assert spec.token_ids == base.token_ids, (ids, k)
+        assert spec.text == base.text
+        drafted += spec.stats["drafted"]
+        accepted += spec.stats["accepted"]
+        assert sum(spec.stats["k_used"].values()) + 1 == spec.stats["target_calls"]
+    # the draft must disagree often, or this test proves nothing
+    assert 0.1 < accepted / drafted < 0.9, accepted / drafted
+
+
+def test_target_as_its_own_draft_accepts_everything(tiny_target, self_draft):
+    p = mindspec.load(target=tiny_target[0], draft=self_draft, k=4, max_seq=128)
+    for ids in PROMPTS[:4]:
+        res = p.generate(prompt_ids=ids, max_new_tokens=41)
+        assert res.stats["acceptance_rate"] == 1.0
+        # prefill's token + 8 verify calls x (4 accepted + 1 bonus) = 41 tokens
+        assert res.stats["accepted_at"] == [8, 8, 8, 8]
+        assert res.stats["target_calls"] == 9 and len(res.token_ids) == 41
+
+
+def test_draft_target_and_reference_agree_after_rollbacks(tiny_target, self_draft):
+    ckpt = Checkpoint(tiny_target[0])
+    target, draft = TargetModel(ckpt, max_seq=64), DraftSession(self_draft, max_seq=64)
+    seq = [int(x) for x in np.random.default_rng(3).integers(3, 300, 20)]
+    t1, d1 = target.logits(seq[:12]), draft.forward(seq[:12])
+    target.rollback(8), draft.rollback(8)  # reject 4 positions, then take another branch
+    alt = seq[12:20]
+    t2, d2 = target.logits(alt), draft.forward(alt)
+    ref = reference_logits(ckpt.config, ckpt.get, seq[:8] + alt)
+    assert np.abs(t1[:8] - ref[:8]).max() < 1e-4 and np.abs(d1[:8] - ref[:8]).max() < 1e-4
+    assert np.abs(t2 - ref[8:]).max() < 1e-4 and np.abs(d2 - ref[8:]).max() < 1e-4
+
+
+def test_stops_on_eos_max_new_tokens_and_stop_strings(pipe):
+    base = pipe.generate(prompt_ids=[5, 6, 7], max_new_tokens=30, speculate=False)
+    res = pipe.generate(prompt_ids=[5, 6, 7], max_new_tokens=7)
+    assert res.token_ids == base.token_ids[:7] and res.finish_reason == "length"
+    # a stop string taken from the middle of the greedy text: output ends right before it
+    text = base.text
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    res = pipe.generate(prompt_ids=[5, 6, 7], max_new_tokens=30, stop=[stop])
+    assert res.finish_reason == "stop" and res.text == text[:text.find(stop)]
+    assert len(res.token_ids) < len(base.token_ids)
+    # EOS: make the greedy continuation's 4th token the EOS id
+    pipe.eos.add(base.token_ids[3])
+    try:
+        res = pipe.generate(prompt_ids=[5, 6, 7], max_new_tokens=30)
+    finally:
+        pipe.eos.discard(base.token_ids[3])
+    assert res.token_ids == base.token_ids[:4] and res.finish_reason == "stop"
+
+
+def test_streamed_text_equals_final_text(pipe):
+    parts = []
+    res = pipe.generate(prompt="hello", max_new_tokens=20, on_text=parts.append)
+    assert "".join(parts) == res.text and len(parts) > 1
