@@ -1,0 +1,115 @@
+"""The `mindspec` command line, run as a real subprocess: output, JSON, and bad input -> exit 2."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from mindspec.export import export_draft
+
+from conftest import make_tiny_checkpoint
+
+
+def run(*args, env=None):
+    p = subprocess.run([sys.executable, "-m", "mindspec", *args], capture_output=True, text=True,
+                       timeout=600, env=dict(os.environ, **(env or {})))
+    return p.returncode, p.stdout, p.stderr
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_target, tiny_draft_ckpt, tmp_path_factory):
+    d = tmp_path_factory.mktemp("cli")
+    draft = str(d / "draft.onnx")
+    assert run("export", "--model", tiny_draft_ckpt[0], "--out", draft)[0] == 0
+    return tiny_target[0], draft, d
+
+
+def test_generate_json_speculative_equals_no_speculate(pair):
+    target, draft, _ = pair
+    args = ["generate", "--target", target, "--prompt-ids", "5,6,7,8", "--max-new-tokens", "20", "--json"]
+    code, out, err = run(*args, "--draft", draft, "-k", "2")
+    assert code == 0, err
+    spec = json.loads(out)
+    assert set(spec["stats"]) >= {"new_tokens", "target_calls", "drafted", "accepted", "acceptance_rate",
+                                  "tokens_per_target_call", "wall_s", "tokens_per_s"}
+    assert spec["stats"]["new_tokens"] == len(spec["token_ids"]) == 20
+    code, out, _ = run(*args, "--no-speculate")
+    base = json.loads(out)
+    assert code == 0 and base["token_ids"] == spec["token_ids"] and base["text"] == spec["text"]
+    assert base["stats"]["drafted"] == 0
+
+
+def test_generate_streams_text_and_summarises_on_stderr(pair):
+    target, draft, _ = pair
+    code, out, err = run("generate", "hi", "--target", target, "--draft", draft, "--max-new-tokens", "12")
+    assert code == 0, err
+    assert out.strip() and "tokens per target call" in err and "Traceback" not in err
+
+
+def _bad(d, name, breaker):
+    path = d / name
+    if not path.exists():
+        make_tiny_checkpoint(path)
+    breaker(path)
+    return str(path)
+
+
+def _expect_error(args, needle):
+    code, out, err = run(*args)
+    assert code == 2, (code, err)
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("mindspec: error:") and needle in err, err
+
+
+def test_bad_checkpoints(pair):
+    _, draft, d = pair
+    gen = ["generate", "--prompt-ids", "5,6", "--draft", draft, "--target"]
+    _expect_error(gen + [str(d / "nowhere")], "model directory not found")
+    _expect_error(gen + [_bad(d, "nocfg", lambda p: os.remove(p / "config.json"))], "config.json not found")
+    _expect_error(gen + [_bad(d, "badcfg", lambda p: (p / "config.json").write_text("{oops"))],
+                  "config.json is not valid JSON")
+    _expect_error(gen + [_bad(d, "badst", lambda p: (p / "model.safetensors").write_bytes(b"\x10\0\0\0\0\0\0\0garbage"))],
+                  "not a valid safetensors file")
+    _expect_error(gen + [_bad(d, "notok", lambda p: os.remove(p / "tokenizer.json"))], "tokenizer.json")
+    _expect_error(gen + [_bad(d, "rope", lambda p: (p / "config.json").write_text(json.dumps(dict(
+        json.loads((p / "config.json").read_text()), rope_scaling={"rope_type": "llama3", "factor": 8.0}))))],
+        "rope_scaling")
+
+
+def test_bad_drafts(pair, tmp_path):
+    target, draft, d = pair
+    gen = ["generate", "--prompt-ids", "5,6", "--target", target, "--draft"]
+    other, _ = make_tiny_checkpoint(tmp_path / "othervocab", vocab=400)
+    other_onnx = str(tmp_path / "other.onnx")
+    export_draft(other, other_onnx)
+    _expect_error(gen + [other_onnx], "vocabulary")
+    # a manifest copied from another export does not describe this file
+    shutil.copy(other_onnx + ".json", str(tmp_path / "copied.onnx.json"))
+    shutil.copy(draft, str(tmp_path / "copied.onnx"))
+    _expect_error(gen + [str(tmp_path / "copied.onnx")], "another ONNX file")
+    shutil.copy(draft, str(tmp_path / "bare.onnx"))
+    _expect_error(gen + [str(tmp_path / "bare.onnx")], "not a mindspec draft")
+    (tmp_path / "junk.onnx").write_bytes(b"not onnx at all")
+    _expect_error(gen + [str(tmp_path / "junk.onnx")], "junk.onnx")
+
+
+def test_bad_requests(pair):
+    target, draft, _ = pair
+    gen = ["generate", "--target", target, "--draft", draft]
+    _expect_error(gen + ["--prompt-ids", "5,6,320"], "outside the vocabulary")
+    _expect_error(gen + ["--prompt-ids", "5,-1"], "outside the vocabulary")
+    _expect_error(gen + ["--prompt-ids", ",".join(["5"] * 80), "--max-seq", "64"], "does not fit")
+    _expect_error(gen + ["--prompt-ids", "5", "-k", "0"], "-k must be between")
+    _expect_error(gen + ["--prompt-ids", "5", "-k", "9"], "-k must be between")
+    _expect_error(gen + ["--prompt-ids", "5", "--max-new-tokens", "0"], "max_new_tokens")
+    code, _, err = run(*gen, "--prompt-ids", "5,x")
+    assert code == 2 and "not a comma-separated list" in err
+
+
+def test_export_bad_arguments(tiny_target, tmp_path):
+    _expect_error(["export", "--model", tiny_target[0], "--out", str(tmp_path / "d.onnx"), "--layers", "9"],
+                  "layers")
+    _expect_error(["export", "--model", str(tmp_path / "none"), "--out", str(tmp_path / "d.onnx")],
+                  "not found")
