@@ -1,4 +1,5 @@
 """TargetModel: the compiled target graphs plus the one integer that says how much cache is valid."""
+import hashlib
 import os
 import time
 
@@ -13,16 +14,21 @@ PREFILL_CHUNK = 32  # prompt processed in fixed chunks: one compiled prefill gra
 DEFAULT_BUCKETS = (1, 2, 4, 8)
 
 
-def init_mindspore(device=None, cache_dir=None):
-    """GRAPH_MODE on Ascend when present, else CPU. Compiled graphs persist in `cache_dir`."""
+def init_mindspore(device=None):
+    """GRAPH_MODE on Ascend when present, else CPU."""
     device = device or ("Ascend" if os.environ.get("ASCEND_HOME_PATH") else "CPU")
-    if cache_dir:
-        os.makedirs(cache_dir, exist_ok=True)
-        os.environ.setdefault("MS_COMPILER_CACHE_ENABLE", "1")
-        os.environ.setdefault("MS_COMPILER_CACHE_PATH", cache_dir)
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_device(device)
     return device
+
+
+def _source_hash():
+    h = hashlib.sha256()
+    for name in sorted(os.listdir(os.path.dirname(__file__))):
+        if name.endswith(".py"):
+            with open(os.path.join(os.path.dirname(__file__), name), "rb") as f:
+                h.update(f.read())
+    return h.hexdigest()[:8]
 
 
 def round_up(n, m):
@@ -32,7 +38,7 @@ def round_up(n, m):
 class TargetModel:
     """Greedy target over a static cache of `max_seq` positions (a multiple of PREFILL_CHUNK)."""
 
-    def __init__(self, ckpt, max_seq, buckets=DEFAULT_BUCKETS, dtype=ms.float32):
+    def __init__(self, ckpt, max_seq, buckets=DEFAULT_BUCKETS, dtype=ms.float32, cache_dir=None):
         self.cfg = ckpt.config
         self.max_seq = round_up(max_seq, PREFILL_CHUNK)
         self.buckets = tuple(sorted(buckets))
@@ -43,7 +49,22 @@ class TargetModel:
         for cell in (self._logits, self._argmax, self._verify):
             cell.set_train(False)
         self.pos = 0  # tokens whose K/V are valid in the cache
-        self.compile_s = 0.0
+        # compiled graphs persist per (weights, cache size, graph source): a second run starts fast
+        self.cache_path = cache_dir and os.path.join(
+            cache_dir, f"{ckpt.fingerprint()}-s{self.max_seq}-{_source_hash()}")
+        self.compiled, self.compile_s = set(), 0.0
+
+    def _run(self, cell, key, ids):
+        """Call a graph; the first call of each (graph, shape) compiles it (or loads it from cache)."""
+        if key in self.compiled:
+            return cell(self._ids(ids), self._start())
+        if self.cache_path:  # set right before compiling: several models may live in one process
+            ms.set_context(enable_compile_cache=True, compile_cache_path=self.cache_path)
+        t = time.perf_counter()
+        out = cell(self._ids(ids), self._start())
+        self.compile_s += time.perf_counter() - t
+        self.compiled.add(key)
+        return out
 
     def _start(self):
         return Tensor(np.array(self.pos, np.int32))
@@ -69,7 +90,7 @@ class TargetModel:
             chunk = ids[c:c + PREFILL_CHUNK]
             n = len(chunk)
             # the padding lands in stale cache slots past pos: masked, later overwritten
-            g = self._argmax(self._ids(chunk + [0] * (PREFILL_CHUNK - n)), self._start()).asnumpy()
+            g = self._run(self._argmax, "prefill", chunk + [0] * (PREFILL_CHUNK - n)).asnumpy()
             self.pos += n
             nxt = int(g[0, n - 1])
         return nxt
@@ -77,7 +98,7 @@ class TargetModel:
     def decode(self, token):
         """Target-only step: feed one token, return the greedy next token."""
         self._check_room(1)
-        g = self._argmax(self._ids([token]), self._start()).asnumpy()
+        g = self._run(self._argmax, "decode", [token]).asnumpy()
         self.pos += 1
         return int(g[0, 0])
 
@@ -87,7 +108,7 @@ class TargetModel:
         Returns (n_accepted, next_token). The cache ends valid for last + accepted drafts."""
         assert len(drafts) in self.buckets, (len(drafts), self.buckets)
         self._check_room(len(drafts) + 1)
-        n_acc, nxt = self._verify(self._ids([last] + list(drafts)), self._start())
+        n_acc, nxt = self._run(self._verify, f"verify{len(drafts)}", [last] + list(drafts))
         n = int(n_acc.asnumpy()[0])
         self.pos += 1 + n
         return n, int(nxt.asnumpy()[0])
@@ -95,18 +116,20 @@ class TargetModel:
     def logits(self, ids):
         """Full logits [T, V] for ids fed at pos (tests, sampling). Advances pos."""
         self._check_room(len(ids))
-        out = self._logits(self._ids(ids), self._start()).asnumpy()[0]
+        out = self._run(self._logits, f"logits{len(ids)}", ids).asnumpy()[0]
         self.pos += len(ids)
         return out
 
-    def warmup(self, ks=None):
-        """Compile every graph up front (prefill, decode, each K bucket); returns seconds spent."""
-        t0, pos = time.perf_counter(), self.pos
+    def warmup(self, ks=()):
+        """Compile (or load from the cache) prefill, decode and the verify graphs of `ks`, so that
+        timed generation measures decoding only. Runs at position 0 and leaves pos at 0."""
+        need = ["prefill", "decode"] + [f"verify{k}" for k in ks]
+        if all(n in self.compiled for n in need):
+            return
+        self.rollback(0)
         self.prefill([0])
         self.decode(0)
-        for k in (ks or self.buckets):
-            self.rollback(pos)
+        for k in ks:
+            self.rollback(1)
             self.verify(0, [0] * k)
-        self.rollback(pos)
-        self.compile_s = time.perf_counter() - t0
-        return self.compile_s
+        self.rollback(0)

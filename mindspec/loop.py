@@ -14,7 +14,8 @@ class Stats:
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
-    wall_s: float = 0.0
+    wall_s: float = 0.0  # prefill + decoding, after the graphs are compiled
+    compile_s: float = 0.0  # graph compilation (or compile-cache loading) this request caused
 
     def record(self, k, n_accepted):
         self.drafted += k
@@ -32,6 +33,7 @@ class Stats:
                 "accepted_at": self.accepted_at, "k_used": {str(k): v for k, v in sorted(self.k_used.items())},
                 "prefill_s": round(self.prefill_s, 4), "draft_s": round(self.draft_s, 4),
                 "verify_s": round(self.verify_s, 4), "wall_s": round(self.wall_s, 4),
+                "compile_s": round(self.compile_s, 4),
                 "tokens_per_s": self.new_tokens / self.wall_s if self.wall_s else None}
 
 
@@ -48,6 +50,7 @@ def decode(target, proposer, prompt_ids, max_new_tokens, k, stats):
     Invariant: the target cache holds seq[:-1] (target.pos == len(seq) - 1), so a rejected draft
     is rolled back by moving that integer, never by copying."""
     seq, n_prompt = list(prompt_ids), len(prompt_ids)
+    target.rollback(0)  # a new request reuses the cache from position 0
     t = time.perf_counter()
     seq.append(target.prefill(seq))
     stats.prefill_s += time.perf_counter() - t

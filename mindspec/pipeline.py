@@ -27,7 +27,7 @@ def _round_up(n, m):
 
 class Pipeline:
     def __init__(self, target, draft=None, k=4, max_seq=None, buckets=DEFAULT_BUCKETS, device=None,
-                 cache_dir=None):
+                 cache_dir=True):
         from mindspec.graphs.runner import init_mindspore
         if not 1 <= int(k) <= max(buckets):
             raise MindspecError(f"-k must be between 1 and the largest K bucket {max(buckets)}, got {k}")
@@ -43,7 +43,11 @@ class Pipeline:
         self.draft_path = draft
         self.manifest = self._check_draft(draft) if draft else None
         self.fixed_max_seq = max_seq
-        self.device = init_mindspore(device, cache_dir)
+        if cache_dir is True:
+            from .default import home
+            cache_dir = os.path.join(home(), "compile_cache")
+        self.cache_dir = cache_dir or None
+        self.device = init_mindspore(device)
         self.target = self.proposer = None
         if max_seq:
             self._build(max_seq)
@@ -67,7 +71,7 @@ class Pipeline:
         if max_seq > self.cfg.max_position_embeddings:
             raise MindspecError(f"{max_seq} positions exceed the model's max_position_embeddings "
                                 f"{self.cfg.max_position_embeddings}")
-        self.target = TargetModel(self.ckpt, max_seq, self.buckets)
+        self.target = TargetModel(self.ckpt, max_seq, self.buckets, cache_dir=self.cache_dir)
         if self.draft_path:
             self.proposer = OnnxProposer(DraftSession(self.draft_path, max_seq=self.target.max_seq))
 
@@ -113,7 +117,8 @@ class Pipeline:
             raise MindspecError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         ids = self.encode(prompt, prompt_ids, chat)
         self._capacity(len(ids), max_new_tokens)
-        self.target.rollback(0)
+        compile_s = self.target.compile_s
+        self.target.warmup([k] if speculate and self.proposer else [])
         stats, out, finish, cut = Stats(), [], "length", False
         stream, text, shown = StreamDecoder(self.tokenizer), "", 0
         stops = [s for s in (stop or []) if s]
@@ -141,6 +146,7 @@ class Pipeline:
         out = out[:max_new_tokens]
         stats.new_tokens = len(out)
         stats.wall_s = time.perf_counter() - t0
+        stats.compile_s = self.target.compile_s - compile_s
         if on_text and len(text) > shown:
             on_text(text[shown:])
         return Result(out, text, stats.as_dict(), finish)
