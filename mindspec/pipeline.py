@@ -40,8 +40,9 @@ class Pipeline:
             raise MindspecError(f"tokenizer has {self.tokenizer.vocab_size} tokens but the model's vocab_size "
                                 f"is {self.cfg.vocab_size}")
         self.eos = set(self.cfg.eos_token_ids) | set(self.tokenizer.eos_token_ids)
-        self.draft_path = draft
-        self.manifest = self._check_draft(draft) if draft else None
+        self.draft_path, self.manifest = None, None
+        if draft:
+            self.manifest, self.draft_path = self._check_draft(draft), draft
         self.fixed_max_seq = max_seq
         if cache_dir is True:
             from .default import home
@@ -63,6 +64,15 @@ class Pipeline:
             raise MindspecError(f"draft {path} was exported from a model with a different tokenizer "
                                 f"({m.get('source')}): a draft must share its target's tokenizer")
         return m
+
+    def set_draft(self, path):
+        """Swap the draft (None: target-only), keeping the compiled target."""
+        from mindspec.export import DraftSession
+        self.manifest = self._check_draft(path) if path else None
+        self.draft_path = path
+        self.proposer = None
+        if path and self.target is not None:
+            self.proposer = OnnxProposer(DraftSession(path, max_seq=self.target.max_seq))
 
     def _build(self, max_seq):
         """(Re)build the target graphs and the draft cache for `max_seq` positions."""

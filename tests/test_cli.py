@@ -113,3 +113,16 @@ def test_export_bad_arguments(tiny_target, tmp_path):
                   "layers")
     _expect_error(["export", "--model", str(tmp_path / "none"), "--out", str(tmp_path / "d.onnx")],
                   "not found")
+
+
+def test_draft_with_another_tokenizer_is_refused(pair, tmp_path):
+    target, _, _ = pair
+    other, _ = make_tiny_checkpoint(tmp_path / "othertok")
+    tok = json.loads((tmp_path / "othertok" / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = sorted(vocab)[10:12]
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # same size, two ids swapped
+    (tmp_path / "othertok" / "tokenizer.json").write_text(json.dumps(tok))
+    export_draft(other, str(tmp_path / "othertok.onnx"))
+    _expect_error(["generate", "--prompt-ids", "5,6", "--target", target, "--draft",
+                   str(tmp_path / "othertok.onnx")], "different tokenizer")

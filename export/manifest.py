@@ -1,0 +1,85 @@
+"""The manifest beside an exported draft (`draft.onnx` -> `draft.onnx.json`).
+
+It records what the graph was built from and pins the exact ONNX bytes (size + sha256), so a
+manifest copied from another export, or an ONNX file replaced after export, is refused.
+"""
+import hashlib
+import json
+import os
+
+from mindspec.errors import MindspecError
+
+FORMAT, VERSION = "mindspec-draft", 1
+INT_KEYS = ("vocab_size", "num_layers", "source_layers", "num_key_value_heads", "head_dim",
+            "hidden_size", "max_seq", "onnx_bytes")
+
+
+def manifest_path(onnx_path):
+    return onnx_path + ".json"
+
+
+def _sha256(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()[:16]
+
+
+def _tokenizer_fingerprint(model_dir):
+    """The draft's vocabulary identity: a draft must tokenize exactly like its target."""
+    if not os.path.exists(os.path.join(model_dir, "tokenizer.json")):
+        return None
+    from mindspec.tokenizer import Tokenizer
+    return Tokenizer(model_dir).vocab_fingerprint()
+
+
+def write_manifest(onnx_path, ckpt, num_layers, quantize, max_seq):
+    cfg = ckpt.config
+    m = {"format": FORMAT, "version": VERSION,
+         "source": os.path.abspath(ckpt.dir), "source_fingerprint": ckpt.fingerprint(),
+         "vocab_size": cfg.vocab_size, "num_layers": int(num_layers), "source_layers": cfg.num_hidden_layers,
+         "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
+         "hidden_size": cfg.hidden_size, "quantize": quantize, "max_seq": int(max_seq),
+         "tokenizer_fingerprint": _tokenizer_fingerprint(ckpt.dir),
+         "onnx_bytes": os.path.getsize(onnx_path), "onnx_sha256": _sha256(onnx_path)}
+    with open(manifest_path(onnx_path), "w", encoding="utf-8") as f:
+        json.dump(m, f, indent=2)
+    return m
+
+
+def _is_onnx(path):
+    import onnx
+    try:
+        model = onnx.load_model(path, load_external_data=False)
+    except Exception:  # DecodeError and friends: any unparsable file
+        return False
+    return model.ir_version > 0 and len(model.graph.node) > 0
+
+
+def read_manifest(onnx_path):
+    """The manifest dict of an exported draft; MindspecError (one line) when it does not belong."""
+    mpath = manifest_path(onnx_path)
+    if not os.path.isfile(onnx_path):
+        raise MindspecError(f"draft model not found: {onnx_path}")
+    if not os.path.isfile(mpath):
+        if not _is_onnx(onnx_path):
+            raise MindspecError(f"not an ONNX file: {onnx_path}")
+        raise MindspecError(f"not a mindspec draft (no manifest {mpath}): export it with `mindspec export`")
+    try:
+        with open(mpath, encoding="utf-8") as f:
+            m = json.load(f)
+    except (OSError, ValueError) as e:
+        raise MindspecError(f"garbled draft manifest {mpath} ({e})") from None
+    if not isinstance(m, dict) or m.get("format") != FORMAT or m.get("version") != VERSION:
+        raise MindspecError(f"{mpath} is not a {FORMAT} version {VERSION} manifest")
+    bad = [k for k in INT_KEYS if not isinstance(m.get(k), int) or isinstance(m.get(k), bool) or m[k] < 0]
+    if bad or not isinstance(m.get("onnx_sha256"), str) or m.get("quantize") not in (None, "int8", "q8", "q4"):
+        what = bad[0] if bad else "onnx_sha256/quantize"
+        raise MindspecError(f"garbled draft manifest {mpath} (bad or missing {what})")
+    if os.path.getsize(onnx_path) != m["onnx_bytes"] or _sha256(onnx_path) != m["onnx_sha256"]:
+        if not _is_onnx(onnx_path):
+            raise MindspecError(f"not an ONNX file: {onnx_path}")
+        raise MindspecError(f"manifest {mpath} was written for another ONNX file (size/sha256 differ): "
+                            "re-export the draft")
+    return m
