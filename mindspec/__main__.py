@@ -1,5 +1,5 @@
 import sys
 
-from .cli import main
+from mindspec.cli import main  # absolute: MindSpore's compile cache parses the entry script's imports
 
 sys.exit(main())

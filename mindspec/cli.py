@@ -70,6 +70,8 @@ def parser():
     g.add_argument("--no-speculate", action="store_true", help="target-only decoding (the baseline)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g.set_defaults(func=cmd_generate)
+    from . import plan
+    plan.add_parser(sub)
     return p
 
 

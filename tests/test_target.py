@@ -80,3 +80,25 @@ def test_tied_embeddings_and_odd_head_dim(tmp_path):
     m = TargetModel(ckpt, max_seq=32)
     seq = [5, 9, 13, 200, 17]
     assert np.abs(m.logits(seq) - reference_logits(ckpt.config, ckpt.get, seq)).max() < 1e-4
+
+
+def test_logits_after_verify_steps_with_rejections(target):
+    """Several fused verify steps (some drafts rejected), then the cache must still be exact."""
+    ckpt, m = target
+    rng = np.random.default_rng(7)
+    seq = [int(x) for x in rng.integers(3, 300, 5)]
+    m.rollback(0)
+    seq.append(m.prefill(seq))
+    rejected = 0
+    for step in range(6):
+        drafts = [int(x) for x in rng.integers(3, 300, 4)]
+        ref = reference_logits(ckpt.config, ckpt.get, seq + drafts)[len(seq) - 1:].argmax(-1)
+        if step % 2:  # make some drafts right, so accepted prefixes occur too
+            drafts[:2] = [int(ref[0]), int(reference_logits(ckpt.config, ckpt.get, seq + [int(ref[0])])[-1].argmax())]
+        n, nxt = m.verify(seq[-1], drafts)
+        rejected += n < 4
+        seq += drafts[:n] + [nxt]
+        assert m.pos == len(seq) - 1
+    assert rejected >= 3
+    got = m.logits(seq[-1:])
+    assert np.abs(got - reference_logits(ckpt.config, ckpt.get, seq)[-1:]).max() < 1e-4

@@ -1,0 +1,373 @@
+"""`mindspec plan`: will a target + draft fit on these devices, and will speculation pay there?
+
+Memory accounting (decimal GB, as device memory is sold), per device:
+- The target is split over a tensor-parallel group of `tp` devices. Each device holds params/tp of
+  the weights and kv_heads/tp of every layer's KV cache (at least one head: KV heads are
+  replicated when tp > kv_heads).
+- The draft is one onnxruntime session, so it cannot be sharded: its weights and its whole KV
+  cache sit on ONE device, the first of its TP group. `devices // tp` groups run side by side,
+  each with its own draft.
+- Every sequence needs both caches, so the draft's device bounds how many tokens the group can
+  hold; the spare memory on the other devices of the group is stranded.
+- `reserve` is the fraction of each device held back (activations, workspace, HCCL buffers).
+
+Speed model (decode, batch 1): one forward pass costs max(bytes read / bandwidth, FLOPs / peak)
+per device (a roofline), plus, for the target at tp > 1, the latency of 2 AllReduces per layer
+(after o_proj and down_proj). Bytes read = weights + the KV cache at the mean context (seq_len/2).
+Verifying K drafts is one target pass over K+1 tokens that reads the weights once, so
+v(K) = t(K+1)/t(1) stays ~1 until the FLOPs catch up with the bytes.
+"""
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+
+from .errors import MindspecError
+
+GB = 1e9
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1, "q8": 1, "q4": 0.5}
+_ONNX_WEIGHT_BYTES = {None: 4, "int8": 1, "q8": 1, "q4": 0.5}  # exported drafts are fp32 unless quantized
+ALPHAS = (0.6, 0.7, 0.8, 0.9)
+K_BUCKETS = (1, 2, 4, 8)
+_PREFIX = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 2 ** 10, "mi": 2 ** 20, "gi": 2 ** 30, "ti": 2 ** 40}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    params: float           # number of weights
+    layers: int
+    kv_heads: int
+    head_dim: int
+    weight_bytes: float     # bytes of weights as loaded on the device(s)
+    kv_dtype_bytes: float   # bytes per KV-cache element
+
+
+def kv_dtype_bytes(dtype):
+    return 4 if dtype == "fp32" else 2  # int8/q4 weights still keep an fp16 KV cache
+
+
+def shape(params, layers, kv_heads, head_dim, dtype="fp16"):
+    for name, v in (("layers", layers), ("KV heads", kv_heads), ("head dim", head_dim)):
+        if not isinstance(v, int) or v < 1:
+            raise MindspecError(f"{name} must be a positive integer, got {v!r}")
+    if not params > 0:
+        raise MindspecError(f"parameter count must be positive, got {params!r}")
+    return ModelShape(float(params), layers, kv_heads, head_dim, params * DTYPE_BYTES[dtype], kv_dtype_bytes(dtype))
+
+
+def count_params(cfg, layers=None):
+    """Weights of a LlamaConfig (optionally only its first `layers` layers)."""
+    d, hd = cfg.hidden_size, cfg.head_dim
+    attn = d * hd * 2 * (cfg.num_attention_heads + cfg.num_key_value_heads)  # q, o + k, v
+    per_layer = attn + 3 * d * cfg.intermediate_size + 2 * d                 # + gate/up/down + 2 norms
+    emb = cfg.vocab_size * d * (1 if cfg.tie_word_embeddings else 2)
+    return emb + (cfg.num_hidden_layers if layers is None else layers) * per_layer + d
+
+
+def shape_from_config(cfg, dtype="fp16", layers=None):
+    return shape(count_params(cfg, layers), layers or cfg.num_hidden_layers, cfg.num_key_value_heads,
+                 cfg.head_dim, dtype)
+
+
+def shape_from_checkpoint(model_dir, dtype="fp16"):
+    from .checkpoint import Checkpoint
+    return shape_from_config(Checkpoint(model_dir).config, dtype)
+
+
+def shape_from_draft(path, dtype="fp16"):
+    """A draft from a checkpoint dir (weights in `dtype`) or an exported .onnx (its real file size;
+    the ORT session keeps an fp32 KV cache)."""
+    if os.path.isdir(path):
+        return shape_from_checkpoint(path, dtype)
+    from mindspec.export import read_manifest
+    from .config import load_config
+    m = read_manifest(path)
+    weight_bytes = sum(os.path.getsize(p) for p in (path, path + ".data") if os.path.exists(p))
+    try:
+        params = count_params(load_config(m["source"]), layers=m["num_layers"])
+    except MindspecError:  # source checkpoint moved away: estimate from the file size
+        params = weight_bytes / _ONNX_WEIGHT_BYTES[m["quantize"]]
+    return ModelShape(float(params), m["num_layers"], m["num_key_value_heads"], m["head_dim"], weight_bytes, 4)
+
+
+def kv_bytes_per_token(m, dtype_bytes=None):
+    """K and V for every layer of one position: 2 * layers * kv_heads * head_dim * dtype bytes.
+    `m` is a ModelShape, a LlamaConfig (dtype_bytes defaults to 2) or a draft manifest dict."""
+    if isinstance(m, dict):
+        dims = m["num_layers"], m["num_key_value_heads"], m["head_dim"]
+    elif hasattr(m, "num_hidden_layers"):
+        dims = m.num_hidden_layers, m.num_key_value_heads, m.head_dim
+    else:
+        dims = m.layers, m.kv_heads, m.head_dim
+    b = dtype_bytes if dtype_bytes is not None else getattr(m, "kv_dtype_bytes", 2)
+    return 2 * dims[0] * dims[1] * dims[2] * b
+
+
+def _per_device(target, draft, tp):
+    """(target weights, target KV bytes/token, draft weights, draft KV bytes/token) on the draft's device."""
+    t_kv = kv_bytes_per_token(target) * math.ceil(target.kv_heads / tp) / target.kv_heads
+    if draft is None:
+        return target.weight_bytes / tp, t_kv, 0.0, 0.0
+    return target.weight_bytes / tp, t_kv, draft.weight_bytes, kv_bytes_per_token(draft)
+
+
+def _misfit(target, draft, tp, device_mem, seq_len, reserve):
+    usable = device_mem * (1 - reserve)
+
+    def need(tp_):
+        shard, t_kv, d_w, d_kv = _per_device(target, draft, tp_)
+        return shard + d_w + seq_len * (t_kv + d_kv)
+
+    if need(tp) <= usable:
+        return None
+    shard, t_kv, d_w, d_kv = _per_device(target, draft, tp)
+    fixes = [f"--tp {t} (on as many devices)" for t in (2, 4, 8, 16, 32, 64) if t > tp and need(t) <= usable][:1]
+    max_len = int((usable - shard - d_w) // (t_kv + d_kv))
+    if max_len >= 1:
+        fixes.append(f"--seq-len {max_len} or less")
+    if draft is not None:
+        fixes.append("a smaller or quantized draft")
+    fixes.append("devices with more memory")
+    where = "the draft's device" if draft is not None else "each device"
+    draft_part = f"{d_w / GB:.1f} GB draft + " if draft is not None else ""
+    return (f"does not fit: {where} needs {shard / GB:.1f} GB target shard + {draft_part}"
+            f"{seq_len * (t_kv + d_kv) / GB:.2f} GB KV cache for one {seq_len}-token sequence = "
+            f"{need(tp) / GB:.1f} GB > {usable / GB:.1f} GB usable; try " + ", or ".join(fixes))
+
+
+def fits(target, draft=None, *, tp=1, device_mem, seq_len, reserve=0.0):
+    """True when the target shard + draft + the KV cache of one seq_len sequence fit each device."""
+    return _misfit(target, draft, tp, device_mem, seq_len, reserve) is None
+
+
+def check_fits(target, draft=None, *, tp=1, device_mem, seq_len, reserve=0.0):
+    """Raise MindspecError (one line, saying what to change) unless `fits(...)`; call before loading weights."""
+    problem = _misfit(target, draft, tp, device_mem, seq_len, reserve)
+    if problem:
+        raise MindspecError(problem)
+
+
+def _check_layout(tp, devices, reserve, seq_len):
+    if tp < 1 or devices < 1 or devices % tp:
+        raise MindspecError(f"--devices ({devices}) must be a positive multiple of --tp ({tp})")
+    if not 0 <= reserve < 1:
+        raise MindspecError(f"--reserve must be a fraction in [0, 1), got {reserve}")
+    if seq_len < 1:
+        raise MindspecError(f"--seq-len must be positive, got {seq_len}")
+
+
+def _check_speed_args(device_bw, allreduce_us, device_tflops):
+    if not (device_bw > 0 and device_tflops > 0 and allreduce_us >= 0):
+        raise MindspecError("--device-bw and --device-tflops must be positive and --allreduce-us not negative")
+
+
+def memory_plan(target, draft, *, tp, devices, device_mem, reserve=0.0, seq_len=4096):
+    _check_layout(tp, devices, reserve, seq_len)
+    check_fits(target, draft, tp=tp, device_mem=device_mem, seq_len=seq_len, reserve=reserve)
+    groups, usable = devices // tp, device_mem * (1 - reserve)
+    shard, t_kv, d_w, d_kv = _per_device(target, draft, tp)
+    free_draft_dev, free_other = usable - shard - d_w, usable - shard
+    # a token needs t_kv on every device of its group and d_kv on the draft's device
+    tokens = free_draft_dev // (t_kv + d_kv)
+    tokens_nd = free_other // t_kv
+    if tp > 1:
+        tokens = min(tokens, tokens_nd)
+    return {
+        "total_gb": devices * device_mem / GB, "usable_gb": devices * usable / GB,
+        "target_gb": target.weight_bytes / GB, "target_shard_gb": shard / GB, "draft_gb": d_w / GB,
+        "kv_gb": (devices * usable - groups * (target.weight_bytes + d_w)) / GB,
+        "kv_gb_without_draft": (devices * usable - groups * target.weight_bytes) / GB,
+        "draft_device_free_gb": free_draft_dev / GB, "device_free_gb_without_draft": free_other / GB,
+        "kv_bytes_per_token": {"target": kv_bytes_per_token(target), "target_per_device": t_kv,
+                               "draft": d_kv},
+        "kv_tokens": int(groups * tokens), "kv_tokens_without_draft": int(groups * tokens_nd),
+        "max_sequences": int(groups * (tokens // seq_len)),
+        "max_sequences_without_draft": int(groups * (tokens_nd // seq_len)),
+    }
+
+
+def pass_ms(read_bytes, params, n_tokens, device_bw, device_tflops, allreduces=0, allreduce_us=0.0):
+    """One forward pass over n_tokens on one device: roofline of bytes vs FLOPs, plus collective latency."""
+    ms = 1e3 * max(read_bytes / device_bw, 2 * params * n_tokens / (device_tflops * 1e12))
+    return ms + allreduces * allreduce_us / 1e3
+
+
+def expected_tokens(alpha, k):
+    """E[tokens per target call] = 1 + a + ... + a^K = (1 - a^(K+1)) / (1 - a)."""
+    return k + 1.0 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+def speed_estimate(target, draft, *, tp, seq_len=4096, device_bw=1.6e12, allreduce_us=10.0,
+                   device_tflops=280.0, alphas=ALPHAS, ks=K_BUCKETS):
+    ctx = seq_len / 2  # mean context over a sequence that grows to seq_len
+    shard, t_kv, d_w, d_kv = _per_device(target, draft, tp)
+    allreduces = 2 * target.layers if tp > 1 else 0
+
+    def target_ms(n):
+        return pass_ms(shard + ctx * t_kv, target.params / tp, n, device_bw, device_tflops, allreduces, allreduce_us)
+
+    t1 = target_ms(1)
+    out = {"target_ms": t1, "target_gb_read_per_device": (shard + ctx * t_kv) / GB, "allreduces_per_token": allreduces,
+           "verify_cost": {str(k): target_ms(k + 1) / t1 for k in ks},
+           "draft_ms": None, "draft_gb_read": None, "c": None, "speedup": None, "best": None}
+    if draft is None:
+        return out
+    d_ms = pass_ms(d_w + ctx * d_kv, draft.params, 1, device_bw, device_tflops)
+    c = d_ms / t1
+    speedup = {f"{a:g}": {str(k): expected_tokens(a, k) / (k * c + target_ms(k + 1) / t1) for k in ks}
+               for a in alphas}
+    best = {a: max(row, key=row.get) for a, row in speedup.items()}
+    out.update(draft_ms=d_ms, draft_gb_read=(d_w + ctx * d_kv) / GB, c=c, speedup=speedup,
+               best={a: {"k": int(k), "speedup": speedup[a][k]} for a, k in best.items()})
+    return out
+
+
+def _warnings(mem, speed):
+    w = []
+    if speed["best"]:
+        losing = [a for a, b in speed["best"].items() if b["speedup"] < 1]
+        if losing:
+            w.append(f"speculation is slower than the target alone at acceptance {', '.join(losing)} for every K "
+                     f"(draft/target cost c = {speed['c']:.2f}): use a smaller or quantized draft")
+        b = speed["best"].get("0.8")
+        if b and 1 <= b["speedup"] < 1.2:
+            w.append(f"speculation barely pays: at most {b['speedup']:.2f}x at acceptance 0.8 (K={b['k']}, "
+                     f"c = {speed['c']:.2f}); a draft with c <= 0.1 gives about 2x")
+    if mem["draft_gb"] and mem["kv_tokens"] < 0.75 * mem["kv_tokens_without_draft"]:
+        cut = 1 - mem["kv_tokens"] / mem["kv_tokens_without_draft"]
+        w.append(f"the draft's weights and KV cache on one device cut the KV tokens that fit by {cut:.0%} "
+                 f"({mem['kv_tokens']:,} vs {mem['kv_tokens_without_draft']:,}): a smaller draft, or one with "
+                 "fewer KV heads, leaves more room")
+    return w
+
+
+def make_plan(target, draft=None, *, tp=1, devices=None, device_mem, reserve=0.0, seq_len=4096,
+              device_bw=1.6e12, allreduce_us=10.0, device_tflops=280.0):
+    """The whole plan as one JSON-able dict (memory, speed, warnings)."""
+    devices = tp if devices is None else devices
+    _check_speed_args(device_bw, allreduce_us, device_tflops)
+    mem = memory_plan(target, draft, tp=tp, devices=devices, device_mem=device_mem, reserve=reserve, seq_len=seq_len)
+    speed = speed_estimate(target, draft, tp=tp, seq_len=seq_len, device_bw=device_bw, allreduce_us=allreduce_us,
+                           device_tflops=device_tflops)
+    inputs = {"tp": tp, "devices": devices, "device_mem_gb": device_mem / GB, "reserve": reserve,
+              "seq_len": seq_len, "device_bw_tb_s": device_bw / 1e12, "allreduce_us": allreduce_us,
+              "device_tflops": device_tflops, "target_params": target.params,
+              "draft_params": draft.params if draft else None}
+    return {**inputs, **mem, **speed, "warnings": _warnings(mem, speed)}
+
+
+# --- parsing ---------------------------------------------------------------------------------------
+
+def parse_size(text, what):
+    """'64GB' -> 64e9, '64GiB' -> 64 * 2**30, '1.6TB/s' -> 1.6e12 (bytes, or bytes per second)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?(?:e[+-]?\d+)?)\s*([kmgt]i?)?(b)?(/s)?\s*", str(text), re.I)
+    if not m or not (m.group(2) or m.group(3)) or float(m.group(1)) <= 0:
+        raise MindspecError(f"bad size {text!r} for {what}: give a positive number with a unit, e.g. 64GB, "
+                            "64GiB or 1.6TB/s")
+    return float(m.group(1)) * _PREFIX[(m.group(2) or "").lower()]
+
+
+def parse_count(text, what):
+    """'70e9' or '70B' or '1.1B' -> a parameter count."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?(?:e[+-]?\d+)?)\s*([kmbt]?)\s*", str(text), re.I)
+    if not m or float(m.group(1)) <= 0:
+        raise MindspecError(f"bad parameter count {text!r} for {what}: e.g. 70e9 or 70B")
+    return float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}[m.group(2).lower()]
+
+
+def _model_from_args(a, prefix, path):
+    """The target (prefix '') or draft (prefix 'draft_') from a path or from the four numbers."""
+    nums = [getattr(a, prefix + n) for n in ("params", "layers", "kv_heads", "head_dim")]
+    flags = ", ".join(f"--{prefix.replace('_', '-')}{n}" for n in ("params", "layers", "kv-heads", "head-dim"))
+    dtype = (a.draft_dtype or a.dtype) if prefix else a.dtype
+    if path:
+        if any(v is not None for v in nums):
+            raise MindspecError(f"give either --{prefix.rstrip('_') or 'target'} PATH or {flags}, not both")
+        return shape_from_draft(path, dtype) if prefix else shape_from_checkpoint(path, dtype)
+    if all(v is None for v in nums):
+        return None
+    if any(v is None for v in nums):
+        raise MindspecError(f"{flags} go together")
+    return shape(parse_count(nums[0], f"--{prefix.replace('_', '-')}params"), *nums[1:], dtype)
+
+
+def cmd_plan(a):
+    target = _model_from_args(a, "", a.target)
+    if target is None:
+        raise MindspecError("give the target: --target DIR, or --params, --layers, --kv-heads and --head-dim")
+    draft = _model_from_args(a, "draft_", a.draft)
+    plan = make_plan(target, draft, tp=a.tp, devices=a.devices, device_mem=parse_size(a.device_mem, "--device-mem"),
+                     reserve=a.reserve, seq_len=a.seq_len, device_bw=parse_size(a.device_bw, "--device-bw"),
+                     allreduce_us=a.allreduce_us, device_tflops=a.device_tflops)
+    print(json.dumps(plan, indent=2) if a.json else format_plan(plan))
+
+
+def format_plan(p):
+    has_draft = p["draft_params"] is not None
+    groups = p["devices"] // p["tp"]
+
+    def row(label, with_, without=None, fmt="{:,.1f}"):
+        cut = f"{1 - with_ / without:.0%}" if has_draft and without else ""
+        return (f"  {label:<42}{fmt.format(with_) if has_draft else '-':>13}"
+                f"{fmt.format(without if without is not None else with_):>15}{cut:>7}")
+
+    kv = p["kv_bytes_per_token"]
+    L = [f"{p['devices']} device(s) x {p['device_mem_gb']:.1f} GB, reserve {p['reserve']:.0%}, TP={p['tp']} "
+         f"({groups} group(s), the draft on the first device of each); decimal GB",
+         "",
+         f"{'memory':<44}{'with draft':>13}{'without draft':>15}{'cut':>7}",
+         row("total", p["total_gb"]),
+         row(f"target weights ({p['target_shard_gb']:.2f} per device)", p["target_gb"] * groups),
+         row("draft weights", p["draft_gb"] * groups, 0),
+         row("left for KV cache, all devices", p["kv_gb"], p["kv_gb_without_draft"]),
+         row("free on the draft's device", p["draft_device_free_gb"], p["device_free_gb_without_draft"]),
+         row("KV bytes/token, target (all its devices)", kv["target"], fmt="{:,.0f}"),
+         row("KV bytes/token, draft (its one device)", kv["draft"], 0, fmt="{:,.0f}"),
+         row("tokens of KV cache that fit", p["kv_tokens"], p["kv_tokens_without_draft"], fmt="{:,}"),
+         row(f"concurrent {p['seq_len']}-token sequences", p["max_sequences"], p["max_sequences_without_draft"],
+             fmt="{:,}"),
+         "",
+         f"speed (batch 1, {p['device_bw_tb_s']:g} TB/s, {p['allreduce_us']:g} us per AllReduce, "
+         f"{p['device_tflops']:g} TFLOPS per device)",
+         f"  target at TP={p['tp']}: reads {p['target_gb_read_per_device']:.2f} GB per device per token + "
+         f"{p['allreduces_per_token']} AllReduces = {p['target_ms']:.2f} ms/token"]
+    if has_draft:
+        L += [f"  draft on one device: reads {p['draft_gb_read']:.2f} GB per token = {p['draft_ms']:.2f} ms/token; "
+              f"c = {p['c']:.2f}",
+              "  expected speedup E(a,K) / (K*c + v(K)) over the target alone:",
+              "  " + f"{'':>8}" + "".join(f"{'K=' + k:>8}" for k in p["verify_cost"]),
+              "  " + f"{'v(K)':>8}" + "".join(f"{v:>8.2f}" for v in p["verify_cost"].values())]
+        L += ["  " + f"{'a=' + a:>8}" + "".join(f"{s:>8.2f}" for s in r.values()) for a, r in p["speedup"].items()]
+    L += [""] + [f"warning: {w}" for w in p["warnings"]]
+    return "\n".join(L).rstrip()
+
+
+def add_parser(subparsers):
+    """Register `plan` on an argparse subparsers object."""
+    p = subparsers.add_parser("plan", help="will a target + draft fit on N devices, and will speculation pay?",
+                              description="Memory and speed plan for a target (+ draft) on N devices.")
+    p.add_argument("--target", help="target checkpoint dir (instead of --params/--layers/--kv-heads/--head-dim)")
+    p.add_argument("--params", help="target parameters, e.g. 70e9 or 70B")
+    p.add_argument("--layers", type=int)
+    p.add_argument("--kv-heads", type=int)
+    p.add_argument("--head-dim", type=int)
+    p.add_argument("--draft", help="draft .onnx from `mindspec export`, or a checkpoint dir")
+    p.add_argument("--draft-params")
+    p.add_argument("--draft-layers", type=int)
+    p.add_argument("--draft-kv-heads", type=int)
+    p.add_argument("--draft-head-dim", type=int)
+    p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="fp16", help="target weights (default fp16)")
+    p.add_argument("--draft-dtype", choices=sorted(DTYPE_BYTES), default=None,
+                   help="draft weights (default: --dtype; an .onnx draft is measured from its files)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the target")
+    p.add_argument("--devices", type=int, default=None, help="devices in total (default: --tp)")
+    p.add_argument("--device-mem", required=True, help="memory per device, e.g. 64GB or 64GiB")
+    p.add_argument("--reserve", type=float, default=0.0, help="fraction of each device held back (default 0)")
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--device-bw", default="1.6TB/s", help="memory bandwidth per device (default 1.6TB/s)")
+    p.add_argument("--allreduce-us", type=float, default=10.0, help="latency of one small AllReduce (default 10)")
+    p.add_argument("--device-tflops", type=float, default=280.0, help="peak dense TFLOPS per device (default 280)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_plan)
+    return p

@@ -1,0 +1,55 @@
+"""Checkpoint reading: sharded safetensors with an index, bf16 weights, shape checks."""
+import json
+
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from mindspec.checkpoint import Checkpoint
+from mindspec.errors import MindspecError
+
+from conftest import make_tiny_checkpoint
+
+
+def test_sharded_checkpoint_loads_the_same_tensors(tmp_path, tiny_target):
+    d, tensors = make_tiny_checkpoint(tmp_path / "sharded", shard_bytes=60_000)
+    index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 3  # really several files
+    ck, one = Checkpoint(d), Checkpoint(tiny_target[0])
+    for name in tensors:
+        assert np.array_equal(ck.get(name), one.get(name)), name
+    assert ck.fingerprint() != one.fingerprint()  # different files, different identity
+
+
+def test_bf16_weights_are_read_as_float32(tmp_path):
+    d, tensors = make_tiny_checkpoint(tmp_path / "bf16")
+    bf = {k: v.astype(ml_dtypes.bfloat16) for k, v in tensors.items()}
+    save_file({k: v.view(np.uint16) for k, v in bf.items()}, str(tmp_path / "bf16" / "model.safetensors"))
+    raw = (tmp_path / "bf16" / "model.safetensors").read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    for k in header:
+        if k != "__metadata__":
+            header[k]["dtype"] = "BF16"
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    (tmp_path / "bf16" / "model.safetensors").write_bytes(len(h).to_bytes(8, "little") + h + raw[8 + n:])
+    w = Checkpoint(d).get("model.layers.0.mlp.up_proj.weight")
+    assert w.dtype == np.float32
+    assert np.array_equal(w, bf["model.layers.0.mlp.up_proj.weight"].astype(np.float32))
+
+
+def test_missing_shard_and_wrong_shape_are_clear_errors(tmp_path):
+    d, tensors = make_tiny_checkpoint(tmp_path / "s", shard_bytes=60_000)
+    index = json.loads((tmp_path / "s" / "model.safetensors.index.json").read_text())
+    (tmp_path / "s" / sorted(set(index["weight_map"].values()))[-1]).unlink()
+    with pytest.raises(MindspecError, match="shard missing"):
+        ck = Checkpoint(d)
+        for name in tensors:
+            ck.get(name)
+    d2, t2 = make_tiny_checkpoint(tmp_path / "w")
+    t2["model.norm.weight"] = np.ones(7, np.float32)
+    save_file(t2, str(tmp_path / "w" / "model.safetensors"))
+    with pytest.raises(MindspecError, match="model.norm.weight has shape"):
+        Checkpoint(d2).get("model.norm.weight")

@@ -1,0 +1,216 @@
+"""`mindspec plan`: the seed's 8-card example, both KV caches, refusals, the speed estimate, checkpoints."""
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import make_tiny_checkpoint
+from mindspec import plan
+from mindspec.checkpoint import Checkpoint
+from mindspec.errors import MindspecError
+from mindspec.export import export_draft
+
+TARGET_70B = ["--params", "70e9", "--layers", "80", "--kv-heads", "8", "--head-dim", "128"]
+DRAFT_7B = ["--draft-params", "7e9", "--draft-layers", "32", "--draft-kv-heads", "32", "--draft-head-dim", "128"]
+DRAFT_1B = ["--draft-params", "1e9", "--draft-layers", "16", "--draft-kv-heads", "8", "--draft-head-dim", "64"]
+CARDS = ["--dtype", "fp16", "--tp", "8", "--devices", "8", "--device-mem", "64GB"]   # an 8-card Atlas 800I A2
+SEED = ["plan", *TARGET_70B, *DRAFT_7B, *CARDS]
+
+
+def run_plan(argv, capsys):
+    """Parse with a parser built from add_parser, as `mindspec/cli.py` does; return (stdout, parsed JSON or None)."""
+    p = argparse.ArgumentParser(prog="mindspec")
+    plan.add_parser(p.add_subparsers(dest="cmd", required=True))
+    args = p.parse_args(argv)
+    args.func(args)
+    out = capsys.readouterr().out
+    return out, (json.loads(out) if "--json" in argv else None)
+
+
+def test_seed_example_memory(capsys):
+    _, p = run_plan(SEED + ["--json"], capsys)
+    assert p["total_gb"] == pytest.approx(512)
+    assert p["target_gb"] == pytest.approx(140) and p["target_shard_gb"] == pytest.approx(17.5)
+    assert p["draft_gb"] == pytest.approx(14)
+    assert p["kv_gb"] == pytest.approx(358)                  # 512 - 140 - 14: the draft is counted once
+    # The seed's "504 GB without the draft" is an arithmetic slip: 512 - 140 = 372.
+    assert p["kv_gb_without_draft"] == pytest.approx(372)
+    # Its ~29% cut is what the draft's device loses (32.5 of 46.5 GB free), and a TP group is bound
+    # by its fullest device.
+    assert p["draft_device_free_gb"] == pytest.approx(32.5)
+    assert 1 - p["draft_device_free_gb"] / p["device_free_gb_without_draft"] == pytest.approx(0.30, abs=0.011)
+
+
+def test_both_kv_caches_are_counted(capsys):
+    _, p = run_plan(SEED + ["--json", "--seq-len", "4096"], capsys)
+    kv = p["kv_bytes_per_token"]
+    assert kv["target"] == 2 * 80 * 8 * 128 * 2 == 327_680
+    assert kv["draft"] == 2 * 32 * 32 * 128 * 2 == 524_288    # the MHA 7B costs more per token than the 70B
+    assert kv["target_per_device"] == kv["target"] / 8
+    # the draft's device holds its shard of the target cache and the whole draft cache
+    assert p["kv_tokens"] == int(32.5e9 // (327_680 / 8 + 524_288))
+    assert p["kv_tokens_without_draft"] == int(46.5e9 // (327_680 / 8))
+    assert p["max_sequences"] == p["kv_tokens"] // 4096 == 14
+    assert p["max_sequences_without_draft"] == 277
+    assert any("cut the KV tokens" in w for w in p["warnings"])
+
+
+def test_groups_and_reserve(capsys):
+    _, p = run_plan(SEED + ["--tp", "4", "--reserve", "0.1", "--json"], capsys)
+    assert p["total_gb"] == pytest.approx(512) and p["usable_gb"] == pytest.approx(460.8)
+    assert p["kv_gb"] == pytest.approx(460.8 - 2 * (140 + 14))    # two TP=4 groups, a draft each
+    assert p["max_sequences"] == 2 * (p["kv_tokens"] // 2 // 4096)
+
+
+def test_refusal_says_what_to_change(capsys):
+    t = plan.shape(70e9, 80, 8, 128, "fp16")
+    d = plan.shape(7e9, 32, 32, 128, "fp16")
+    assert plan.fits(t, d, tp=8, device_mem=64e9, seq_len=4096)
+    assert not plan.fits(t, d, tp=2, device_mem=64e9, seq_len=4096)
+    with pytest.raises(MindspecError) as e:
+        plan.check_fits(t, d, tp=2, device_mem=64e9, seq_len=4096)
+    msg = str(e.value)
+    assert "\n" not in msg and "does not fit" in msg and "--tp 4" in msg
+    # weights fit but a long sequence does not: suggest a shorter one
+    with pytest.raises(MindspecError, match=r"--seq-len \d+ or less"):
+        plan.check_fits(t, d, tp=8, device_mem=64e9, seq_len=100_000)
+    with pytest.raises(MindspecError, match="does not fit"):
+        run_plan(["plan", *TARGET_70B, "--tp", "1", "--device-mem", "64GB"], capsys)
+
+
+@pytest.mark.parametrize("bad, match", [(["--device-mem", "64"], "bad size"), (["--device-mem", "lots"], "bad size"),
+                                        (["--device-bw", "fast"], "bad size"), (["--devices", "12"], "multiple of"),
+                                        (["--reserve", "1"], "reserve"), (["--draft-layers", "-1"], "positive"),
+                                        (["--device-tflops", "0"], "device-tflops"),
+                                        (["--draft-layers", "32", "--draft", "x.onnx"], "not both"),
+                                        (["--draft-params", "seven"], "bad parameter count")])
+def test_bad_input(bad, match, capsys):
+    with pytest.raises(MindspecError, match=match):
+        run_plan(SEED + bad, capsys)                # argparse: the last value given wins
+
+
+def test_sizes():
+    assert plan.parse_size("64GB", "x") == 64e9
+    assert plan.parse_size("64GiB", "x") == 64 * 2 ** 30
+    assert plan.parse_size("1.6TB/s", "x") == pytest.approx(1.6e12)
+    assert plan.parse_size("800 GB/s", "x") == 800e9
+    assert plan.parse_count("70e9", "x") == 70e9 and plan.parse_count("1.1B", "x") == pytest.approx(1.1e9)
+
+
+def test_worked_speed_example(capsys):
+    _, big = run_plan(SEED + ["--device-bw", "1.6TB/s", "--json"], capsys)
+    assert big["target_gb_read_per_device"] == pytest.approx(17.5, abs=0.2)   # ~17.5 GB per card at TP=8
+    assert 13.5 <= big["draft_gb_read"] <= 15.5                               # ~13.5-14 GB weights + its KV
+    assert 0.6 <= big["c"] <= 0.8
+    assert big["draft_ms"] == pytest.approx(big["c"] * big["target_ms"])
+    assert set(big["speedup"]) == {"0.6", "0.7", "0.8", "0.9"}
+    assert set(big["speedup"]["0.8"]) == {"1", "2", "4", "8"}
+    assert max(big["speedup"]["0.8"].values()) < 1.1                          # no real gain
+    assert big["speedup"]["0.8"]["4"] < 1
+    assert any("slower than the target alone" in w for w in big["warnings"])
+    _, small = run_plan(["plan", *TARGET_70B, *DRAFT_1B, *CARDS, "--json"], capsys)
+    assert small["draft_params"] == 1e9 and 0.08 <= small["c"] <= 0.13
+    assert small["speedup"]["0.8"]["4"] == pytest.approx(2.2, abs=0.3)         # ~2x at a = 0.8, K = 4
+    assert not any("slower" in w for w in small["warnings"])
+    # the estimate's formula: E(a,K) / (K*c + v(K)), E = (1 - a^(K+1)) / (1 - a)
+    e = (1 - 0.8 ** 5) / 0.2
+    assert small["speedup"]["0.8"]["4"] == pytest.approx(e / (4 * small["c"] + small["verify_cost"]["4"]))
+
+
+def test_verify_roofline():
+    # a small model on a slow-compute device: K+1 tokens cost more than one once FLOPs dominate
+    t = plan.shape(1e9, 16, 8, 64, "fp16")
+    s = plan.speed_estimate(t, None, tp=1, device_bw=1.6e12, device_tflops=4)
+    v = s["verify_cost"]
+    assert v["1"] == pytest.approx(1.0, abs=0.01) and v["8"] > v["4"] > 1.5
+    assert s["allreduces_per_token"] == 0 and s["speedup"] is None
+
+
+def test_table(capsys):
+    out, _ = run_plan(SEED, capsys)
+    for text in ("512.0", "140.0", "14.0", "358.0", "372.0", "57,496", "c = 0.75", "a=0.8", "K=4", "warning:"):
+        assert text in out
+
+
+def test_count_params_matches_checkpoint(tmp_path):
+    for tie in (False, True):
+        d, tensors = make_tiny_checkpoint(tmp_path / f"t{tie}", tie=tie)
+        assert plan.count_params(Checkpoint(d).config) == sum(t.size for t in tensors.values())
+
+
+def test_shapes_from_checkpoint_and_exported_draft(tiny_target, tmp_path, capsys):
+    target_dir, tensors = tiny_target
+    onnx_path = str(tmp_path / "draft.onnx")
+    m = export_draft(target_dir, onnx_path, layers=1, max_seq=64)
+    cfg = Checkpoint(target_dir).config
+    assert plan.kv_bytes_per_token(cfg) == 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
+    assert plan.kv_bytes_per_token(m, 4) == 2 * 1 * m["num_key_value_heads"] * m["head_dim"] * 4
+
+    _, p = run_plan(["plan", "--target", target_dir, "--draft", onnx_path, "--dtype", "fp32",
+                     "--device-mem", "1GB", "--seq-len", "64", "--json"], capsys)
+    n = sum(t.size for t in tensors.values())
+    assert p["target_params"] == n and p["target_gb"] == pytest.approx(n * 4 / 1e9)
+    assert p["draft_params"] == plan.count_params(cfg, layers=1) < n
+    assert p["draft_gb"] * 1e9 == os.path.getsize(onnx_path) + (
+        os.path.getsize(onnx_path + ".data") if os.path.exists(onnx_path + ".data") else 0)
+    assert p["kv_bytes_per_token"]["draft"] == 2 * 1 * m["num_key_value_heads"] * m["head_dim"] * 4  # fp32 ORT cache
+    assert p["kv_tokens"] > 0 and p["c"] < 1
+    with pytest.raises(MindspecError, match="not both"):
+        run_plan(["plan", "--target", target_dir, "--params", "1e6", "--device-mem", "1GB"], capsys)
+    with pytest.raises(MindspecError, match="draft model not found"):
+        run_plan(["plan", "--target", target_dir, "--draft", str(tmp_path / "none.onnx"), "--device-mem", "1GB"],
+                 capsys)
+
+
+WRAPPER = """
+import argparse, sys
+from mindspec import plan
+from mindspec.errors import MindspecError
+p = argparse.ArgumentParser(prog="mindspec")
+plan.add_parser(p.add_subparsers(dest="cmd", required=True))
+a = p.parse_args(sys.argv[1:])
+try:
+    a.func(a)
+except MindspecError as e:
+    print(f"mindspec: error: {e}", file=sys.stderr)
+    sys.exit(2)
+"""
+
+
+def test_cli_subprocess():
+    """Through a real process, the way `mindspec/cli.py` main() runs a subcommand."""
+    ok = subprocess.run([sys.executable, "-c", WRAPPER, *SEED, "--json"], capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    p = json.loads(ok.stdout)
+    assert {"total_gb", "target_gb", "draft_gb", "kv_gb", "kv_gb_without_draft", "kv_tokens", "kv_tokens_without_draft",
+            "max_sequences", "draft_ms", "target_ms", "c", "speedup", "warnings"} <= set(p)
+    assert np.isfinite(p["c"])
+    bad = subprocess.run([sys.executable, "-c", WRAPPER, *SEED, "--device-mem", "64XB"], capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr.startswith("mindspec: error: bad size '64XB'") and bad.stderr.count("\n") == 1
+
+
+def test_missing_numbers(capsys):
+    with pytest.raises(MindspecError, match="go together"):
+        run_plan(["plan", *TARGET_70B, "--draft-params", "7e9", "--device-mem", "64GB"], capsys)
+    with pytest.raises(MindspecError, match="give the target"):
+        run_plan(["plan", "--device-mem", "64GB"], capsys)
+
+
+def test_kv_heads_replicated_beyond_tp():
+    t = plan.shape(70e9, 80, 8, 128, "fp16")
+    _, kv16, _, _ = plan._per_device(t, None, 16)      # 8 KV heads over 16 devices: one head each
+    assert kv16 == plan.kv_bytes_per_token(t) / 8
+
+
+def test_llama2_70b_config_count():
+    from mindspec.config import LlamaConfig
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                      num_attention_heads=64, num_key_value_heads=8, head_dim=128)
+    assert plan.count_params(cfg) == pytest.approx(68.98e9, rel=1e-3)
+    assert plan.kv_bytes_per_token(cfg) == 327_680
