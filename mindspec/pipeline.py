@@ -26,8 +26,7 @@ def _round_up(n, m):
 
 
 class Pipeline:
-    def __init__(self, target, draft=None, k=4, max_seq=None, buckets=DEFAULT_BUCKETS, device=None,
-                 cache_dir=True):
+    def __init__(self, target, draft=None, k=4, max_seq=None, buckets=DEFAULT_BUCKETS, device=None):
         from mindspec.graphs.runner import init_mindspore
         if not 1 <= int(k) <= max(buckets):
             raise MindspecError(f"-k must be between 1 and the largest K bucket {max(buckets)}, got {k}")
@@ -44,10 +43,6 @@ class Pipeline:
         if draft:
             self.manifest, self.draft_path = self._check_draft(draft), draft
         self.fixed_max_seq = max_seq
-        if cache_dir is True:
-            from .default import home
-            cache_dir = os.path.join(home(), "compile_cache")
-        self.cache_dir = cache_dir or None
         self.device = init_mindspore(device)
         self.target = self.proposer = None
         if max_seq:
@@ -81,7 +76,7 @@ class Pipeline:
         if max_seq > self.cfg.max_position_embeddings:
             raise MindspecError(f"{max_seq} positions exceed the model's max_position_embeddings "
                                 f"{self.cfg.max_position_embeddings}")
-        self.target = TargetModel(self.ckpt, max_seq, self.buckets, cache_dir=self.cache_dir)
+        self.target = TargetModel(self.ckpt, max_seq, self.buckets)
         if self.draft_path:
             self.proposer = OnnxProposer(DraftSession(self.draft_path, max_seq=self.target.max_seq))
 
