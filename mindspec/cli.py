@@ -13,6 +13,15 @@ def _ids(text):
         raise argparse.ArgumentTypeError(f"not a comma-separated list of token ids: {text!r}") from None
 
 
+def _k(text):
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer or auto: {text!r}") from None
+
+
 def cmd_export(a):
     from mindspec.export import export_draft
     m = export_draft(a.model, a.out, quantize=a.quantize, layers=a.layers, max_seq=a.max_seq)
@@ -39,7 +48,7 @@ def cmd_generate(a):
     acc = f"acceptance {s['acceptance_rate']:.2f}, " if s["acceptance_rate"] is not None else ""
     print(f"[{s['new_tokens']} tokens in {s['wall_s']:.2f} s = {s['tokens_per_s']:.1f} tok/s; {acc}"
           f"{s['tokens_per_target_call']:.2f} tokens per target call; "
-          f"{f'K={pipe.k}' if pipe.draft_path else 'target only'}]", file=sys.stderr)
+          f"{f'K={pipe.k}' if pipe.draft_path else 'target only'}; K used {s['k_used']}]", file=sys.stderr)
 
 
 def parser():
@@ -61,7 +70,8 @@ def parser():
     g.add_argument("--prompt-ids", type=_ids, default=None, help="comma-separated token ids instead of text")
     g.add_argument("--target", default=None, help="target checkpoint dir (default: the embedded model)")
     g.add_argument("--draft", default=None, help="draft .onnx from `mindspec export` (default: embedded)")
-    g.add_argument("-k", type=int, default=4, help="draft tokens per target call (a K bucket: 1..8)")
+    g.add_argument("-k", type=_k, default="auto",
+                   help="draft tokens per target call: a K bucket 1..8, or auto (dynamic K, the default)")
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--max-seq", type=int, default=None, help="fix the KV-cache length (default: sized to the job)")
     g.add_argument("--temperature", type=float, default=0.0)
@@ -70,8 +80,9 @@ def parser():
     g.add_argument("--no-speculate", action="store_true", help="target-only decoding (the baseline)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g.set_defaults(func=cmd_generate)
-    from . import plan
+    from . import bench, plan
     plan.add_parser(sub)
+    bench.add_parser(sub)
     return p
 
 

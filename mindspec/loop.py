@@ -37,15 +37,10 @@ class Stats:
                 "tokens_per_s": self.new_tokens / self.wall_s if self.wall_s else None}
 
 
-def pick_k(buckets, k, limit):
-    """The largest compiled bucket <= min(k, limit); 0 means: no room to draft, decode plainly."""
-    fit = [b for b in buckets if b <= min(k, limit)]
-    return fit[-1] if fit else 0
-
-
-def decode(target, proposer, prompt_ids, max_new_tokens, k, stats):
+def decode(target, proposer, prompt_ids, max_new_tokens, policy, stats):
     """Yield the tokens committed by each target call (1..K+1 of them) until max_new_tokens or the
     cache is full; the caller stops early on EOS / stop strings by closing the generator.
+    `policy` (mindspec.policy FixedK / DynamicK) picks K per step: choose(limit), update(k, n).
 
     Invariant: the target cache holds seq[:-1] (target.pos == len(seq) - 1), so a rejected draft
     is rolled back by moving that integer, never by copying."""
@@ -58,9 +53,10 @@ def decode(target, proposer, prompt_ids, max_new_tokens, k, stats):
     yield seq[-1:]
     if proposer is not None:
         proposer.reset()
+        policy.reset()
     while len(seq) - n_prompt < max_new_tokens and target.pos < target.max_seq:
         left = max_new_tokens - (len(seq) - n_prompt)  # drafting past it would be thrown away
-        kk = pick_k(target.buckets, k, min(left - 1, target.max_seq - target.pos - 1)) if proposer else 0
+        kk = policy.choose(min(left - 1, target.max_seq - target.pos - 1)) if proposer else 0
         t0 = time.perf_counter()
         if kk == 0:
             new = [target.decode(seq[-1])]
@@ -72,6 +68,7 @@ def decode(target, proposer, prompt_ids, max_new_tokens, k, stats):
             n, nxt = target.verify(seq[-1], drafts)
             new = drafts[:n] + [nxt]
             stats.record(kk, n)
+            policy.update(kk, n)
             proposer.update_candidate_strategy(seq + new, n)
             t0 = t1
         stats.verify_s += time.perf_counter() - t0

@@ -26,12 +26,11 @@ def _round_up(n, m):
 
 
 class Pipeline:
-    def __init__(self, target, draft=None, k=4, max_seq=None, buckets=DEFAULT_BUCKETS, device=None):
+    def __init__(self, target, draft=None, k="auto", max_seq=None, buckets=DEFAULT_BUCKETS, device=None):
         from mindspec.graphs.runner import init_mindspore
-        if not 1 <= int(k) <= max(buckets):
-            raise MindspecError(f"-k must be between 1 and the largest K bucket {max(buckets)}, got {k}")
-        self.k = int(k)
-        self.buckets = tuple(sorted(set(buckets) | {self.k}))
+        self.k = self._check_k(k, buckets)
+        self.buckets = tuple(sorted(set(buckets) | ({self.k} - {"auto"})))
+        self.costs = None  # (c, v) for dynamic K, measured on first use
         self.ckpt = Checkpoint(target)
         self.cfg = self.ckpt.config
         self.tokenizer = Tokenizer(target)
@@ -60,12 +59,29 @@ class Pipeline:
                                 f"({m.get('source')}): a draft must share its target's tokenizer")
         return m
 
+    @staticmethod
+    def _check_k(k, buckets):
+        if k == "auto":
+            return k
+        if not isinstance(k, int) or not 1 <= k <= max(buckets):
+            raise MindspecError(f"-k must be between 1 and the largest K bucket {max(buckets)} (or auto), got {k}")
+        return k
+
+    def _policy(self, k):
+        """FixedK for an int, DynamicK for "auto" (costs measured once per pipeline, cached on disk)."""
+        from .policy import DynamicK, FixedK, measure_costs
+        if k != "auto":
+            return FixedK(k, self.buckets)
+        if self.costs is None:
+            self.costs = measure_costs(self)
+        return DynamicK(self.buckets, *self.costs)
+
     def set_draft(self, path):
         """Swap the draft (None: target-only), keeping the compiled target."""
         from mindspec.export import DraftSession
         self.manifest = self._check_draft(path) if path else None
         self.draft_path = path
-        self.proposer = None
+        self.proposer, self.costs = None, None
         if path and self.target is not None:
             self.proposer = OnnxProposer(DraftSession(path, max_seq=self.target.max_seq))
 
@@ -111,10 +127,10 @@ class Pipeline:
     def generate(self, prompt=None, prompt_ids=None, max_new_tokens=64, temperature=0.0, seed=None,
                  stop=None, chat=False, on_text=None, k=None, speculate=True):
         """Generate greedily; `on_text(delta)` receives text as it is produced. `k` overrides the
-        pipeline's K for this call (a compiled bucket); speculate=False decodes with the target
-        alone through the same graphs (the baseline)."""
-        k = self.k if k is None else int(k)
-        if k not in self.buckets:
+        pipeline's K for this call (a compiled bucket, or "auto" for dynamic K); speculate=False
+        decodes with the target alone through the same graphs (the baseline)."""
+        k = self.k if k is None else k
+        if k != "auto" and k not in self.buckets:
             raise MindspecError(f"K={k} is not a compiled bucket {list(self.buckets)}")
         if temperature and temperature > 0:
             raise MindspecError("sampling (temperature > 0) is not supported yet: use temperature 0")
@@ -123,14 +139,15 @@ class Pipeline:
         ids = self.encode(prompt, prompt_ids, chat)
         self._capacity(len(ids), max_new_tokens)
         compile_s = self.target.compile_s
-        self.target.warmup([k] if speculate and self.proposer else [])
+        spec = speculate and self.proposer is not None
+        policy = self._policy(k) if spec else None
+        self.target.warmup(([k] if k != "auto" else self.buckets) if spec else [])
         stats, out, finish, cut = Stats(), [], "length", False
         stream, text, shown = StreamDecoder(self.tokenizer), "", 0
         stops = [s for s in (stop or []) if s]
         hold = max((len(s) for s in stops), default=1) - 1  # never stream a half-seen stop string
         t0 = time.perf_counter()
-        proposer = self.proposer if speculate else None
-        for new in decode(self.target, proposer, ids, max_new_tokens, k, stats):
+        for new in decode(self.target, self.proposer if spec else None, ids, max_new_tokens, policy, stats):
             for tok in new:
                 out.append(tok)
                 if tok in self.eos:
@@ -157,7 +174,7 @@ class Pipeline:
         return Result(out, text, stats.as_dict(), finish)
 
 
-def load(target=None, draft=None, k=4, **kw):
+def load(target=None, draft=None, k="auto", **kw):
     """Load a target checkpoint dir and an ONNX draft (None: target-only). With no target, the
     embedded default pair (SmolLM2-135M-Instruct and its 8-bit self-draft) is used; draft=False
     then loads the default target alone."""

@@ -92,3 +92,14 @@ def test_streamed_text_equals_final_text(pipe):
     parts = []
     res = pipe.generate(prompt="hello", max_new_tokens=20, on_text=parts.append)
     assert "".join(parts) == res.text and len(parts) > 1
+
+
+def test_dynamic_k_output_equals_target_only(pipe):
+    used = {}
+    for ids in PROMPTS:
+        base = pipe.generate(prompt_ids=ids, max_new_tokens=30, speculate=False)
+        dyn = pipe.generate(prompt_ids=ids, max_new_tokens=30, k="auto")
+        assert dyn.token_ids == base.token_ids, ids
+        for k, n in dyn.stats["k_used"].items():
+            used[k] = used.get(k, 0) + n
+    assert len(used) >= 2, used  # the policy really moved K on this often-rejected draft

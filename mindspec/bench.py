@@ -1,0 +1,348 @@
+"""`mindspec bench`: target-only vs speculative (each fixed K, dynamic K) vs Hugging Face transformers
+(generate and assisted generation, when torch is installed), in one process, interleaved per prompt
+so machine noise hits every mode alike. Writes OUT/bench.json and OUT/bench.png, prints a table."""
+import json
+import os
+import sys
+import time
+
+from .errors import MindspecError
+
+PROMPT_SETS = {  # name -> [(prompt, chat)]
+    "story": [("Once upon a time, in a small village by the sea,", False),
+              ("The old lighthouse keeper climbed the stairs one last time and", False)],
+    "chat": [("What are three good habits for staying healthy? Explain briefly.", True),
+             ("How do I make a good cup of tea?", True)],
+    "code": [("Write a Python function that returns the n-th Fibonacci number.", True),
+             ("Write a Python function that checks whether a string is a palindrome.", True)],
+}
+WARMUP_TOKENS = 8
+
+
+def load_prompts(spec):
+    """'story,chat' (built-in sets) or a JSONL file of {"prompt", "chat"?, "set"?} -> {set: [(prompt, chat)]}."""
+    if spec.endswith(".jsonl") or os.path.isfile(spec):
+        sets, default = {}, os.path.splitext(os.path.basename(spec))[0]
+        try:
+            with open(spec, encoding="utf-8") as f:
+                lines = f.read().splitlines()
+        except OSError as e:
+            raise MindspecError(f"cannot read prompts file {spec}: {e.strerror}") from None
+        for n, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                prompt = row["prompt"]
+            except (ValueError, KeyError, TypeError):
+                raise MindspecError(f"{spec}:{n}: expected a JSON object with a \"prompt\" string") from None
+            if not isinstance(prompt, str) or not prompt:
+                raise MindspecError(f"{spec}:{n}: \"prompt\" must be a non-empty string")
+            sets.setdefault(str(row.get("set") or default), []).append((prompt, bool(row.get("chat", False))))
+        if not sets:
+            raise MindspecError(f"{spec} holds no prompts")
+        return sets
+    names = [s for s in spec.split(",") if s]
+    bad = [s for s in names if s not in PROMPT_SETS]
+    if bad or not names:
+        raise MindspecError(f"unknown prompt set {bad[0] if bad else spec!r}: use {','.join(PROMPT_SETS)} "
+                            f"or a .jsonl file")
+    return {s: PROMPT_SETS[s] for s in names}
+
+
+class Tally:
+    """Sums over the prompts of one (prompt set, mode, K) row."""
+
+    def __init__(self, **row):
+        self.row, self.ids = row, []
+        self.new_tokens = self.wall_s = self.target_calls = self.drafted = self.accepted = 0
+        self.draft_s = self.verify_s = 0.0
+        self.k_used = {}
+
+    def add(self, ids, stats):
+        self.ids.append(ids)
+        self.new_tokens += len(ids)
+        self.wall_s += stats["wall_s"]
+        self.target_calls += stats.get("target_calls") or 0
+        self.drafted += stats.get("drafted") or 0
+        self.accepted += stats.get("accepted") or 0
+        self.draft_s += stats.get("draft_s") or 0.0
+        self.verify_s += stats.get("verify_s") or 0.0
+        for k, n in (stats.get("k_used") or {}).items():
+            self.k_used[int(k)] = self.k_used.get(int(k), 0) + n
+
+    def result(self, base):
+        tps = self.new_tokens / self.wall_s if self.wall_s else None
+        steps = sum(self.k_used.values())
+        r = dict(self.row, tokens_per_s=tps, new_tokens=self.new_tokens, wall_s=round(self.wall_s, 4),
+                 acceptance_rate=self.accepted / self.drafted if self.drafted else None,
+                 tokens_per_target_call=self.new_tokens / self.target_calls if self.target_calls else None,
+                 identical_to_target_only=base is not None and self.ids == base.ids,
+                 speedup=tps / base.result(None)["tokens_per_s"] if base and tps and base.wall_s else None)
+        if self.k_used:
+            r["k_used"] = {str(k): n for k, n in sorted(self.k_used.items())}
+            r["mean_k"] = sum(k * n for k, n in self.k_used.items()) / steps
+        if self.drafted:
+            r["draft_ms_per_token"] = 1000 * self.draft_s / self.drafted
+        return r
+
+
+# -- Hugging Face transformers (optional) ----------------------------------------------------------
+
+def _hf_available():
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+        return True
+    except Exception:  # noqa: BLE001 - a broken torch install must not break the rest of the bench
+        return False
+
+
+class HF:
+    """Target-only and assisted greedy generation with transformers on CPU, counting forward calls
+    (hooks) so tokens per target call and acceptance come out as for mindspec."""
+
+    def __init__(self, target_dir, eos):
+        import torch
+        import transformers
+        transformers.logging.set_verbosity_error()
+        transformers.logging.disable_progress_bar()
+        self.torch = torch
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+        self.eos = sorted(eos)
+        self.version = f"transformers {transformers.__version__}, torch {torch.__version__}"
+        self.calls = {"target": 0, "assistant": 0}
+        self.model.register_forward_hook(lambda *_: self._count("target"))
+        self.assistants = {}
+
+    def _count(self, who):
+        self.calls[who] += 1
+
+    def assistant(self, spec):
+        """'layers:N' (a copy of the first N layers), 'early-exit:N' or 'prompt-lookup' -> generate kwargs."""
+        kind, _, n = spec.partition(":")
+        if kind == "prompt-lookup":
+            return {"prompt_lookup_num_tokens": int(n or 10)}
+        if kind == "early-exit":
+            return {"assistant_early_exit": int(n)}
+        if kind != "layers":
+            raise MindspecError(f"unknown HF assistant {spec!r}: use layers:N, early-exit:N or prompt-lookup")
+        if spec not in self.assistants:
+            import copy
+            a = copy.deepcopy(self.model)
+            n = int(n)
+            a.model.layers = a.model.layers[:n]
+            a.config.num_hidden_layers = n
+            if isinstance(getattr(a.config, "layer_types", None), list):
+                a.config.layer_types = a.config.layer_types[:n]
+            a._forward_hooks.clear()  # the deep copy carried the target's counting hook
+            a.register_forward_hook(lambda *_: self._count("assistant"))
+            self.assistants[spec] = a
+        return {"assistant_model": self.assistants[spec]}
+
+    def generate(self, ids, max_new_tokens, extra):
+        torch = self.torch
+        x = torch.tensor([ids])
+        self.calls.update(target=0, assistant=0)
+        t = time.perf_counter()
+        with torch.inference_mode():
+            out = self.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
+                                      do_sample=False, num_beams=1, eos_token_id=self.eos,
+                                      pad_token_id=self.eos[0], **extra)
+        wall = time.perf_counter() - t
+        new = out[0, len(ids):].tolist()
+        calls = self.calls["target"]
+        stats = {"wall_s": wall, "target_calls": calls}
+        if "assistant_model" in extra:  # each target call emits accepted drafts + 1; one assistant call per draft
+            stats.update(drafted=self.calls["assistant"], accepted=max(len(new) - calls, 0))
+        return new, stats
+
+
+# -- the benchmark ---------------------------------------------------------------------------------
+
+def _try_dynamic(pipe, ids):
+    """Warm up k='auto'; None if the pipeline does not have dynamic K (yet), else the reason."""
+    try:
+        pipe.generate(prompt_ids=ids, max_new_tokens=WARMUP_TOKENS, k="auto")
+        return None
+    except (ValueError, TypeError, MindspecError) as e:
+        return f"pipe.generate(k='auto') is not available: {e}"
+
+
+def run(target=None, draft=None, prompts="story,chat,code", max_new_tokens=128, ks=(1, 2, 4, 8),
+        hf=True, hf_assistants=None, repeat=1, log=sys.stderr):
+    """Run every mode on every prompt; returns the bench.json dict."""
+    import mindspec
+    from .pipeline import SEQ_ROUND, _round_up
+    from .tokenizer import Tokenizer
+    if target is None:
+        from .default import default_pair
+        target, default_draft = default_pair()
+        draft = draft or default_draft
+    ks = sorted(set(int(k) for k in ks))
+    if not ks or ks[0] < 1:
+        raise MindspecError(f"--ks must be positive K buckets, got {ks}")
+    sets = load_prompts(prompts)
+    tok = Tokenizer(target)
+
+    def encode(text, chat):
+        return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]) if chat else text)
+    enc = {name: [encode(p, c) for p, c in rows] for name, rows in sets.items()}  # set -> [[ids]]
+    longest = max((ids for rows in enc.values() for ids in rows), key=len)
+    # one cache size for every prompt, so no mode ever recompiles mid-bench
+    max_seq = _round_up(len(longest) + max_new_tokens + ks[-1] + 1, SEQ_ROUND)
+    pipe = mindspec.load(target=target, draft=draft or False, k=ks[-1], max_seq=max_seq,
+                         buckets=tuple(ks))
+    notes, costs = [], None
+    modes = [("target-only", 0, dict(speculate=False))]
+    if pipe.proposer is None:
+        notes.append("no draft: speculative modes skipped")
+    else:
+        modes += [("fixed-k", k, dict(k=k)) for k in ks]
+    t0 = time.perf_counter()
+    for _, _, kw in modes:  # compile every graph and warm ORT before anything is timed
+        pipe.generate(prompt_ids=longest, max_new_tokens=WARMUP_TOKENS, **kw)
+    if pipe.proposer is not None:
+        why = _try_dynamic(pipe, longest)
+        if why:
+            notes.append(f"dynamic-k skipped: {why}")
+        else:
+            modes.append(("dynamic-k", "auto", dict(k="auto")))
+        from .policy import measure_costs
+        c, v = measure_costs(pipe)
+        costs = {"c": c, "v": {str(k): x for k, x in v.items()}}
+    hf_model, hf_modes = None, []
+    if hf and _hf_available():
+        hf_model = HF(target, pipe.eos)
+        n_layers = pipe.cfg.num_hidden_layers
+        for spec in hf_assistants or [f"layers:{max(1, n_layers // 2)}", "prompt-lookup"]:
+            hf_modes.append(("hf-assisted", spec, hf_model.assistant(spec)))
+        hf_modes.insert(0, ("hf-generate", None, {}))
+        for _, _, extra in hf_modes:
+            hf_model.generate(longest, WARMUP_TOKENS, extra)
+    elif hf:
+        notes.append("hf-generate / hf-assisted skipped: torch and transformers are not installed "
+                     "(pip install -e .[bench])")
+    print(f"warm-up and compile: {time.perf_counter() - t0:.1f} s", file=log)
+
+    tallies = {}  # (set, mode, k) -> Tally
+    for name, rows in enc.items():
+        for _ in range(repeat):
+            for ids in rows:
+                for mode, k, kw in modes:
+                    res = pipe.generate(prompt_ids=ids, max_new_tokens=max_new_tokens, **kw)
+                    tallies.setdefault((name, mode, k), Tally(prompt_set=name, mode=mode, k=k)).add(
+                        res.token_ids, res.stats)
+                for mode, spec, extra in hf_modes:
+                    new, stats = hf_model.generate(ids, max_new_tokens, extra)
+                    row = dict(prompt_set=name, mode=mode, k=None, assistant=spec)
+                    tallies.setdefault((name, mode, spec), Tally(**row)).add(new, stats)
+        print(f"{name}: done", file=log)
+    runs = []
+    for name in enc:
+        base = tallies[(name, "target-only", 0)]
+        runs += [t.result(base) for key, t in tallies.items() if key[0] == name]
+    for r in runs:
+        if r["mode"] == "hf-generate":
+            r["tokens_per_target_call"] = 1.0
+    return {"runs": runs, "notes": notes, "target": os.path.abspath(target),
+            "draft": draft and os.path.abspath(draft), "max_new_tokens": max_new_tokens, "ks": ks,
+            "repeat": repeat, "max_seq": max_seq, "costs_vs_decode": costs,
+            "prompts": {n: [p for p, _ in rows] for n, rows in sets.items()},
+            "hf": hf_model.version if hf_model else None, "cpu_count": os.cpu_count()}
+
+
+def table(result):
+    """Markdown table of the runs."""
+    out = ["| prompt set | mode | K | tokens/s | speedup | acceptance | tokens/call | identical |",
+           "|---|---|---|---|---|---|---|---|"]
+
+    def f(x, fmt):
+        return "" if x is None else format(x, fmt)
+    for r in result["runs"]:
+        k = r.get("assistant") or ("" if r["k"] in (0, None) else r["k"])
+        if r["mode"] == "dynamic-k" and "mean_k" in r:
+            k = f"auto (mean {r['mean_k']:.1f})"
+        out.append(f"| {r['prompt_set']} | {r['mode']} | {k} | {f(r['tokens_per_s'], '.1f')} | "
+                   f"{f(r['speedup'], '.2f')}{'x' if r['speedup'] else ''} | {f(r['acceptance_rate'], '.2f')} | "
+                   f"{f(r['tokens_per_target_call'], '.2f')} | {'yes' if r['identical_to_target_only'] else 'no'} |")
+    return "\n".join(out)
+
+
+def plot(result, path):
+    """Tokens/s and tokens per target call vs K, one colour per prompt set: fixed K as a line,
+    dynamic K as a star at its mean K, target-only (and HF generate) as horizontal references."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.4))
+    sets = list(dict.fromkeys(r["prompt_set"] for r in result["runs"]))
+    for i, name in enumerate(sets):
+        color = f"C{i}"
+        rows = [r for r in result["runs"] if r["prompt_set"] == name]
+        fixed = sorted((r for r in rows if r["mode"] == "fixed-k"), key=lambda r: r["k"])
+        for ax, key in zip(axes, ("tokens_per_s", "tokens_per_target_call")):
+            if fixed:
+                ax.plot([r["k"] for r in fixed], [r[key] for r in fixed], "o-", color=color, label=f"{name}: fixed K")
+            for r in rows:
+                if r["mode"] == "dynamic-k" and r.get("mean_k") is not None:
+                    ax.plot([r["mean_k"]], [r[key]], "*", ms=14, color=color, label=f"{name}: dynamic K")
+                elif r["mode"] == "target-only":
+                    ax.axhline(r[key], ls="--", color=color, lw=1, label=f"{name}: target-only")
+                elif r["mode"] == "hf-generate" and key == "tokens_per_s":
+                    ax.axhline(r[key], ls=":", color=color, lw=1, label=f"{name}: HF generate")
+    axes[0].set(xlabel="K (draft tokens per target call)", ylabel="tokens / s", title="Speed")
+    axes[1].set(xlabel="K (draft tokens per target call)", ylabel="tokens per target call",
+                title="Tokens per target call")
+    for ax in axes:
+        ax.set_xticks(result["ks"])
+        ax.grid(alpha=0.3)
+        ax.set_ylim(bottom=0)
+    fig.legend(*axes[0].get_legend_handles_labels(), fontsize=7, loc="center right")
+    fig.suptitle(f"mindspec bench: {os.path.basename(result['target'])}, "
+                 f"{result['max_new_tokens']} new tokens", fontsize=10)
+    fig.tight_layout(rect=(0, 0, 0.84, 1))  # room on the right for the legend
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def cmd_bench(a):
+    ks = [int(k) for k in a.ks.split(",") if k]
+    result = run(target=a.target, draft=a.draft, prompts=a.prompts, max_new_tokens=a.max_new_tokens, ks=ks,
+                 hf=not a.no_hf, hf_assistants=a.hf_assistants and a.hf_assistants.split(","), repeat=a.repeat)
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "bench.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    plot(result, os.path.join(a.out, "bench.png"))
+    print(table(result))
+    for n in result["notes"]:
+        print(f"note: {n}")
+    print(f"wrote {os.path.join(a.out, 'bench.json')} and {os.path.join(a.out, 'bench.png')}", file=sys.stderr)
+
+
+def _ks(text):
+    import argparse
+    try:
+        ks = [int(k) for k in text.split(",") if k]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of K: {text!r}") from None
+    if not ks or min(ks) < 1:
+        raise argparse.ArgumentTypeError(f"K buckets must be >= 1: {text!r}")
+    return text
+
+
+def add_parser(subparsers):
+    b = subparsers.add_parser("bench", help="benchmark target-only, fixed K, dynamic K (and HF transformers)")
+    b.add_argument("--target", default=None, help="target checkpoint dir (default: the embedded model)")
+    b.add_argument("--draft", default=None, help="draft .onnx (default: the embedded draft)")
+    b.add_argument("--prompts", default="story,chat,code", help="built-in sets (story,chat,code) or FILE.jsonl")
+    b.add_argument("--max-new-tokens", type=int, default=128)
+    b.add_argument("--out", default="bench-out", help="directory for bench.json and bench.png")
+    b.add_argument("--ks", type=_ks, default="1,2,4,8", help="fixed K buckets to run")
+    b.add_argument("--repeat", type=int, default=1, help="rounds over each prompt set")
+    b.add_argument("--no-hf", action="store_true", help="skip Hugging Face transformers even if installed")
+    b.add_argument("--hf-assistants", default=None,
+                   help="HF assistants, comma-separated: layers:N, early-exit:N, prompt-lookup "
+                        "(default: half the layers, prompt-lookup)")
+    b.set_defaults(func=cmd_bench)
+    return b

@@ -1,0 +1,145 @@
+"""`mindspec bench` as a real subprocess on a tiny pair: valid JSON with the required keys, a PNG
+that opens at a sensible size, a readable table; bad input exits 2 with one line."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from mindspec.export import export_draft
+
+# Until `bench` is wired into mindspec/cli.py, the same add_parser is mounted on a bare parser
+# (in a file: MindSpore's compile cache reads the entry script, so `python -c` cannot be used).
+SHIM = """import argparse, sys
+from mindspec import bench
+from mindspec.errors import MindspecError
+p = argparse.ArgumentParser(prog="mindspec")
+bench.add_parser(p.add_subparsers(dest="cmd", required=True))
+a = p.parse_args()
+try:
+    a.func(a)
+except MindspecError as e:
+    print(f"mindspec: error: {e}", file=sys.stderr)
+    sys.exit(2)
+"""
+REQUIRED = {"prompt_set", "mode", "k", "tokens_per_s", "acceptance_rate", "tokens_per_target_call",
+            "identical_to_target_only"}
+
+
+def _wired():
+    from mindspec import cli
+    return "bench" in cli.parser()._subparsers._group_actions[0].choices
+
+
+def bench(*args, home):
+    cmd = [sys.executable, "-m", "mindspec"]
+    if not _wired():
+        os.makedirs(home, exist_ok=True)
+        shim = os.path.join(home, "bench_shim.py")
+        with open(shim, "w") as f:
+            f.write(SHIM)
+        cmd = [sys.executable, shim]
+    p = subprocess.run(cmd + ["bench", *args], capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, MINDSPEC_HOME=str(home)))
+    return p.returncode, p.stdout, p.stderr
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_target, tiny_draft_ckpt, tmp_path_factory):
+    d = tmp_path_factory.mktemp("bench")
+    draft = str(d / "draft.onnx")
+    export_draft(tiny_draft_ckpt[0], draft)
+    return tiny_target[0], draft, d
+
+
+def test_bench_writes_json_png_and_table(pair):
+    target, draft, d = pair
+    prompts = d / "p.jsonl"
+    prompts.write_text('{"prompt": "Once upon a time", "set": "story"}\n\n'
+                       '{"prompt": "How are you?", "chat": true, "set": "chat"}\n'
+                       '{"prompt": "def f(x):"}\n')
+    out = d / "out"
+    code, stdout, err = bench("--target", target, "--draft", draft, "--prompts", str(prompts), "--ks", "1,2",
+                              "--max-new-tokens", "6", "--out", str(out), "--no-hf", home=d / "home")
+    assert code == 0, err
+    res = json.loads((out / "bench.json").read_text())
+    runs = res["runs"]
+    assert {r["prompt_set"] for r in runs} == {"story", "chat", "p"}  # "p": rows without a set, by file name
+    for r in runs:
+        assert REQUIRED <= set(r), r
+        assert r["tokens_per_s"] > 0 and r["new_tokens"] > 0
+    mine = [r for r in runs if r["mode"] in ("target-only", "fixed-k", "dynamic-k")]
+    assert all(r["identical_to_target_only"] for r in mine)  # greedy speculation changes nothing
+    for s in ("story", "chat", "p"):
+        modes = {(r["mode"], r["k"]) for r in runs if r["prompt_set"] == s}
+        assert {("target-only", 0), ("fixed-k", 1), ("fixed-k", 2)} <= modes
+        assert ("dynamic-k", "auto") in modes or any("dynamic-k skipped" in n for n in res["notes"])
+    for r in runs:
+        if r["mode"] == "fixed-k":
+            assert 0 <= r["acceptance_rate"] <= 1 and 1 <= r["tokens_per_target_call"] <= r["k"] + 1
+            assert r["k_used"] and sum(r["k_used"].values()) > 0
+    assert res["costs_vs_decode"]["c"] > 0 and set(res["costs_vs_decode"]["v"]) >= {"1", "2"}
+    assert (d / "home" / "costs.json").exists()  # measured once, cached for the next start
+
+    from PIL import Image
+    with Image.open(out / "bench.png") as im:
+        assert im.format == "PNG" and im.width >= 800 and im.height >= 300, im.size
+        px = np.asarray(im.convert("L"), dtype=np.float32)
+    assert px.std() > 5 and (px < 128).mean() > 0.005  # drawn on, not a blank canvas
+
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("|")]
+    assert lines[0].startswith("| prompt set | mode | K | tokens/s")
+    assert len(lines) == 2 + len(runs)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--prompts", "poetry"], "unknown prompt set"),
+    (["--prompts", "{bad}.jsonl"], "cannot read prompts file"),
+])
+def test_bench_bad_input_exits_2_with_one_line(pair, args, needle):
+    target, draft, d = pair
+    code, _, err = bench("--target", target, "--draft", draft, "--out", str(d / "bad"), *args, home=d / "home")
+    assert code == 2 and needle in err and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_bench_bad_jsonl_row(pair, tmp_path):
+    from mindspec.bench import load_prompts
+    from mindspec.errors import MindspecError
+    f = tmp_path / "x.jsonl"
+    f.write_text('{"prompt": "ok"}\n{"text": "no prompt key"}\n')
+    with pytest.raises(MindspecError, match=r"x.jsonl:2"):
+        load_prompts(str(f))
+    assert load_prompts("code,story") == {"code": load_prompts("code")["code"], "story": load_prompts("story")["story"]}
+
+
+def test_hf_modes_skip_cleanly_without_torch(monkeypatch):
+    import builtins
+
+    from mindspec import bench as b
+    real = builtins.__import__
+
+    def no_torch(name, *a, **kw):
+        if name.split(".")[0] in ("torch", "transformers"):
+            raise ImportError(name)
+        return real(name, *a, **kw)
+    monkeypatch.setattr(builtins, "__import__", no_torch)
+    assert b._hf_available() is False
+
+
+def test_hf_modes_on_the_same_target(pair, tmp_path, monkeypatch):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from mindspec.bench import run
+    target, draft, d = pair
+    monkeypatch.setenv("MINDSPEC_HOME", str(d / "home"))
+    f = tmp_path / "one.jsonl"
+    f.write_text('{"prompt": "Once upon a time"}\n')
+    res = run(target, draft, prompts=str(f), max_new_tokens=5, ks=(1,), hf_assistants=["layers:1", "prompt-lookup"])
+    hf = {(r["mode"], r["assistant"]): r for r in res["runs"] if r["mode"].startswith("hf-")}
+    assert set(hf) == {("hf-generate", None), ("hf-assisted", "layers:1"), ("hf-assisted", "prompt-lookup")}
+    for r in hf.values():  # same fp32 weights, greedy: the same tokens as mindspec's target-only
+        assert r["identical_to_target_only"] and r["tokens_per_s"] > 0
+    assert 0 <= hf[("hf-assisted", "layers:1")]["acceptance_rate"] <= 1
