@@ -55,8 +55,8 @@ def decode(target, proposer, prompt_ids, max_new_tokens, policy, stats):
         proposer.reset()
         policy.reset()
     while len(seq) - n_prompt < max_new_tokens and target.pos < target.max_seq:
-        left = max_new_tokens - (len(seq) - n_prompt)  # drafting past it would be thrown away
-        kk = policy.choose(min(left - 1, target.max_seq - target.pos - 1)) if proposer else 0
+        # near max_new_tokens the caller drops the surplus: cheaper than compiling a smaller bucket
+        kk = policy.choose(target.max_seq - target.pos - 1) if proposer else 0
         t0 = time.perf_counter()
         if kk == 0:
             new = [target.decode(seq[-1])]

@@ -43,6 +43,8 @@ class Pipeline:
             self.manifest, self.draft_path = self._check_draft(draft), draft
         self.fixed_max_seq = max_seq
         self.device = init_mindspore(device)
+        from .default import home
+        self.cache_dir = os.path.join(home(), "compile_cache")  # see TargetModel.warmup
         self.target = self.proposer = None
         if max_seq:
             self._build(max_seq)
@@ -140,15 +142,15 @@ class Pipeline:
         self._capacity(len(ids), max_new_tokens)
         compile_s = self.target.compile_s
         spec = speculate and self.proposer is not None
+        self.target.warmup(([k] if k != "auto" else self.buckets) if spec else [], self.cache_dir)
         policy = self._policy(k) if spec else None
-        self.target.warmup(([k] if k != "auto" else self.buckets) if spec else [])
         stats, out, finish, cut = Stats(), [], "length", False
         stream, text, shown = StreamDecoder(self.tokenizer), "", 0
         stops = [s for s in (stop or []) if s]
         hold = max((len(s) for s in stops), default=1) - 1  # never stream a half-seen stop string
         t0 = time.perf_counter()
         for new in decode(self.target, self.proposer if spec else None, ids, max_new_tokens, policy, stats):
-            for tok in new:
+            for tok in new[:max_new_tokens - len(out)]:  # the last step may overshoot
                 out.append(tok)
                 if tok in self.eos:
                     finish = "stop"
@@ -165,7 +167,6 @@ class Pipeline:
                 shown = len(text) - hold
         if not cut:
             text += stream.flush()
-        out = out[:max_new_tokens]
         stats.new_tokens = len(out)
         stats.wall_s = time.perf_counter() - t0
         stats.compile_s = self.target.compile_s - compile_s
