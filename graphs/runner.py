@@ -9,6 +9,7 @@ from mindspore import Tensor
 
 from mindspec.errors import MindspecError
 from .llama import Argmax, GreedyVerify, LlamaDecoder, Logits
+from .sampling import TOPK_CAP, SampleNext, SamplingVerify, scalars
 
 PREFILL_CHUNK = 32  # prompt processed in fixed chunks: one compiled prefill graph for any length
 DEFAULT_BUCKETS = (1, 2, 4, 8)
@@ -22,13 +23,18 @@ def init_mindspore(device=None):
     return device
 
 
+_COMPILES = 0  # graphs compiled in this process (see TargetModel.warmup)
+
+
 def _source_hash():
+    """The graph code's identity, part of the compile-cache key."""
     h = hashlib.sha256()
-    for name in sorted(os.listdir(os.path.dirname(__file__))):
+    here = os.path.dirname(os.path.abspath(__file__))
+    for name in sorted(os.listdir(here)):
         if name.endswith(".py"):
-            with open(os.path.join(os.path.dirname(__file__), name), "rb") as f:
+            with open(os.path.join(here, name), "rb") as f:
                 h.update(f.read())
-    return h.hexdigest()[:8]
+    return h.hexdigest()
 
 
 def round_up(n, m):
@@ -38,7 +44,7 @@ def round_up(n, m):
 class TargetModel:
     """Greedy target over a static cache of `max_seq` positions (a multiple of PREFILL_CHUNK)."""
 
-    def __init__(self, ckpt, max_seq, buckets=DEFAULT_BUCKETS, dtype=ms.float32, cache_dir=None):
+    def __init__(self, ckpt, max_seq, buckets=DEFAULT_BUCKETS, dtype=ms.float32):
         self.cfg = ckpt.config
         self.max_seq = round_up(max_seq, PREFILL_CHUNK)
         self.buckets = tuple(sorted(buckets))
@@ -49,19 +55,21 @@ class TargetModel:
         for cell in (self._logits, self._argmax, self._verify):
             cell.set_train(False)
         self.pos = 0  # tokens whose K/V are valid in the cache
-        # compiled graphs persist per (weights, cache size, graph source): a second run starts fast
-        self.cache_path = cache_dir and os.path.join(
-            cache_dir, f"{ckpt.fingerprint()}-s{self.max_seq}-{_source_hash()}")
+        self.fingerprint = ckpt.fingerprint()
         self.compiled, self.compile_s = set(), 0.0
+        self._samplers = {}  # (graph class, variant flags) -> cell, built on first use
+        self.topk_cap = TOPK_CAP  # top-k/top-p candidates before the (exact) full-sort fallback
+        self._no_seen = Tensor(np.zeros((1, self.cfg.vocab_size), np.float32))
 
-    def _run(self, cell, key, ids):
-        """Call a graph; the first call of each (graph, shape) compiles it (or loads it from cache)."""
+    def _run(self, cell, key, ids, *extra):
+        """Call a graph; the first call of each (graph, shape) compiles it.
+        `extra`: inputs after (ids, start), Tensors only (a Python number recompiles per value)."""
         if key in self.compiled:
-            return cell(self._ids(ids), self._start())
-        if self.cache_path:  # set right before compiling: several models may live in one process
-            ms.set_context(enable_compile_cache=True, compile_cache_path=self.cache_path)
+            return cell(self._ids(ids), self._start(), *extra)
+        global _COMPILES
+        _COMPILES += 1
         t = time.perf_counter()
-        out = cell(self._ids(ids), self._start())
+        out = cell(self._ids(ids), self._start(), *extra)
         self.compile_s += time.perf_counter() - t
         self.compiled.add(key)
         return out
@@ -120,16 +128,129 @@ class TargetModel:
         self.pos += len(ids)
         return out
 
-    def warmup(self, ks=()):
-        """Compile (or load from the cache) prefill, decode and the verify graphs of `ks`, so that
-        timed generation measures decoding only. Runs at position 0 and leaves pos at 0."""
+    def warmup(self, ks=(), cache_dir=None):
+        """Compile prefill, decode and the verify graphs of `ks`, so that
+        timed generation measures decoding only. Runs at position 0 and leaves pos at 0.
+
+        With `cache_dir`, the graphs are saved to / loaded from MindSpore's compile cache, but
+        only when they are the first graphs compiled in this process: MindSpore names cached
+        graphs by the process's compile counter and reads the cache path once, so only a fixed
+        compile order from a fresh process maps every cached file to the right graph (otherwise
+        it handed a verify graph of another K to a run that compiled in another order)."""
         need = ["prefill", "decode"] + [f"verify{k}" for k in ks]
         if all(n in self.compiled for n in need):
             return
+        cached = bool(cache_dir) and _COMPILES == 0
+        if cached:
+            key = hashlib.sha256(repr((self.fingerprint, self.max_seq, need, _source_hash())).encode())
+            ms.set_context(enable_compile_cache=True,
+                           compile_cache_path=os.path.join(cache_dir, key.hexdigest()[:16]))
+        try:
+            self._compile(ks)
+        finally:
+            if cached:
+                ms.set_context(enable_compile_cache=False)  # later graphs compile in any order
+
+    def _compile(self, ks):
         self.rollback(0)
         self.prefill([0])
         self.decode(0)
         for k in ks:
             self.rollback(1)
             self.verify(0, [0] * k)
+        self.rollback(0)
+
+    # ---- sampling (temperature > 0): see graphs/sampling.py and mindspec/acceptance.py ----
+
+    def _sampler(self, cls, params):
+        """The sampling cell for these params and its key suffix: top-k/top-p (t) and the repetition
+        penalty (r, which also serves greedy-with-penalty) are compiled variants, so plain sampling
+        pays for neither."""
+        flags = (params.truncates and not params.greedy, params.repetition_penalty != 1.0)
+        if (cls, flags) not in self._samplers:
+            cell = cls(self.decoder, *flags, cap=self.topk_cap)
+            cell.set_train(False)
+            self._samplers[(cls, flags)] = cell
+        return self._samplers[(cls, flags)], "".join(c for c, f in zip("tr", flags) if f)
+
+    def _sample_inputs(self, params, prev_ids):
+        """(temperature, top_k, top_p, penalty, seen [1, V]) Tensors; prev_ids: the committed tokens
+        the repetition penalty looks at (needed only when it is on)."""
+        seen = self._no_seen
+        if params.repetition_penalty != 1.0:
+            if prev_ids is None:
+                raise ValueError("repetition_penalty needs prev_ids (the committed token ids)")
+            m = np.zeros((1, self.cfg.vocab_size), np.float32)
+            m[0, np.asarray(list(prev_ids), np.int64)] = 1.0
+            seen = Tensor(m)
+        return scalars(params) + (seen,)
+
+    @staticmethod
+    def _uniforms(u, *shape):
+        return Tensor(np.asarray(u, np.float32).reshape(shape))
+
+    def prefill_sample(self, ids, params, u, prev_ids=None):
+        """As prefill, but the next token is sampled with `params` (SamplingParams) and the uniform u.
+        prev_ids defaults to ids (the repetition penalty sees the prompt)."""
+        if params.greedy and params.repetition_penalty == 1.0:
+            return self.prefill(ids)
+        ids = list(ids)
+        self._check_room(round_up(len(ids), PREFILL_CHUNK))
+        cell, tag = self._sampler(SampleNext, params)
+        rest = (self._uniforms(u, 1),) + self._sample_inputs(params, ids if prev_ids is None else prev_ids)
+        tok = None
+        for c in range(0, len(ids), PREFILL_CHUNK):
+            chunk = ids[c:c + PREFILL_CHUNK]
+            n = len(chunk)
+            tok = self._run(cell, f"psample{tag}", chunk + [0] * (PREFILL_CHUNK - n), Tensor(np.int32(n - 1)), *rest)
+            self.pos += n
+        return int(tok.asnumpy()[0])
+
+    def decode_sample(self, token, params, u, prev_ids=None):
+        """Target-only sampling step: feed one token, sample the next with the uniform u."""
+        if params.greedy and params.repetition_penalty == 1.0:
+            return self.decode(token)
+        self._check_room(1)
+        cell, tag = self._sampler(SampleNext, params)
+        tok = self._run(cell, f"dsample{tag}", [token], Tensor(np.int32(0)), self._uniforms(u, 1),
+                        *self._sample_inputs(params, prev_ids))
+        self.pos += 1
+        return int(tok.asnumpy()[0])
+
+    def verify_sample(self, last, drafts, q, u, params, prev_ids=None):
+        """Speculative sampling in one graph call: drafts [K] (a compiled bucket) sampled from q [K, V]
+        (the processed draft distributions), u [K+1] uniforms in [0, 1). Returns (n_accepted,
+        next_token); the cache ends valid for last + accepted drafts. prev_ids: committed ids
+        (including last) for the repetition penalty. Greedy params (temperature 0) without a penalty
+        run the exact-match greedy graph (same result: p is one-hot)."""
+        if params.greedy and params.repetition_penalty == 1.0:
+            return self.verify(last, drafts)
+        K = len(drafts)
+        assert K in self.buckets, (K, self.buckets)
+        self._check_room(K + 1)
+        q = np.asarray(q, np.float32)
+        assert q.shape == (K, self.cfg.vocab_size), q.shape
+        cell, tag = self._sampler(SamplingVerify, params)
+        n, nxt, _ = self._run(cell, f"vsample{K}{tag}", [last] + list(drafts), Tensor(q.reshape(1, K, -1)),
+                              self._uniforms(u, 1, K + 1), *self._sample_inputs(params, prev_ids))
+        n = int(n.asnumpy()[0])
+        self.pos += 1 + n
+        return n, int(nxt.asnumpy()[0])
+
+    def warmup_sample(self, params, ks=()):
+        """warmup() for the sampling graphs of these params' variant."""
+        if params.greedy and params.repetition_penalty == 1.0:
+            return self.warmup(ks)
+        _, tag = self._sampler(SampleNext, params)
+        need = [f"psample{tag}", f"dsample{tag}"] + [f"vsample{k}{tag}" for k in ks]
+        if all(n in self.compiled for n in need):
+            return
+        V = self.cfg.vocab_size
+        self.rollback(0)
+        self.prefill_sample([0], params, 0.5, prev_ids=[0])
+        self.decode_sample(0, params, 0.5, prev_ids=[0])
+        for k in ks:
+            self.rollback(1)
+            self.verify_sample(0, [0] * k, np.full((k, V), 1.0 / V, np.float32), np.full(k + 1, 0.5), params,
+                               prev_ids=[0])
         self.rollback(0)

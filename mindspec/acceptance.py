@@ -5,6 +5,8 @@ probabilities. A step drafts K tokens; the target scores K+1 positions in one ca
 """
 import numpy as np
 
+from .sampling import sample
+
 
 def greedy_accept(target_argmax, drafts):
     """target_argmax: [K+1] int, the target's argmax after each verified position;
@@ -16,3 +18,34 @@ def greedy_accept(target_argmax, drafts):
     match = target_argmax[:K] == drafts
     n = K if match.all() else int(np.argmin(match))
     return n, int(target_argmax[n])
+
+
+def _pick(a, index, axis):
+    """a[..., index, ...] along `axis`, one index per leading position."""
+    return np.take_along_axis(a, np.expand_dims(index, axis), axis).squeeze(axis)
+
+
+def speculative_accept(p, q, drafts, u_accept, u_sample):
+    """Speculative sampling for one step (Leviathan et al. Alg. 1; Chen et al. Alg. 2).
+
+    p: [K+1, V] target probabilities after each verified position (processed: temperature,
+    top-k/top-p, repetition penalty); q: [K, V] draft probabilities the drafts were sampled from;
+    drafts: [K] int; u_accept: [K] uniforms in [0, 1); u_sample: one uniform for the emitted token.
+    Draft x_i is accepted when u_i * q_i(x) < p_i(x), i.e. with probability min(1, p/q) (q(x)=0 < p(x):
+    always accepted; p(x)=0: always rejected). At the first rejection the recovered token is drawn from
+    norm(max(0, p_i - q_i)) (from p_i if that is all zero); after K acceptances the bonus from p_K.
+    Returns (n_accepted, next_token). Every argument may carry the same leading batch dimensions
+    (then both results are int arrays [..]); graphs/sampling.py is this function inside the graph."""
+    p, q, drafts = np.asarray(p), np.asarray(q), np.asarray(drafts)
+    u_accept, u_sample = np.asarray(u_accept), np.asarray(u_sample)
+    K = drafts.shape[-1]
+    assert p.shape[-2] == K + 1 and q.shape[-2:] == (K, p.shape[-1]) and u_accept.shape == drafts.shape \
+        and u_sample.shape == drafts.shape[:-1], (p.shape, q.shape, drafts.shape, u_accept.shape, u_sample.shape)
+    accept = u_accept * _pick(q, drafts, -1) < _pick(p[..., :K, :], drafts, -1)  # [.., K]
+    n = np.cumprod(accept, -1).sum(-1)  # [..] accepted prefix length
+    p_n = _pick(p, n[..., None], -2)  # [.., V] p at the first rejection, or p_K
+    q_pad = np.concatenate([q, np.zeros_like(p[..., :1, :])], -2)  # [.., K+1, V]: row K is 0
+    residual = np.maximum(p_n - _pick(q_pad, n[..., None], -2), 0)  # recovered: norm(max(0, p - q)); bonus: p_K
+    residual = np.where(residual.sum(-1, keepdims=True) > 0, residual, p_n)
+    nxt = sample(residual, u_sample)
+    return (int(n), int(nxt)) if drafts.ndim == 1 else (n, nxt)

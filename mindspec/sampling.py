@@ -1,0 +1,126 @@
+"""Sampling parameters and logits processing (numpy), shared by the draft and the target reference.
+
+Hugging Face semantics and order: repetition penalty on the raw logits (seen ids: positive logits
+divided, negative multiplied), then temperature, then top-k, then top-p. Truncation is by value:
+top-k keeps every token whose logit is >= the k-th largest (ties at the boundary all kept); top-p
+keeps the smallest set of most probable tokens whose mass reaches top_p (so always >= 1 token),
+i.e. token i is kept when the mass of the tokens ranked before it is < top_p. graphs/sampling.py
+computes exactly the same thing inside the target's compiled graph.
+"""
+import math
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import numpy as np
+
+from .errors import MindspecError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 = greedy. top_k 0 / top_p 1.0 / repetition_penalty 1.0 = off. The draft uses the
+    same processing with `draft_temperature` (None: the target's): it changes q, hence the acceptance
+    rate, never the output distribution. `seed` (None: fresh entropy) drives all uniform draws."""
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    draft_temperature: Optional[float] = None
+    seed: Optional[int] = None
+
+    def __post_init__(self):
+        def finite(name, v):
+            if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) \
+                    or not math.isfinite(v):
+                raise MindspecError(f"{name} must be a finite number, got {v!r}")
+        finite("temperature", self.temperature)
+        if self.temperature < 0:
+            raise MindspecError(f"temperature must be >= 0, got {self.temperature}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, (int, np.integer)) or self.top_k < 0:
+            raise MindspecError(f"top_k must be an integer >= 0 (0: off), got {self.top_k!r}")
+        finite("top_p", self.top_p)
+        if not 0 < self.top_p <= 1:
+            raise MindspecError(f"top_p must be in (0, 1], got {self.top_p}")
+        finite("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0:
+            raise MindspecError(f"repetition_penalty must be > 0 (1.0: off), got {self.repetition_penalty}")
+        if self.draft_temperature is not None:
+            finite("draft_temperature", self.draft_temperature)
+            if self.draft_temperature < 0:
+                raise MindspecError(f"draft_temperature must be >= 0, got {self.draft_temperature}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer))
+                                      or self.seed < 0):
+            raise MindspecError(f"seed must be an integer >= 0, got {self.seed!r}")
+
+    @property
+    def greedy(self):
+        return self.temperature == 0
+
+    @property
+    def truncates(self):
+        """Whether top-k or top-p removes anything (the target then needs the sorting graph)."""
+        return self.top_k > 0 or self.top_p < 1
+
+    def for_draft(self):
+        """The same processing at the draft's temperature (what q is computed with)."""
+        t = self.temperature if self.draft_temperature is None else self.draft_temperature
+        return replace(self, temperature=t, draft_temperature=None)
+
+    def rng(self):
+        return np.random.default_rng(self.seed)
+
+    def process(self, logits, prev_ids=None):
+        return process_logits(logits, self.temperature, self.top_k, self.top_p, self.repetition_penalty, prev_ids)
+
+
+def _softmax(x):
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def process_logits(logits, temperature, top_k=0, top_p=1.0, repetition_penalty=1.0, prev_ids=None):
+    """logits [.., V] -> probabilities [.., V] (float64). prev_ids: token ids already in the sequence
+    (one list for every row), penalised when repetition_penalty != 1. temperature 0: one-hot argmax."""
+    x = np.array(logits, dtype=np.float64)  # [.., V]
+    V = x.shape[-1]
+    if repetition_penalty != 1.0 and prev_ids is not None and len(prev_ids):
+        seen = np.zeros(V, bool)
+        seen[np.asarray(prev_ids, np.int64)] = True
+        x = np.where(seen, np.where(x > 0, x / repetition_penalty, x * repetition_penalty), x)
+    if temperature == 0:
+        onehot = np.zeros_like(x)
+        np.put_along_axis(onehot, x.argmax(-1)[..., None], 1.0, -1)
+        return onehot
+    x = x / temperature
+    if 0 < top_k < V:
+        kth = -np.sort(-x, -1)[..., top_k - 1:top_k]  # [.., 1] the k-th largest logit
+        x = np.where(x >= kth, x, -np.inf)
+    if top_p < 1:
+        s = -np.sort(-x, -1)  # [.., V] logits, descending
+        ps = _softmax(s)
+        before = np.cumsum(ps, -1) - ps  # mass of the tokens ranked before each one
+        cut = np.where(before < top_p, s, np.inf).min(-1, keepdims=True)  # [.., 1] smallest kept logit
+        x = np.where(x >= cut, x, -np.inf)
+    return _softmax(x)
+
+
+def sample(probs, u):
+    """Inverse-CDF draw from probs [.., V] (need not be normalised) with uniforms u [..] in [0, 1):
+    the first token whose cumulative mass exceeds u * total. The threshold stays below the total,
+    so a zero-probability token is never drawn (graphs/sampling.py does the same).
+    Returns an int (or an int array [..] for batched input)."""
+    probs, u = np.asarray(probs), np.asarray(u)
+    assert u.shape == probs.shape[:-1] and ((0 <= u) & (u < 1)).all(), (probs.shape, u)
+    cdf = np.cumsum(probs, -1)
+    total = cdf[..., -1:]
+    thr = np.minimum(u[..., None] * total, total * (1 - 2.0 ** -23))
+    n = (cdf <= thr).sum(-1)
+    return int(n) if n.ndim == 0 else n
+
+
+def draft_token(logits, params, prev_ids, u):
+    """One draft step: logits [V] of the draft -> (token, q [V]) with q processed at the draft's
+    temperature (params: the target's SamplingParams). A greedy draft (draft_temperature 0) gives a
+    one-hot q, which is still lossless."""
+    q = params.for_draft().process(logits, prev_ids)
+    return sample(q, u), q

@@ -1,0 +1,391 @@
+"""Speculative sampling: logits processing, the pure accept/reject step on hand-built p/q, the fused
+MindSpore verify graph against it, and statistical losslessness (chi-square against the target's
+exact distribution, with a broken variant proving the test has teeth)."""
+import json
+import os
+
+import numpy as np
+import pytest
+from scipy.stats import chisquare
+
+from mindspec.acceptance import speculative_accept
+from mindspec.checkpoint import Checkpoint, write_checkpoint
+from mindspec.errors import MindspecError
+from mindspec.reference import reference_logits
+from mindspec.sampling import SamplingParams, draft_token, process_logits, sample
+
+from conftest import make_tiny_checkpoint
+
+V = 16  # vocabulary of the statistical tests: 256 cells for two tokens
+CONTEXT = [3, 7, 11, 5]
+CAP = 4  # top-k candidates in the graph: small, so both the fast path and the full-sort fallback run
+
+
+def _probs(*rows):
+    return np.array(rows, dtype=np.float64)
+
+
+# ---- logits processing -------------------------------------------------------------------------
+
+def test_repetition_penalty_then_temperature():
+    x = [2.0, -2.0, 1.0, 0.5]
+    got = process_logits(x, 1.0, repetition_penalty=2.0, prev_ids=[0, 1, 1])
+    assert np.allclose(got, process_logits([1.0, -4.0, 1.0, 0.5], 1.0))  # positive /2, negative *2
+    assert np.allclose(process_logits(x, 0.5), process_logits(np.array(x) * 2, 1.0))
+    assert process_logits(x, 0.0).tolist() == [1, 0, 0, 0]  # temperature 0: one-hot argmax
+    assert process_logits(x, 0.0, repetition_penalty=4.0, prev_ids=[0]).tolist() == [0, 0, 1, 0]
+
+
+def test_top_k_keeps_ties_and_top_p_keeps_the_smallest_set():
+    assert (process_logits([3.0, 2.0, 2.0, 1.0], 1.0, top_k=2) > 0).tolist() == [True, True, True, False]
+    logp = np.log([0.5, 0.3, 0.15, 0.05])
+    keep = lambda top_p: (process_logits(logp, 1.0, top_p=top_p) > 0).sum()  # noqa: E731
+    assert [keep(1e-9), keep(0.4), keep(0.6), keep(0.9), keep(0.99), keep(1.0)] == [1, 1, 2, 3, 4, 4]
+    got = process_logits(logp, 1.0, top_p=0.6)
+    assert np.allclose(got, [0.5 / 0.8, 0.3 / 0.8, 0, 0])
+    # top-k first, then top-p over the renormalised survivors
+    assert np.allclose(process_logits(logp, 1.0, top_k=2, top_p=0.6), [1, 0, 0, 0])
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=-1), dict(temperature=float("nan")), dict(top_k=-1),
+                                dict(top_k=2.5), dict(top_p=0), dict(top_p=1.5), dict(repetition_penalty=0),
+                                dict(draft_temperature=-0.1), dict(seed=-1), dict(seed="x"),
+                                dict(temperature=True)])
+def test_bad_sampling_params_raise_one_line(kw):
+    with pytest.raises(MindspecError) as e:
+        SamplingParams(**kw)
+    assert "\n" not in str(e.value) and list(kw)[0] in str(e.value)
+
+
+def test_sampling_params_draft_and_flags():
+    p = SamplingParams(temperature=0.7, top_p=0.9, draft_temperature=1.1, seed=3)
+    assert p.for_draft().temperature == 1.1 and p.for_draft().top_p == 0.9
+    assert SamplingParams(0.7).for_draft().temperature == 0.7
+    assert p.truncates and not SamplingParams(1.0).truncates and SamplingParams(0.0).greedy
+    assert p.rng().random() == SamplingParams(seed=3).rng().random()
+    tok, q = draft_token(np.log([0.1, 0.6, 0.3]), SamplingParams(1.0, draft_temperature=0.0), [], 0.99)
+    assert tok == 1 and q.tolist() == [0, 1, 0]  # a greedy draft: one-hot q, still lossless
+
+
+def test_sample_inverse_cdf_never_draws_a_zero_probability_token():
+    probs = [0.0, 0.25, 0.0, 0.75, 0.0]
+    assert sample(probs, 0.0) == 1 and sample(probs, 0.2499) == 1 and sample(probs, 0.25) == 3
+    assert sample(probs, float(np.nextafter(np.float32(1), np.float32(0)))) == 3
+    assert sample([0.0, 2.0, 6.0], 0.3) == 2  # unnormalised
+
+
+# ---- the pure accept/reject step -----------------------------------------------------------------
+
+def test_perfect_match_accepts_all_and_samples_the_bonus():
+    p = _probs([0.2, 0.5, 0.3], [0.6, 0.2, 0.2], [0.1, 0.1, 0.8])
+    for u in (0.0, 0.5, 0.999):
+        assert speculative_accept(p, p[:2], [1, 0], [u, u], 0.95) == (2, 2)  # bonus from p_K
+    assert speculative_accept(p, p[:2], [1, 0], [0.9, 0.9], 0.05) == (2, 0)
+
+
+def test_first_position_rejection_samples_the_residual():
+    p = _probs([0.1, 0.9, 0.0], [1 / 3] * 3)
+    q = _probs([0.8, 0.1, 0.1])
+    # accept x=0 with probability p/q = 0.125
+    assert speculative_accept(p, q, [0], [0.12], 0.5) == (1, 1)  # accepted; bonus from p_1
+    for us in (0.0, 0.5, 0.999):  # rejected; residual max(0, p - q) = [0, 0.8, 0]: always token 1
+        assert speculative_accept(p, q, [0], [0.13], us) == (0, 1)
+
+
+def test_partial_acceptance():
+    p = _probs([0.5, 0.5, 0.0], [0.0, 0.3, 0.7], [0.0, 0.0, 1.0])
+    q = _probs([0.4, 0.3, 0.3], [0.0, 0.9, 0.1])
+    # draft 0: p/q = 1.25 -> accepted; draft 1: p/q = 1/3 rejected at u = 0.5; residual [0, 0, 0.6]
+    assert speculative_accept(p, q, [0, 1], [0.99, 0.5], 0.0) == (1, 2)
+    assert speculative_accept(p, q, [0, 1], [0.99, 0.3], 0.0) == (2, 2)  # accepted: bonus from p_2
+
+
+def test_q_zero_where_p_positive_is_accepted_and_p_zero_is_rejected():
+    p = _probs([0.3, 0.7, 0.0], [0.2, 0.2, 0.6])
+    q = _probs([0.0, 0.5, 0.5])
+    assert speculative_accept(p, q, [0], [0.999], 0.0) == (1, 0)  # q(x) = 0 < p(x): ratio infinite
+    assert speculative_accept(p, q, [2], [0.0], 0.0) == (0, 0)  # p(x) = 0: rejected even at u = 0
+    assert speculative_accept(p, q, [2], [0.0], 0.999) == (0, 1)  # residual [0.3, 0.2, 0] / 0.5
+
+
+def test_degenerate_residual_falls_back_to_p():
+    p = _probs([0.5, 0.5, 0.0], [1.0, 0.0, 0.0])
+    # x = 2 was not drawn from q (q(x) = 0 = p(x)): rejected, and p - q has no positive mass
+    assert speculative_accept(p, p[:1], [2], [0.0], 0.7) == (0, 1)
+
+
+def test_acceptance_probability_is_min_one_p_over_q():
+    p, q = _probs([0.2, 0.8], [0.5, 0.5]), _probs([0.5, 0.5])
+    us = (np.arange(1000) + 0.5) / 1000
+    assert sum(speculative_accept(p, q, [0], [u], 0.5)[0] for u in us) == 400  # 0.2 / 0.5
+    assert sum(speculative_accept(p, q, [1], [u], 0.5)[0] for u in us) == 1000  # 0.8 / 0.5 > 1
+
+
+def test_truncation_applies_to_p_so_outside_tokens_never_come_out():
+    logits = np.log([[0.4, 0.3, 0.2, 0.1]] * 2)
+    p = process_logits(logits, 1.0, top_k=2)  # [2, 4]: tokens 2, 3 impossible
+    q = process_logits(logits, 1.0)
+    assert speculative_accept(p, q[:1], [2], [0.0], 0.5)[0] == 0  # p(x) = 0 after top-k
+    outs = {speculative_accept(p, q[:1], [d], [u], us)[1]
+            for d in range(4) for u in (0.0, 0.6) for us in np.linspace(0, 0.999, 50)}
+    assert outs <= {0, 1}
+    p = process_logits(logits, 1.0, top_p=0.5)  # keeps {0, 1}: 0.4 alone is not enough
+    assert (p[0] > 0).tolist() == [True, True, False, False]
+
+
+# ---- shared tiny models for the graph and statistical tests --------------------------------------
+
+def _small_checkpoint(path, seed, base=None, noise=0.0):
+    d, t = make_tiny_checkpoint(path, vocab=V, hidden=32, layers=1, heads=2, kv_heads=1, inter=64,
+                                seed=seed, base=base, noise=noise)
+    if base is None:  # the conftest head gives logits of std ~8 (nearly one-hot): shrink it
+        t["lm_head.weight"] = t["lm_head.weight"] * 0.3
+        with open(os.path.join(d, "config.json")) as f:
+            write_checkpoint(d, json.load(f), t)
+    return d, t
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """(target Checkpoint, draft Checkpoint): a small-vocabulary target with spread-out logits and a
+    noisy copy that disagrees with it (acceptance ~0.5)."""
+    root = tmp_path_factory.mktemp("sampling")
+    td, tt = _small_checkpoint(root / "target", seed=0)
+    dd, _ = _small_checkpoint(root / "draft", seed=1, base=tt, noise=0.6)
+    return Checkpoint(td), Checkpoint(dd)
+
+
+@pytest.fixture(scope="module")
+def logit_tables(pair):
+    """Reference logits after CONTEXT + 0, 1, 2 more tokens, for target and draft:
+    ([V], [V, V], [V, V, V]) each."""
+    out = []
+    for ck in pair:
+        rows = np.stack([np.stack([reference_logits(ck.config, ck.get, CONTEXT + [a, b])[len(CONTEXT) - 1:]
+                                   for b in range(V)]) for a in range(V)])  # [a, b, 3, V]
+        out.append((rows[0, 0, 0], rows[:, 0, 1], rows[:, :, 2]))
+    return out
+
+
+class Batch:
+    """The fused sampling graphs called directly over B rows (one independent sample per row): the
+    same cells TargetModel uses, on a decoder with a batch dimension, so thousands of samples cost a
+    few graph calls."""
+
+    def __init__(self, ckpt, rows):
+        from mindspec.graphs.llama import LlamaDecoder
+        self.decoder = LlamaDecoder(ckpt.config, ckpt.get, max_seq=32, batch=rows)
+        self.B, self.cells = rows, {}
+
+    def _cell(self, cls, **flags):
+        key = (cls, tuple(sorted(flags.items())))
+        if key not in self.cells:
+            self.cells[key] = cls(self.decoder, cap=CAP, **flags)
+            self.cells[key].set_train(False)
+        return self.cells[key]
+
+    @staticmethod
+    def _inputs(params, seen):
+        from mindspore import Tensor
+        from mindspec.graphs.sampling import scalars
+        return scalars(params) + (Tensor(np.asarray(seen, np.float32)),)
+
+    def verify(self, ids, start, q, u, params, seen=None, **flags):
+        """ids [B, K+1], q [B, K, V], u [B, K+1] -> (n_accepted [B], next_token [B])."""
+        from mindspore import Tensor
+        from mindspec.graphs.sampling import SamplingVerify
+        seen = np.zeros((self.B, V)) if seen is None else seen
+        n, nxt, _ = self._cell(SamplingVerify, **flags)(
+            Tensor(np.asarray(ids, np.int32)), Tensor(np.int32(start)), Tensor(np.asarray(q, np.float32)),
+            Tensor(np.asarray(u, np.float32)), *self._inputs(params, seen))
+        return n.asnumpy(), nxt.asnumpy()
+
+    def fill(self, ids):
+        """Write ids [B, T] into the cache at positions 0..T-1 (two at a time, through the plain K=1
+        verify graph; a padded last slot is overwritten by the next call)."""
+        ids = np.concatenate([ids, np.zeros((self.B, len(ids[0]) % 2), int)], 1)
+        q, u = np.full((self.B, 1, V), 1.0 / V), np.full((self.B, 2), 0.5)
+        for c in range(0, ids.shape[1], 2):
+            self.verify(ids[:, c:c + 2], c, q, u, SamplingParams(1.0))
+
+
+ROWS = 2000  # samples per fused-graph call in the statistical tests
+
+
+@pytest.fixture(scope="module")
+def batch(pair):
+    from mindspec.graphs.runner import init_mindspore
+    init_mindspore()
+    return Batch(pair[0], ROWS)
+
+
+# ---- the fused graph equals the pure function ----------------------------------------------------
+
+GRAPH_CASES = [  # (K, variant flags, params): fast top-k path when top_k <= CAP, else the full sort
+    (1, {}, [SamplingParams(1.0), SamplingParams(0.6)]),
+    (2, dict(truncate=True), [SamplingParams(0.8, top_k=3, top_p=0.9), SamplingParams(0.8, top_k=6, top_p=0.9),
+                              SamplingParams(1.3, top_p=0.6), SamplingParams(1.0, top_k=2)]),
+    (2, dict(truncate=True, penalize=True), [SamplingParams(1.2, top_k=3, top_p=0.8, repetition_penalty=1.5),
+                                             SamplingParams(0.9, top_p=0.7, repetition_penalty=0.7),
+                                             SamplingParams(0.0, repetition_penalty=1.5)]),  # greedy + penalty
+]
+CHECKED = 24  # rows per call compared with the pure function (the numpy reference is the slow part)
+
+
+def test_fused_verify_graph_equals_pure_function(pair, batch):
+    ckpt = pair[0]
+    rng = np.random.default_rng(7)
+    outcomes = set()
+    for k, flags, param_list in GRAPH_CASES:
+        for params in param_list:
+            prefix = rng.integers(0, V, (ROWS, 5))  # [B, 5]: the last one is fed with the drafts
+            batch.fill(prefix[:, :-1])
+            dp = SamplingParams(float(rng.uniform(0.5, 2.0)), params.top_k, params.top_p)
+            q = dp.process(rng.normal(0, 2, (ROWS, k, V))).astype(np.float32)  # [B, K, V]
+            drafts = sample(q, rng.random((ROWS, k)))  # [B, K]
+            drafts[3::4, -1] = q[3::4, -1].argmin(-1)  # robustness: a draft q gives (next to) no mass
+            u = rng.random((ROWS, k + 1), dtype=np.float32)
+            seen = np.zeros((ROWS, V))
+            np.put_along_axis(seen, prefix, 1, 1)
+            n, nxt = batch.verify(np.concatenate([prefix[:, -1:], drafts], 1), 4, q, u, params, seen, **flags)
+            for r in range(CHECKED):
+                seq = list(prefix[r]) + list(drafts[r])
+                logits = reference_logits(ckpt.config, ckpt.get, seq)[4:]  # [K+1, V]
+                p = np.stack([params.process(logits[i], seq[:5 + i]) for i in range(k + 1)])
+                want = speculative_accept(p, q[r], drafts[r], u[r, :k], u[r, k])
+                assert (n[r], nxt[r]) == want, (params, r, seq)
+                outcomes.add(n[r] == k)
+    assert outcomes == {True, False}  # both the recovered and the bonus path were compared
+
+
+# ---- statistical losslessness --------------------------------------------------------------------
+
+def _tables(logit_tables, params):
+    """Processed p (target) and q (draft, at the draft temperature, float32 like the graph's input)
+    after CONTEXT + 0, 1, 2 tokens."""
+    t, d = logit_tables
+    return [params.process(x) for x in t], [params.for_draft().process(x).astype(np.float32) for x in d]
+
+
+def _at(table, ctx):
+    """Rows of a (P or Q) table after CONTEXT + ctx [N, depth] -> [N, V]."""
+    N, depth = ctx.shape
+    return np.broadcast_to(table[0], (N, V)) if depth == 0 else table[depth][tuple(ctx.T)]
+
+
+def _step(Q, ctx, k, u, verify):
+    """One speculative step for N rows after CONTEXT + ctx [N, d]: draft k tokens from q with the
+    uniforms u[:, :k], verify with u[:, k:]. Returns (n_accepted [N], next_token [N], drafts [N, k])."""
+    drafts, q = np.zeros((len(ctx), 0), int), []
+    for i in range(k):
+        q.append(_at(Q, np.concatenate([ctx, drafts], 1)))
+        drafts = np.concatenate([drafts, sample(q[-1], u[:, i])[:, None]], 1)
+    n, nxt = verify(ctx, drafts, np.stack(q, 1), u[:, k:])
+    return n, nxt, drafts
+
+
+def _two_tokens(Q, ks, U, verify):
+    """The first two tokens a speculative loop emits after CONTEXT, for N rows of uniforms U: a step
+    drafting ks[0] tokens, then, for rows where it emitted only the recovered token, a step drafting
+    ks[1]. Returns [N, 2]."""
+    k1, k2 = ks
+    n, nxt, drafts = _step(Q, np.zeros((len(U), 0), int), k1, U[:, :2 * k1 + 1], verify)
+    first = np.where(n >= 1, drafts[:, 0], nxt)
+    n2, nxt2, drafts2 = _step(Q, first[:, None], k2, U[:, 2 * k1 + 1:2 * (k1 + k2) + 2], verify)
+    second = np.where(n == 0, np.where(n2 >= 1, drafts2[:, 0], nxt2),
+                      np.where(n >= 2, drafts[:, min(1, k1 - 1)], nxt))
+    return np.stack([first, second], 1)
+
+
+def _pure_verify(P, recover_from_p=False):
+    def verify(ctx, drafts, q, u):
+        p = np.stack([_at(P, np.concatenate([ctx, drafts[:, :i]], 1)) for i in range(drafts.shape[1] + 1)], 1)
+        n, nxt = speculative_accept(p, q, drafts, u[:, :-1], u[:, -1])
+        if recover_from_p:  # the classic bug: the recovered token drawn from p instead of the residual
+            redo = sample(np.take_along_axis(p, n[:, None, None], 1)[:, 0], u[:, -1])
+            nxt = np.where(n < drafts.shape[1], redo, nxt)
+        return n, nxt
+    return verify
+
+
+def _graph_verify(batch, params, flags):
+    def verify(ctx, drafts, q, u):
+        last = ctx[:, -1:] if ctx.shape[1] else np.full((len(ctx), 1), CONTEXT[-1])
+        return batch.verify(np.concatenate([last, drafts], 1), len(CONTEXT) - 1 + ctx.shape[1], q, u, params,
+                            **flags)
+    return verify
+
+
+def _chi2_pvalue(pairs, P):
+    """Chi-square of the observed (first, second) token pairs against the target's exact joint
+    distribution P(a) * P(b | a); cells expected < 5 times are pooled."""
+    exact = (P[0][:, None] * P[1]).ravel()  # [V * V]
+    obs = np.bincount(pairs[:, 0] * V + pairs[:, 1], minlength=V * V)
+    exp = exact / exact.sum() * len(pairs)
+    assert obs[exp == 0].sum() == 0, "produced a token pair the target gives probability 0"
+    small = exp < 5
+    obs, exp = np.append(obs[~small], obs[small].sum()), np.append(exp[~small], exp[small].sum())
+    keep = exp > 0
+    return chisquare(obs[keep], exp[keep]).pvalue
+
+
+STAT_CASES = {  # name: (params, (K of the first step, K of the second), graph variant flags)
+    "t1": (SamplingParams(1.0), (1, 1), {}),
+    "top_p+draft_t": (SamplingParams(1.0, top_p=0.8, draft_temperature=1.5), (2, 1), dict(truncate=True)),
+}
+
+
+@pytest.mark.parametrize("name", list(STAT_CASES))
+def test_speculative_sampling_is_lossless_and_the_test_has_teeth(logit_tables, name):
+    params, ks, _ = STAT_CASES[name]
+    P, Q = _tables(logit_tables, params)
+    U = np.random.default_rng(1).random((20000, 2 * sum(ks) + 2), dtype=np.float32)
+    assert _chi2_pvalue(_two_tokens(Q, ks, U, _pure_verify(P)), P) > 1e-3
+    assert _chi2_pvalue(_two_tokens(Q, ks, U, _pure_verify(P, recover_from_p=True)), P) < 1e-3
+
+
+@pytest.mark.parametrize("name", list(STAT_CASES))
+def test_fused_graph_is_lossless(logit_tables, batch, name):
+    params, ks, flags = STAT_CASES[name]
+    P, Q = _tables(logit_tables, params)
+    ks = (ks[0], ks[0])  # the graph scores its own rows: no table depth limit, and no second K to compile
+    batch.fill(np.tile(CONTEXT[:-1], (ROWS, 1)))
+    U = np.random.default_rng(2).random((ROWS, 2 * sum(ks) + 2), dtype=np.float32)
+    assert _chi2_pvalue(_two_tokens(Q, ks, U, _graph_verify(batch, params, flags)), P) > 1e-3
+
+
+# ---- TargetModel's host side: prefill_sample, verify_sample, decode_sample ------------------------
+
+@pytest.fixture(scope="module")
+def target(pair):
+    from mindspec.graphs.runner import TargetModel, init_mindspore
+    init_mindspore()
+    return TargetModel(pair[0], max_seq=32, buckets=(1, 2))
+
+
+def test_target_model_sampling_methods_match_the_pure_functions(pair, target):
+    ckpt, m = pair[0], target
+    rng = np.random.default_rng(11)
+    ref = lambda seq: reference_logits(ckpt.config, ckpt.get, seq)[-1]  # noqa: E731
+    for case in range(6):
+        params = SamplingParams(float(rng.uniform(0.5, 1.5)))
+        prefix = [int(x) for x in rng.integers(0, V, int(rng.integers(2, 7)))]
+        u = rng.random(5, dtype=np.float32)
+        m.rollback(0)
+        first = m.prefill_sample(prefix, params, u[0])
+        assert first == sample(params.process(ref(prefix)), u[0]) and m.pos == len(prefix)
+        seq = prefix + [first]
+        q = params.for_draft().process(rng.normal(0, 2, V))[None].astype(np.float32)  # [1, V]
+        drafts = [sample(q[0], float(rng.random()))]
+        p = np.stack([params.process(ref(seq)), params.process(ref(seq + drafts))])
+        n, nxt = m.verify_sample(first, drafts, q, u[1:3], params)
+        assert (n, nxt) == speculative_accept(p, q, drafts, u[1:2], u[2]) and m.pos == len(seq) + n
+        seq += drafts[:n] + [nxt]
+        assert m.decode_sample(nxt, params, u[3]) == sample(params.process(ref(seq)), u[3])
+    outs = set()
+    for _ in range(3):  # fixed uniforms: the same result every time
+        m.rollback(len(CONTEXT) - 1)
+        outs.add(m.verify_sample(CONTEXT[-1], [4], np.full((1, V), 1 / V, np.float32), [0.3, 0.42], params))
+    assert len(outs) == 1
+    with pytest.raises(ValueError):
+        m.verify_sample(CONTEXT[-1], [4], np.full((1, V), 1 / V), [0.3, 0.4], SamplingParams(repetition_penalty=1.2))
