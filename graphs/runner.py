@@ -237,14 +237,28 @@ class TargetModel:
         self.pos += 1 + n
         return n, int(nxt.asnumpy()[0])
 
-    def warmup_sample(self, params, ks=()):
-        """warmup() for the sampling graphs of these params' variant."""
+    def warmup_sample(self, params, ks=(), cache_dir=None):
+        """warmup() for the sampling graphs of these params' variant (same compile-cache rule: used
+        only when these are the first graphs compiled in the process)."""
         if params.greedy and params.repetition_penalty == 1.0:
-            return self.warmup(ks)
+            return self.warmup(ks, cache_dir)
         _, tag = self._sampler(SampleNext, params)
         need = [f"psample{tag}", f"dsample{tag}"] + [f"vsample{k}{tag}" for k in ks]
         if all(n in self.compiled for n in need):
             return
+        cached = bool(cache_dir) and _COMPILES == 0
+        if cached:
+            key = hashlib.sha256(repr((self.fingerprint, self.max_seq, need, self.topk_cap,
+                                       _source_hash())).encode())
+            ms.set_context(enable_compile_cache=True,
+                           compile_cache_path=os.path.join(cache_dir, key.hexdigest()[:16]))
+        try:
+            self._compile_sample(params, ks)
+        finally:
+            if cached:
+                ms.set_context(enable_compile_cache=False)
+
+    def _compile_sample(self, params, ks):
         V = self.cfg.vocab_size
         self.rollback(0)
         self.prefill_sample([0], params, 0.5, prev_ids=[0])
