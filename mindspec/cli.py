@@ -38,7 +38,9 @@ def cmd_generate(a):
     pipe = load(target=a.target, draft=False if a.no_speculate else a.draft, k=a.k, max_seq=a.max_seq)
     stream = None if a.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     res = pipe.generate(prompt=a.prompt, prompt_ids=a.prompt_ids, max_new_tokens=a.max_new_tokens,
-                        temperature=a.temperature, stop=a.stop, chat=a.chat, on_text=stream)
+                        temperature=a.temperature, stop=a.stop, chat=a.chat, on_text=stream, top_k=a.top_k,
+                        top_p=a.top_p, repetition_penalty=a.repetition_penalty,
+                        draft_temperature=a.draft_temperature, seed=a.seed)
     s = res.stats
     if a.json:
         print(json.dumps({"text": res.text, "token_ids": res.token_ids, "finish_reason": res.finish_reason,
@@ -74,7 +76,13 @@ def parser():
                    help="draft tokens per target call: a K bucket 1..8, or auto (dynamic K, the default)")
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--max-seq", type=int, default=None, help="fix the KV-cache length (default: sized to the job)")
-    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--draft-temperature", type=float, default=None,
+                   help="the draft's temperature (e.g. 1.1): changes acceptance, never the output distribution")
+    g.add_argument("--seed", type=int, default=None, help="seed: same seed + same K schedule = same text")
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--no-speculate", action="store_true", help="target-only decoding (the baseline)")

@@ -2,6 +2,8 @@
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 
 @dataclass
 class Stats:
@@ -37,17 +39,21 @@ class Stats:
                 "tokens_per_s": self.new_tokens / self.wall_s if self.wall_s else None}
 
 
-def decode(target, proposer, prompt_ids, max_new_tokens, policy, stats):
+def decode(target, proposer, prompt_ids, max_new_tokens, policy, stats, params=None):
     """Yield the tokens committed by each target call (1..K+1 of them) until max_new_tokens or the
     cache is full; the caller stops early on EOS / stop strings by closing the generator.
     `policy` (mindspec.policy FixedK / DynamicK) picks K per step: choose(limit), update(k, n).
+    `params` (SamplingParams) switches to speculative sampling; its seeded generator draws every
+    uniform, so a seeded run with the same K schedule gives the same text.
 
     Invariant: the target cache holds seq[:-1] (target.pos == len(seq) - 1), so a rejected draft
     is rolled back by moving that integer, never by copying."""
     seq, n_prompt = list(prompt_ids), len(prompt_ids)
     target.rollback(0)  # a new request reuses the cache from position 0
+    rng = params.rng() if params is not None else None
+    u = lambda n=None: rng.random(n, dtype=np.float32)  # noqa: E731
     t = time.perf_counter()
-    seq.append(target.prefill(seq))
+    seq.append(target.prefill_sample(seq, params, u()) if rng else target.prefill(seq))
     stats.prefill_s += time.perf_counter() - t
     stats.target_calls += 1
     yield seq[-1:]
@@ -59,13 +65,19 @@ def decode(target, proposer, prompt_ids, max_new_tokens, policy, stats):
         kk = policy.choose(target.max_seq - target.pos - 1) if proposer else 0
         t0 = time.perf_counter()
         if kk == 0:
-            new = [target.decode(seq[-1])]
+            new = [target.decode_sample(seq[-1], params, u(), prev_ids=seq) if rng else target.decode(seq[-1])]
             stats.record(0, 0)
         else:
-            drafts = proposer.get_candidates(seq, kk)  # [K]
+            if rng:
+                drafts, q = proposer.get_candidates(seq, kk, params, rng)  # [K], [K, V]
+            else:
+                drafts = proposer.get_candidates(seq, kk)  # [K]
             t1 = time.perf_counter()
             stats.draft_s += t1 - t0
-            n, nxt = target.verify(seq[-1], drafts)
+            if rng:
+                n, nxt = target.verify_sample(seq[-1], drafts, q, u(kk + 1), params, prev_ids=seq)
+            else:
+                n, nxt = target.verify(seq[-1], drafts)
             new = drafts[:n] + [nxt]
             stats.record(kk, n)
             policy.update(kk, n)

@@ -7,6 +7,7 @@ from .checkpoint import Checkpoint
 from .errors import MindspecError
 from .loop import Stats, decode
 from .proposer import OnnxProposer
+from .sampling import SamplingParams
 from .tokenizer import StreamDecoder, Tokenizer
 
 SEQ_ROUND = 256  # max_seq grows in steps of this: each size is a new set of compiled graphs
@@ -127,29 +128,36 @@ class Pipeline:
         return ids
 
     def generate(self, prompt=None, prompt_ids=None, max_new_tokens=64, temperature=0.0, seed=None,
-                 stop=None, chat=False, on_text=None, k=None, speculate=True):
-        """Generate greedily; `on_text(delta)` receives text as it is produced. `k` overrides the
+                 stop=None, chat=False, on_text=None, k=None, speculate=True, top_k=0, top_p=1.0,
+                 repetition_penalty=1.0, draft_temperature=None):
+        """Generate (greedy at temperature 0, else speculative sampling: the target's distribution
+        exactly, whatever the draft); `on_text(delta)` receives text as it is produced. `k` overrides the
         pipeline's K for this call (a compiled bucket, or "auto" for dynamic K); speculate=False
         decodes with the target alone through the same graphs (the baseline)."""
         k = self.k if k is None else k
         if k != "auto" and k not in self.buckets:
             raise MindspecError(f"K={k} is not a compiled bucket {list(self.buckets)}")
-        if temperature and temperature > 0:
-            raise MindspecError("sampling (temperature > 0) is not supported yet: use temperature 0")
+        params = SamplingParams(temperature, top_k, top_p, repetition_penalty, draft_temperature, seed)
+        sampling = not params.greedy or params.repetition_penalty != 1.0
         if max_new_tokens < 1:
             raise MindspecError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         ids = self.encode(prompt, prompt_ids, chat)
         self._capacity(len(ids), max_new_tokens)
         compile_s = self.target.compile_s
         spec = speculate and self.proposer is not None
-        self.target.warmup(([k] if k != "auto" else self.buckets) if spec else [], self.cache_dir)
+        ks = ([k] if k != "auto" else self.buckets) if spec else []
+        if sampling:
+            self.target.warmup_sample(params, ks, self.cache_dir)
+        else:
+            self.target.warmup(ks, self.cache_dir)
         policy = self._policy(k) if spec else None
         stats, out, finish, cut = Stats(), [], "length", False
         stream, text, shown = StreamDecoder(self.tokenizer), "", 0
         stops = [s for s in (stop or []) if s]
         hold = max((len(s) for s in stops), default=1) - 1  # never stream a half-seen stop string
         t0 = time.perf_counter()
-        for new in decode(self.target, self.proposer if spec else None, ids, max_new_tokens, policy, stats):
+        for new in decode(self.target, self.proposer if spec else None, ids, max_new_tokens, policy, stats,
+                          params if sampling else None):
             for tok in new[:max_new_tokens - len(out)]:  # the last step may overshoot
                 out.append(tok)
                 if tok in self.eos:
