@@ -33,6 +33,22 @@ def cmd_convert(a):
     print(f"wrote {convert_gguf(a.gguf, a.out)}")
 
 
+def format_stats(s):
+    """A readable table of a generation's stats (--stats)."""
+    rows = [("new tokens", s["new_tokens"]), ("target calls (incl. prefill)", s["target_calls"]),
+            ("drafted / accepted", f"{s['drafted']} / {s['accepted']}"),
+            ("acceptance rate", "-" if s["acceptance_rate"] is None else f"{s['acceptance_rate']:.3f}"),
+            ("tokens per target call", f"{s['tokens_per_target_call']:.2f}"),
+            ("accepted at draft position", " ".join(map(str, s["accepted_at"])) or "-"),
+            ("K used (steps)", " ".join(f"K={k}:{n}" for k, n in s["k_used"].items()) or "-"),
+            ("time: prefill / draft / verify", f"{s['prefill_s']:.3f} / {s['draft_s']:.3f} / {s['verify_s']:.3f} s"),
+            ("time: other", f"{s['wall_s'] - s['prefill_s'] - s['draft_s'] - s['verify_s']:.3f} s"),
+            ("wall (after compile) / compile", f"{s['wall_s']:.3f} / {s['compile_s']:.3f} s"),
+            ("tokens/s", f"{s['tokens_per_s']:.2f}")]
+    w = max(len(r[0]) for r in rows)
+    return "\n".join(f"{name:<{w}}  {value}" for name, value in rows)
+
+
 def cmd_generate(a):
     from .pipeline import load
     pipe = load(target=a.target, draft=False if a.no_speculate else a.draft, k=a.k, max_seq=a.max_seq)
@@ -47,6 +63,8 @@ def cmd_generate(a):
                           "stats": s}))
         return
     print()
+    if a.stats:
+        print(format_stats(s), file=sys.stderr)
     acc = f"acceptance {s['acceptance_rate']:.2f}, " if s["acceptance_rate"] is not None else ""
     print(f"[{s['new_tokens']} tokens in {s['wall_s']:.2f} s = {s['tokens_per_s']:.1f} tok/s; {acc}"
           f"{s['tokens_per_target_call']:.2f} tokens per target call; "
@@ -87,6 +105,7 @@ def parser():
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--no-speculate", action="store_true", help="target-only decoding (the baseline)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    g.add_argument("--stats", action="store_true", help="print a table of acceptance and timing to stderr")
     g.set_defaults(func=cmd_generate)
     from . import bench, plan
     plan.add_parser(sub)

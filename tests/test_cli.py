@@ -43,9 +43,11 @@ def test_generate_json_speculative_equals_no_speculate(pair):
 
 def test_generate_streams_text_and_summarises_on_stderr(pair):
     target, draft, _ = pair
-    code, out, err = run("generate", "hi", "--target", target, "--draft", draft, "--max-new-tokens", "12")
+    code, out, err = run("generate", "hi", "--target", target, "--draft", draft, "--max-new-tokens", "12",
+                         "--stats", "-k", "2")
     assert code == 0, err
     assert out.strip() and "tokens per target call" in err and "Traceback" not in err
+    assert "accepted at draft position" in err and "K=2:" in err  # the --stats table
 
 
 def _bad(d, name, breaker):
