@@ -301,7 +301,7 @@ def plot(result, path):
     fig.legend(*axes[0].get_legend_handles_labels(), fontsize=7, loc="center right")
     fig.suptitle(f"mindspec bench: {os.path.basename(result['target'])}, "
                  f"{result['max_new_tokens']} new tokens", fontsize=10)
-    fig.tight_layout(rect=(0, 0, 0.84, 1))  # room on the right for the legend
+    fig.tight_layout(rect=(0, 0, 0.87, 1))  # room on the right for the legend
     fig.savefig(path, dpi=100)
     plt.close(fig)
 

@@ -32,6 +32,7 @@ class Pipeline:
         self.k = self._check_k(k, buckets)
         self.buckets = tuple(sorted(set(buckets) | ({self.k} - {"auto"})))
         self.costs = None  # (c, v) for dynamic K, measured on first use
+        self._dynamic = None  # one DynamicK per pipeline: its acceptance prior carries across requests
         self.ckpt = Checkpoint(target)
         self.cfg = self.ckpt.config
         self.tokenizer = Tokenizer(target)
@@ -75,16 +76,18 @@ class Pipeline:
         from .policy import DynamicK, FixedK, measure_costs
         if k != "auto":
             return FixedK(k, self.buckets)
-        if self.costs is None:
-            self.costs = measure_costs(self)
-        return DynamicK(self.buckets, *self.costs)
+        if self._dynamic is None:
+            if self.costs is None:
+                self.costs = measure_costs(self)
+            self._dynamic = DynamicK(self.buckets, *self.costs)
+        return self._dynamic  # decode() resets it per request
 
     def set_draft(self, path):
         """Swap the draft (None: target-only), keeping the compiled target."""
         from mindspec.export import DraftSession
         self.manifest = self._check_draft(path) if path else None
         self.draft_path = path
-        self.proposer, self.costs = None, None
+        self.proposer, self.costs, self._dynamic = None, None, None
         if path and self.target is not None:
             self.proposer = OnnxProposer(DraftSession(path, max_seq=self.target.max_seq))
 
@@ -96,6 +99,7 @@ class Pipeline:
             raise MindspecError(f"{max_seq} positions exceed the model's max_position_embeddings "
                                 f"{self.cfg.max_position_embeddings}")
         self.target = TargetModel(self.ckpt, max_seq, self.buckets)
+        self.costs, self._dynamic = None, None  # costs depend on the cache size
         if self.draft_path:
             self.proposer = OnnxProposer(DraftSession(self.draft_path, max_seq=self.target.max_seq))
 

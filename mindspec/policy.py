@@ -76,9 +76,16 @@ class DynamicK:
     instead would undercount (a full acceptance at k=1 says little, n=0 at k=8 says a lot).
     A rejection lowers α and so K; a full acceptance raises both (best_k is monotone in α).
 
-    When α makes K=0 best, no more evidence arrives, so every `probe_every` plain steps one step
-    drafts the smallest bucket to see whether the text became predictable again.
+    Each request starts from the acceptance seen over this policy's past requests (α0 before any),
+    so a short request does not spend its first steps re-learning how good the draft is.
+
+    A plain (K=0) step brings no evidence, so the estimate decays toward that prior instead: a few
+    unlucky rejections do not switch drafting off for the rest of the request. When even the prior
+    makes K=0 best (a useless draft), every `probe_every` plain steps one step drafts the smallest
+    bucket to see whether the text became predictable again.
     """
+
+    MIN_SEEN = 8  # draft tokens judged before past acceptance replaces α0 as the prior
 
     def __init__(self, buckets, c, v, alpha0=0.8, decay=0.7, min_conf=None, prior_weight=2.0,
                  probe_every=16):
@@ -90,12 +97,17 @@ class DynamicK:
         self.alpha0, self.decay, self.prior_weight = alpha0, decay, prior_weight
         self.min_conf = min_conf  # the proposer's confidence cut, see stop_early
         self.probe_every = probe_every
+        self.seen_acc = self.seen_trials = 0  # over all requests, undecayed
         self.reset()
 
     def reset(self):
-        """Start a new request from the prior α0 (worth `prior_weight` draft tokens)."""
-        self.acc, self.trials = self.alpha0 * self.prior_weight, self.prior_weight
+        """Start a new request from the prior (worth `prior_weight` draft tokens): the acceptance
+        of past requests once there is enough of it, else α0."""
+        self.acc, self.trials = self._prior() * self.prior_weight, self.prior_weight
         self.plain_steps = 0
+
+    def _prior(self):
+        return self.seen_acc / self.seen_trials if self.seen_trials >= self.MIN_SEEN else self.alpha0
 
     @property
     def alpha(self):
@@ -110,11 +122,16 @@ class DynamicK:
         return k
 
     def update(self, k, n_accepted):
-        if k == 0:
-            return  # a plain decode step says nothing about the draft
+        if k == 0:  # no news: forget toward the prior, as the EMA forgets toward new evidence
+            w = (1 - self.decay) * self.prior_weight
+            self.acc = self.decay * self.acc + w * self._prior()
+            self.trials = self.decay * self.trials + w
+            return
         rejected = 1 if n_accepted < k else 0
         self.acc = self.decay * self.acc + n_accepted
         self.trials = self.decay * self.trials + n_accepted + rejected
+        self.seen_acc += n_accepted
+        self.seen_trials += n_accepted + rejected
 
 
 # -- cost measurement ------------------------------------------------------------------------------
@@ -142,6 +159,8 @@ def _write_costs(key, entry):
     path = _costs_path()
     os.makedirs(os.path.dirname(path), exist_ok=True)
     data = _read_costs()  # re-read: another process may have added its own pair meanwhile
+    # forget pairs whose draft file is gone (temporary test drafts), so the file stays small
+    data = {k: e for k, e in data.items() if len(k.split("|")) > 1 and os.path.exists(k.split("|")[1])}
     data[key] = entry
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
@@ -192,7 +211,11 @@ def measure_costs(pipe, reps=5, cache=True):
     t.rollback(0)
     s.reset()
     c = med["draft"] / med["decode"]
-    v = {k: med[k] / med["decode"] for k in t.buckets}
+    # verifying K+1 tokens costs at least a decode and at least a smaller bucket: on a shared machine
+    # a burst of load can make single medians break that, and a v(K) < 1 would make K look free
+    v, floor = {}, 1.0
+    for k in sorted(t.buckets):
+        v[k] = floor = max(floor, med[k] / med["decode"])
     if cache:
         _write_costs(key, {"c": c, "v": {str(k): x for k, x in v.items()}, "decode_s": med["decode"],
                            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")})

@@ -10,39 +10,13 @@ import pytest
 
 from mindspec.export import export_draft
 
-# Until `bench` is wired into mindspec/cli.py, the same add_parser is mounted on a bare parser
-# (in a file: MindSpore's compile cache reads the entry script, so `python -c` cannot be used).
-SHIM = """import argparse, sys
-from mindspec import bench
-from mindspec.errors import MindspecError
-p = argparse.ArgumentParser(prog="mindspec")
-bench.add_parser(p.add_subparsers(dest="cmd", required=True))
-a = p.parse_args()
-try:
-    a.func(a)
-except MindspecError as e:
-    print(f"mindspec: error: {e}", file=sys.stderr)
-    sys.exit(2)
-"""
 REQUIRED = {"prompt_set", "mode", "k", "tokens_per_s", "acceptance_rate", "tokens_per_target_call",
             "identical_to_target_only"}
 
 
-def _wired():
-    from mindspec import cli
-    return "bench" in cli.parser()._subparsers._group_actions[0].choices
-
-
 def bench(*args, home):
-    cmd = [sys.executable, "-m", "mindspec"]
-    if not _wired():
-        os.makedirs(home, exist_ok=True)
-        shim = os.path.join(home, "bench_shim.py")
-        with open(shim, "w") as f:
-            f.write(SHIM)
-        cmd = [sys.executable, shim]
-    p = subprocess.run(cmd + ["bench", *args], capture_output=True, text=True, timeout=600,
-                       env=dict(os.environ, MINDSPEC_HOME=str(home)))
+    p = subprocess.run([sys.executable, "-m", "mindspec", "bench", *args], capture_output=True, text=True,
+                       timeout=600, env=dict(os.environ, MINDSPEC_HOME=str(home)))
     return p.returncode, p.stdout, p.stderr
 
 

@@ -56,11 +56,12 @@ def test_dynamic_k_lowers_after_rejections_and_raises_after_full_acceptances():
     k0 = p.choose(100)
     assert k0 == 4
     ks = []
-    for _ in range(6):  # the draft's first token is rejected every step
+    for _ in range(20):  # the draft's first token is rejected every step
         k = p.choose(100)
         p.update(k, 0)
         ks.append(k)
-    assert ks[-1] < k0 and ks == sorted(ks, reverse=True), ks
+    assert ks[:4] == [4, 2, 1, 0], ks  # each rejection lowers K, down to plain decoding
+    assert ks[-6:] == [0] * 6, ks  # once MIN_SEEN drafts failed, even the prior says: do not draft
     low = ks[-1]
     ks = []
     for _ in range(6):
@@ -77,11 +78,11 @@ def test_dynamic_k_lowers_after_rejections_and_raises_after_full_acceptances():
 def test_dynamic_k_switches_a_useless_draft_off_and_probes_now_and_then():
     p = DynamicK(BUCKETS, c=0.3, v=V, alpha0=0.8, probe_every=5)
     seq = []
-    for _ in range(30):
+    for _ in range(40):
         k = p.choose(100)
         p.update(k, 0)
         seq.append(k)
-    tail = seq[10:]
+    tail = seq[20:]
     assert tail.count(0) >= 0.75 * len(tail), seq  # mostly plain decoding...
     assert 1 in tail  # ...with a one-token probe every probe_every plain steps
     assert max(tail) == 1
@@ -93,8 +94,15 @@ def test_dynamic_k_respects_limit_and_resets():
     for _ in range(5):
         p.update(8, 0)
     assert p.alpha < 0.3
-    p.reset()
+    a = p.alpha
+    p.update(0, 0)  # a plain step: no news, the estimate drifts back toward the prior (α0 so far)
+    assert a < p.alpha < 0.95
+    p.reset()  # too little seen yet: a new request starts from α0
     assert p.alpha == pytest.approx(0.95)
+    for _ in range(4):
+        p.update(8, 2)  # 8 accepted, 4 rejected; with the 5 rejections above: 8 / 17
+    p.reset()  # enough seen: the next request starts from the draft's observed acceptance
+    assert p.alpha == pytest.approx(8 / 17) and p.choose(100) < 8
 
 
 def test_dynamic_k_alpha_is_the_pooled_geometric_estimate():
@@ -119,12 +127,14 @@ def pipe(tiny_target, tiny_draft_ckpt, tmp_path_factory):
 
 def test_measure_costs_and_cache(pipe, tmp_path, monkeypatch):
     monkeypatch.setenv("MINDSPEC_HOME", str(tmp_path))
+    stale = {"fp|/nonexistent/gone.onnx|1|2|s128|CPU": {"c": 0.1, "v": {"1": 1.0}}}
+    (tmp_path / "costs.json").write_text(json.dumps(stale))
     c, v = measure_costs(pipe, reps=3)
     assert 0 < c < 50 and set(v) == set(pipe.target.buckets)
     assert all(0 < x < 50 and math.isfinite(x) for x in v.values())
     assert pipe.target.pos == 0 and pipe.proposer.session.pos == 0
     saved = json.loads((tmp_path / "costs.json").read_text())
-    assert len(saved) == 1
+    assert len(saved) == 1  # the entry of a draft file that no longer exists was dropped
     (entry,) = saved.values()
     entry["c"] = 123.0  # a cached value is returned without measuring again
     (tmp_path / "costs.json").write_text(json.dumps(saved))
@@ -133,3 +143,10 @@ def test_measure_costs_and_cache(pipe, tmp_path, monkeypatch):
     a = pipe.generate(prompt_ids=[5, 6, 7], max_new_tokens=10, speculate=False)
     b = pipe.generate(prompt_ids=[5, 6, 7], max_new_tokens=10, k=2)
     assert a.token_ids == b.token_ids
+
+
+def test_measured_verify_costs_are_at_least_decode_and_monotone(pipe, tmp_path, monkeypatch):
+    monkeypatch.setenv("MINDSPEC_HOME", str(tmp_path))
+    _, v = measure_costs(pipe, reps=1, cache=False)
+    ks = sorted(v)
+    assert v[ks[0]] >= 1.0 and all(v[a] <= v[b] for a, b in zip(ks, ks[1:]))
