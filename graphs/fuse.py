@@ -3,10 +3,16 @@
 Per layer: one q|k|v|rot(q)|rot(k) projection with the input RMSNorm weight and the 1/sqrt(D)
 attention scale folded in, o_proj, one gate|up projection with the post-attention norm folded in,
 and down_proj. RoPE then costs two multiplies and an add: out = a*cos + a_rot*sin, where
-a_rot = rotate_half(a) comes straight out of the matmul (rows rotated in the weight)."""
+a_rot = rotate_half(a) comes straight out of the matmul (rows rotated in the weight).
+
+Under tensor parallelism (graphs/tp.py) each rank folds only its slice, read straight from the
+safetensors files (`get_slice`), so no rank holds the full model: its query heads (laid out in the
+plan's slots, empty slots zero) and their KV heads, its intermediate and vocabulary ranges. With one
+rank the plan is the identity and the result is exactly the unsharded fold."""
 import numpy as np
 
 from mindspec.reference import rope_tables
+from .tp import shard_plan
 
 
 def rotate_half_rows(w, n_heads, D):
@@ -15,27 +21,81 @@ def rotate_half_rows(w, n_heads, D):
     return np.concatenate([-w[:, D // 2:], w[:, :D // 2]], axis=1).reshape(n_heads * D, -1)
 
 
-def fused_weights(cfg, get):
-    H, KV, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    out = {"embed": get("model.embed_tokens.weight"),
-           "head": get("lm_head.weight") * get("model.norm.weight")[None, :]}
+def reader(get, get_slice=None):
+    """read(name, axis=None, start=None, stop=None): a whole tensor, or rows (axis 0) / columns
+    (axis 1) start:stop of it; through get_slice when the checkpoint has it (reads only that slice)."""
+    def read(name, axis=None, start=None, stop=None):
+        if axis is None:
+            return get(name)
+        if get_slice is not None:
+            return get_slice(name, axis, start, stop)
+        w = get(name)
+        return w[start:stop] if axis == 0 else w[:, start:stop]
+    return read
+
+
+def _blocks(w, idx, D, axis=0):
+    """Head blocks of D rows (axis 0) or columns (axis 1) of w, in the order of idx (-1: zeros)."""
+    idx = np.asarray(idx).ravel()
+    n = w.shape[axis] // D
+    if np.array_equal(idx, np.arange(n)):
+        return w
+    if axis == 1:
+        return _blocks(w.T, idx, D).T
+    out = np.zeros((len(idx) * D,) + w.shape[1:], w.dtype)
+    for j, h in enumerate(idx):
+        if h >= 0:
+            out[j * D:(j + 1) * D] = w[h * D:(h + 1) * D]
+    return out
+
+
+def _pad(w, n, axis=0):
+    """Zero-pad w to n rows (axis 0) or columns (axis 1)."""
+    extra = n - w.shape[axis]
+    if extra == 0:
+        return w
+    return np.pad(w, ((0, extra), (0, 0)) if axis == 0 else ((0, 0), (0, extra)))
+
+
+def fused_weights(cfg, get, plan=None, get_slice=None):
+    """The folded weights of one rank (plan: graphs.tp.ShardPlan; None: the whole model)."""
+    plan = plan or shard_plan(cfg)
+    D = cfg.head_dim
+    read = reader(get, get_slice)
+    whole = plan.size == 1
+    (va, vb), Vl = plan.vocab, plan.vocab_local
+    vocab = (lambda n: read(n)) if whole else (lambda n: read(n, 0, va, vb))
+    out = {"embed": _pad(vocab("model.embed_tokens.weight"), Vl),
+           "head": _pad(vocab("lm_head.weight"), Vl) * read("model.norm.weight")[None, :]}
+    (ha, hb), (ka, kb) = plan.heads, plan.kv_heads
+    q_idx = np.where(plan.q_slots >= 0, plan.q_slots - ha, -1)
+    kv_idx = np.where(plan.kv_slots >= 0, plan.kv_slots - ka, -1)
+    (ia, ib), Il = plan.inter, plan.inter_local
     for i in range(cfg.num_hidden_layers):
-        g = lambda n: get(f"model.layers.{i}.{n}.weight")  # noqa: E731
-        wq = g("self_attn.q_proj") / np.sqrt(D)
-        wk, wv = g("self_attn.k_proj"), g("self_attn.v_proj")
-        qkv = np.concatenate([wq, wk, wv, rotate_half_rows(wq, H, D), rotate_half_rows(wk, KV, D),
-                              np.zeros_like(wv)])
+        def g(n, axis=None, a=None, b=None):
+            name = f"model.layers.{i}.{n}.weight"
+            return read(name) if whole or axis is None else read(name, axis, a, b)
+        wq = g("self_attn.q_proj", 0, ha * D, hb * D) / np.sqrt(D)
+        wk, wv = g("self_attn.k_proj", 0, ka * D, kb * D), g("self_attn.v_proj", 0, ka * D, kb * D)
+        qkv = np.concatenate([_blocks(wq, q_idx, D), _blocks(wk, kv_idx, D), _blocks(wv, kv_idx, D),
+                              _blocks(rotate_half_rows(wq, hb - ha, D), q_idx, D),
+                              _blocks(rotate_half_rows(wk, kb - ka, D), kv_idx, D),
+                              np.zeros((len(kv_idx) * D, wv.shape[1]), wv.dtype)])
         out[f"qkv.{i}"] = qkv * g("input_layernorm")[None, :]
-        out[f"o.{i}"] = g("self_attn.o_proj")
-        out[f"gate_up.{i}"] = np.concatenate([g("mlp.gate_proj"), g("mlp.up_proj")]) * \
+        out[f"o.{i}"] = _blocks(g("self_attn.o_proj", 1, ha * D, hb * D), q_idx, D, axis=1)
+        out[f"gate_up.{i}"] = np.concatenate([_pad(g("mlp.gate_proj", 0, ia, ib), Il),
+                                              _pad(g("mlp.up_proj", 0, ia, ib), Il)]) * \
             g("post_attention_layernorm")[None, :]
-        out[f"down.{i}"] = g("mlp.down_proj")
+        out[f"down.{i}"] = _pad(g("mlp.down_proj", 1, ia, ib), Il, axis=1)
     return {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in out.items()}
 
 
-def rope_rows(cfg, max_seq):
-    """cos, sin tables [S, (H + 2KV) * D] for the fused q|k|v row: RoPE on q and k, identity on v."""
-    H, KV, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+def rope_rows(cfg, max_seq, heads=None, kv_heads=None):
+    """cos, sin tables [S, (H + 2KV) * D] for the fused q|k|v row: RoPE on q and k, identity on v
+    (H, KV: the heads this rank holds, default the model's)."""
+    H = cfg.num_attention_heads if heads is None else heads
+    KV = cfg.num_key_value_heads if kv_heads is None else kv_heads
+    D = cfg.head_dim
     cos, sin = rope_tables(D, cfg.rope_theta, np.arange(max_seq))  # [S, D/2]
     cos, sin = np.concatenate([cos, cos], -1), np.concatenate([sin, sin], -1)  # [S, D]
     cos = np.concatenate([np.tile(cos, H + KV), np.ones((max_seq, KV * D), np.float32)], -1)

@@ -9,6 +9,7 @@ from mindspore import Tensor
 
 from mindspec.errors import MindspecError
 from .llama import Argmax, GreedyVerify, LlamaDecoder, Logits
+from .tp import tp_layout, tp_size
 from .sampling import TOPK_CAP, SampleNext, SamplingVerify, scalars
 
 PREFILL_CHUNK = 32  # prompt processed in fixed chunks: one compiled prefill graph for any length
@@ -19,7 +20,8 @@ def init_mindspore(device=None):
     """GRAPH_MODE on Ascend when present, else CPU."""
     device = device or ("Ascend" if os.environ.get("ASCEND_HOME_PATH") else "CPU")
     ms.set_context(mode=ms.GRAPH_MODE)
-    ms.set_device(device)
+    if tp_size() == 1:  # under msrun, init_tp() already set this rank's device id
+        ms.set_device(device)
     return device
 
 
@@ -142,7 +144,8 @@ class TargetModel:
             return
         cached = bool(cache_dir) and _COMPILES == 0
         if cached:
-            key = hashlib.sha256(repr((self.fingerprint, self.max_seq, need, _source_hash())).encode())
+            # the TP layout too: MindSpore separates cached graphs by rank id, not by world size
+            key = hashlib.sha256(repr((self.fingerprint, self.max_seq, need, _source_hash(), tp_layout())).encode())
             ms.set_context(enable_compile_cache=True,
                            compile_cache_path=os.path.join(cache_dir, key.hexdigest()[:16]))
         try:
@@ -248,7 +251,7 @@ class TargetModel:
             return
         cached = bool(cache_dir) and _COMPILES == 0
         if cached:
-            key = hashlib.sha256(repr((self.fingerprint, self.max_seq, need, self.topk_cap,
+            key = hashlib.sha256(repr((self.fingerprint, self.max_seq, need, self.topk_cap, tp_layout(),
                                        _source_hash())).encode())
             ms.set_context(enable_compile_cache=True,
                            compile_cache_path=os.path.join(cache_dir, key.hexdigest()[:16]))

@@ -112,6 +112,24 @@ class Checkpoint:
             raise MindspecError(f"{self.dir}: tensor {name} has shape {tuple(arr.shape)}, config says {want}")
         return arr
 
+    def get_slice(self, name, axis, start, stop):
+        """Rows (axis 0) or columns (axis 1) start:stop of a 2-D tensor, equal to get(name) sliced,
+        reading only those bytes of the memory-mapped file: a tensor-parallel rank's shard."""
+        if name == "lm_head.weight" and self.config.tie_word_embeddings and name not in self._where:
+            name = "model.embed_tokens.weight"
+        sf = self._open(self._where[name])
+        info = sf.header[name]
+        shape, want = tuple(info["shape"]), expected_shape(self.config, name)
+        if want is not None and shape != want:
+            raise MindspecError(f"{self.dir}: tensor {name} has shape {shape}, config says {want}")
+        if len(shape) != 2 or axis not in (0, 1) or not 0 <= start <= stop <= shape[axis]:
+            raise ValueError(f"bad slice {name}{list(shape)} axis {axis} [{start}:{stop}]")
+        dt = _np_dtype(info["dtype"], sf.path)
+        b, e = info["data_offsets"]
+        full = sf._data[b:e].view(dt).reshape(shape)  # a view of the mapping: nothing read yet
+        part = full[start:stop] if axis == 0 else full[:, start:stop]
+        return part.astype(np.float32) if np.dtype(dt).kind == "f" or info["dtype"] == "BF16" else np.array(part)
+
     def fingerprint(self):
         """Cheap identity of the weights: config, headers and sampled data bytes of every shard."""
         h = hashlib.sha256()

@@ -104,6 +104,8 @@ def parser():
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--no-speculate", action="store_true", help="target-only decoding (the baseline)")
+    g.add_argument("--tp", type=int, default=1,
+                   help="split the target over N devices (ranks launched with msrun; heads padded as needed)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g.add_argument("--stats", action="store_true", help="print a table of acceptance and timing to stderr")
     g.set_defaults(func=cmd_generate)
@@ -113,8 +115,7 @@ def parser():
     return p
 
 
-def main(argv=None):
-    args = parser().parse_args(argv)
+def _run(args):
     if args.cmd == "generate" and args.prompt is None and args.prompt_ids is None:
         args.prompt = "Once upon a time"
     try:
@@ -125,6 +126,24 @@ def main(argv=None):
     except KeyboardInterrupt:
         return 130
     return 0
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parser().parse_args(argv)
+    if getattr(args, "tp", 1) > 1:
+        from . import tp
+        if not tp.is_worker():  # the user's process: run this same command on N ranks under msrun
+            if args.cmd == "generate" and args.seed is None and args.temperature > 0:
+                import random
+                argv += ["--seed", str(random.randrange(2 ** 31))]  # every rank must draw the same uniforms
+            try:
+                return tp.launch(argv, args.tp)
+            except MindspecError as e:
+                print(f"mindspec: error: {e}", file=sys.stderr)
+                return 2
+        return tp.run_worker(lambda: _run(args), args.tp)  # one rank (msrun's scheduler exits inside)
+    return _run(args)
 
 
 if __name__ == "__main__":

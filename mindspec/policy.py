@@ -9,7 +9,10 @@ import os
 import statistics
 import time
 
+from mindspec.graphs.tp import tp_size
+
 from .errors import MindspecError
+from .tp import is_rank0
 
 COST_CONTEXT = 64  # positions of context at which costs are measured (a typical mid-request state)
 
@@ -139,7 +142,7 @@ class DynamicK:
 def _cost_key(pipe):
     st = os.stat(pipe.draft_path)
     return (f"{pipe.ckpt.fingerprint()}|{os.path.abspath(pipe.draft_path)}|{st.st_size}|{st.st_mtime_ns}|"
-            f"s{pipe.target.max_seq}|{pipe.device}")
+            f"s{pipe.target.max_seq}|{pipe.device}|tp{tp_size()}")
 
 
 def _costs_path():
@@ -169,6 +172,12 @@ def _write_costs(key, entry):
 
 
 def measure_costs(pipe, reps=5, cache=True):
+    """(c, v) measured on rank 0 and shared, so every tensor-parallel rank picks the same K."""
+    from .tp import share
+    return share(_measure_costs(pipe, reps, cache))
+
+
+def _measure_costs(pipe, reps=5, cache=True):
     """(c, v): the draft step cost and the verify cost of each K bucket, relative to one target
     decode call, measured on the loaded pipeline at ~COST_CONTEXT positions, median of `reps`.
 
@@ -216,7 +225,7 @@ def measure_costs(pipe, reps=5, cache=True):
     v, floor = {}, 1.0
     for k in sorted(t.buckets):
         v[k] = floor = max(floor, med[k] / med["decode"])
-    if cache:
+    if cache and is_rank0():
         _write_costs(key, {"c": c, "v": {str(k): x for k, x in v.items()}, "decode_s": med["decode"],
                            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
     return c, v

@@ -1,0 +1,322 @@
+"""Run a mindspec command with its target split over N ranks (tensor parallelism), launched by msrun.
+
+    mindspec generate --tp 2 ...  ->  launch(argv, 2)
+        ->  msrun --worker_num=2 ... python -m mindspec generate --tp 2 ...  (each rank: run_worker -> the command)
+
+Launcher (the user's process): `launch` re-executes the command under MindSpore's own launcher on
+127.0.0.1 with the venv's bin first on PATH (msrun starts a bare `python`), streams rank 0's stdout and
+stderr to the user's, and returns rank 0's exit code. A rank that dies (crash, kill, OOM) ends the
+whole job: msrun notices within a second and kills the others; the launcher prints one line naming
+the rank and its log, and returns non-zero. Nothing waits on a dead rank for long: msrun's
+cluster time-out bounds the start-up, and a grace period bounds the shutdown after a failure.
+
+Worker (each rank): `run_worker` initialises collectives (graphs.tp.init_tp: MindSpore's CPU
+collectives on CPU, HCCL on Ascend), after which the target graphs split themselves by tp_size() /
+tp_rank(). Rank 0's stdout/stderr go to files the launcher streams; what other ranks print stays in
+their logs in msrun's log_dir (kept, and named in the error, when the job fails).
+
+The draft is replicated: every rank runs the same ONNX draft on the same committed tokens, so every rank
+proposes the same tokens and draws the same seeded uniforms, and the shared loop (generate, serve,
+batch) runs unchanged on every rank in lock step. The only per-step communication is the target's own
+collectives; there is no broadcast of drafts, q-probabilities or results. Why not "rank 0 drafts and
+broadcasts": (1) it would put a broadcast (K ids, for sampling also K x V q-probabilities) on the
+critical path of every step while the other ranks sit idle waiting for it, so it saves no latency; (2)
+every loop (generate/serve/batch, greedy and sampling) would need a follower mode on ranks > 0 that
+mirrors rank 0's decisions. The cost of replication is the draft's memory (weights + its KV cache) on
+every device and N-fold draft compute that runs concurrently on separate devices; for the drafts worth
+using (small: the draft/target cost ratio must stay well below 1, see `mindspec plan`) that is a
+small fraction of a device. Identical proposals rely on ONNX Runtime being deterministic for the same
+model, inputs, provider and thread count, which holds for its CPU kernels (tests/test_tp.py checks
+TP=N speculative == TP=1 token for token); on a shared CPU the N drafts compete for cores, which the
+benchmark (tools/bench_tp.py) shows.
+
+Library use: start your script under msrun (or `launch(args, n, script=path)`), call `init_worker()`
+before `mindspec.load(...)`, and print only where `is_rank0()`.
+"""
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+from .errors import MindspecError
+
+ENV_JOB = "MINDSPEC_TP_JOB"  # the launcher's job directory: rank 0's stdout/stderr/exit code, pids
+CLUSTER_TIMEOUT = 120  # s: msrun's cluster time-out (ranks that never join / stop answering)
+FAILURE_GRACE = 3  # s: after a rank died msrun kills the others at once, then waits for its scheduler: not for long
+EXIT_GRACE = 1  # s: after every rank recorded its exit code, how long they may take to exit before we stop them
+
+
+def is_worker():
+    """True in a process started by msrun (a rank, or msrun's scheduler, which runs the same command)."""
+    from mindspec.graphs.tp import in_msrun
+    return in_msrun()
+
+
+def is_rank0():
+    from mindspec.graphs.tp import tp_rank
+    return tp_rank() == 0
+
+
+def free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _msrun():
+    bin_dir = os.path.dirname(sys.executable)
+    path = os.path.join(bin_dir, "msrun")
+    path = path if os.path.exists(path) else shutil.which("msrun")
+    if not path:
+        raise MindspecError("tensor parallelism needs MindSpore's `msrun` launcher, not found next to "
+                            f"{sys.executable} or on PATH")
+    return bin_dir, path
+
+
+class _Tail:
+    """Copy what a growing file gains to a stream (rank 0's output to the user's terminal)."""
+
+    def __init__(self, path, stream):
+        self.path, self.stream, self.f = path, stream, None
+
+    def pump(self):
+        if self.f is None:
+            if not os.path.exists(self.path):
+                return
+            self.f = open(self.path, "rb")
+        data = self.f.read()
+        if data:
+            out = getattr(self.stream, "buffer", None)
+            if out is not None:
+                self.stream.flush()
+                out.write(data)
+                out.flush()
+            else:
+                self.stream.write(data.decode("utf-8", "replace"))
+                self.stream.flush()
+
+    def close(self):
+        self.pump()
+        if self.f:
+            self.f.close()
+
+
+def _read(path, default=None):
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read().strip()
+    except OSError:
+        return default
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+        return True
+    except OSError:
+        return False
+
+
+def launch(argv, n, script=None, timeout=CLUSTER_TIMEOUT, log_dir=None, grace=FAILURE_GRACE,
+           stdout=None, stderr=None):
+    """Run `python -m mindspec ARGV` (or `python SCRIPT ARGV`) on n ranks under msrun; return rank 0's
+    exit code, or non-zero with one line on stderr when a rank died. Rank 0's output is streamed to
+    stdout/stderr (default: this process's)."""
+    stdout, stderr = stdout or sys.stdout, stderr or sys.stderr
+    n = int(n)
+    if n < 1:
+        raise MindspecError(f"--tp must be >= 1, got {n}")
+    bin_dir, msrun = _msrun()
+    job = tempfile.mkdtemp(prefix="mindspec-tp-")
+    log_dir = log_dir or os.path.join(job, "logs")
+    env = dict(os.environ, PATH=bin_dir + os.pathsep + os.environ.get("PATH", ""), **{ENV_JOB: job})
+    for k in ("MS_ROLE", "MS_WORKER_NUM", "MS_SCHED_HOST", "MS_SCHED_PORT", "MS_NODE_ID", "RANK_ID"):
+        env.pop(k, None)  # never inherit another job's identity
+    task = ([script] if script else ["python", "-m", "mindspec"]) + list(argv)
+    cmd = [msrun, f"--worker_num={n}", f"--local_worker_num={n}", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}", "--join=True", f"--cluster_time_out={int(timeout)}",
+           f"--log_dir={log_dir}", f"--tail_worker_log={n}"] + task  # rank n does not exist: tail none
+    out, err = _Tail(os.path.join(job, "rank0.out"), stdout), _Tail(os.path.join(job, "rank0.err"), stderr)
+    msrun_log = os.path.join(job, "msrun.log")
+    with open(msrun_log, "wb") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                start_new_session=True)
+    failed_at, done_at, interrupted, seen = None, None, False, 0
+    try:
+        while proc.poll() is None:
+            out.pump()
+            err.pump()
+            if failed_at is None and os.path.getsize(msrun_log) > seen:
+                with open(msrun_log, "rb") as f:
+                    f.seek(max(seen - 64, 0))
+                    chunk = f.read()
+                seen += len(chunk) - min(seen, 64)
+                if b"exit with exception" in chunk:
+                    failed_at = time.monotonic()
+            if failed_at is not None and time.monotonic() - failed_at > grace:
+                break  # msrun is stuck stopping the job: stop it ourselves
+            if done_at is None and len(_rcs(job, n)) == n:
+                done_at = time.monotonic()  # every rank finished its work and flushed its output
+            if done_at is not None and (time.monotonic() - done_at > EXIT_GRACE or _all_exited(job, n)):
+                break  # MindSpore's finalize (ranks unregistering, the scheduler polling) takes ~7 s: skip it
+            time.sleep(0.05)
+    except KeyboardInterrupt:
+        interrupted = True
+        _signal_group(proc, signal.SIGINT)  # msrun kills its workers on SIGINT
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            pass
+    finally:
+        _stop(proc, job)
+        out.close()
+        err.close()
+    if interrupted:
+        return 130
+    rcs = _rcs(job, n)
+    if len(rcs) == n and not any(rcs.values()):
+        shutil.rmtree(job, ignore_errors=True)
+        return 0
+    if rcs.get(0):  # rank 0 finished with its own error (already printed by it): its code
+        return rcs[0]
+    print(f"mindspec: error: {_who_died(job, msrun_log, n, rcs)}; the job was stopped (logs: {log_dir})",
+          file=stderr, flush=True)
+    return 1
+
+
+def _signal_group(proc, sig):
+    try:
+        os.killpg(proc.pid, sig)
+    except OSError:
+        pass
+
+
+def _stop(proc, job):
+    """Make sure nothing of the job survives: msrun with its scheduler, and every rank."""
+    if proc.poll() is None:
+        _signal_group(proc, signal.SIGKILL)
+        proc.wait()
+    for name in os.listdir(job):
+        m = re.fullmatch(r"rank(\d+)\.pid", name)
+        pid = m and int(_read(os.path.join(job, name), "0") or 0)
+        if pid and _alive(pid):
+            try:
+                os.killpg(os.getpgid(pid), signal.SIGKILL)  # msrun starts each rank in its own session
+            except OSError:
+                pass
+
+
+def _rcs(job, n):
+    """{rank: exit code} of the ranks that finished through worker_exit."""
+    out = {}
+    for r in range(n):
+        rc = _read(os.path.join(job, f"rank{r}.rc"))
+        if rc is not None:
+            out[r] = int(rc)
+    return out
+
+
+def _all_exited(job, n):
+    if len(_rcs(job, n)) < n:
+        return False
+    pids = [int(_read(os.path.join(job, f"rank{r}.pid"), "0") or 0) for r in range(n)]
+    return not any(pid and _alive(pid) for pid in pids)
+
+
+def _who_died(job, msrun_log, n, rcs):
+    pids = {}
+    for r in range(n):
+        pid = _read(os.path.join(job, f"rank{r}.pid"))
+        if pid:
+            pids[int(pid)] = r
+    found = re.findall(r"Worker process (\d+) exit with exception\. Error code: (-?\d+)", _read(msrun_log, "") or "")
+    for pid, code in found:
+        rank = pids.get(int(pid))
+        code = int(code)
+        how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+        name = f"rank {rank}" if rank is not None else f"a rank (pid {pid})"
+        return f"tensor-parallel {name} of {n} died ({how})"
+    bad = [r for r, rc in sorted(rcs.items()) if rc]
+    if bad:
+        return f"tensor-parallel rank {bad[0]} of {n} exited with code {rcs[bad[0]]}"
+    if len(pids) < n:
+        return f"only {len(pids)} of {n} tensor-parallel ranks started"
+    return f"the tensor-parallel job of {n} ranks failed"
+
+
+# ---- worker side ----
+
+def share(obj):
+    """Rank 0's `obj` (picklable) on every rank; `obj` itself without TP.
+
+    Every rank runs the same program on the same inputs, so almost everything is identical by
+    construction. What is not must be shared: anything measured (the draft/target costs that dynamic K
+    is chosen from), anything drawn from fresh entropy (a seed), anything only rank 0 receives (a
+    server request). Costs two AllReduces (length, then bytes padded to a power of two >= 256)."""
+    import pickle
+
+    import numpy as np
+    from mindspec.graphs.tp import all_reduce_sum, tp_rank, tp_size
+    if tp_size() == 1:
+        return obj
+    data = pickle.dumps(obj) if tp_rank() == 0 else b""
+    n = int(all_reduce_sum(np.array([len(data)], np.float32))[0])  # exact below 2**24
+    buf = np.zeros(max(256, 1 << (n - 1).bit_length()), np.float32)
+    buf[:len(data)] = np.frombuffer(data, np.uint8)
+    got = all_reduce_sum(buf)[:n].astype(np.uint8).tobytes()
+    return pickle.loads(got)  # noqa: S301 - bytes from rank 0 of this very job
+
+
+def init_worker(n=None):
+    """In an msrun rank: initialise collectives (the scheduler process exits inside, when the job is
+    done), check the group size, and send rank 0's stdout/stderr to the launcher (other ranks' stay in
+    their msrun logs). Returns (size, rank)."""
+    from mindspec.graphs.tp import init_tp
+    size, rank = init_tp()
+    if n is not None and size != int(n):
+        raise MindspecError(f"--tp {n} but msrun started {size} ranks")
+    if "DEVICE_ID" in os.environ:  # msrun's per-rank NPU: the replicated ONNX draft runs beside its target shard
+        os.environ.setdefault("ASCEND_DEVICE_ID", os.environ["DEVICE_ID"])
+    job = os.environ.get(ENV_JOB)
+    if job:
+        with open(os.path.join(job, f"rank{rank}.pid"), "w", encoding="utf-8") as f:
+            f.write(str(os.getpid()))
+        if rank == 0:  # at the descriptor level: MindSpore's graph compiler replaces sys.stderr
+            for stream, fd, name in ((sys.stdout, 1, "rank0.out"), (sys.stderr, 2, "rank0.err")):
+                stream.flush()
+                _saved_fds[fd] = os.dup(fd)
+                target = os.open(os.path.join(job, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                os.dup2(target, fd)
+                os.close(target)
+                stream.reconfigure(line_buffering=True)
+    return size, rank
+
+
+_saved_fds = {}  # rank 0's original stdout/stderr (msrun's log), restored when the command is done
+
+
+def worker_exit(rc):
+    """Record this rank's exit code for the launcher; returns rc."""
+    from mindspec.graphs.tp import tp_rank
+    job = os.environ.get(ENV_JOB)
+    if job:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd, saved in _saved_fds.items():  # MindSpore's shutdown chatter goes to the log, not the user
+            os.dup2(saved, fd)
+        path = os.path.join(job, f"rank{tp_rank()}.rc")
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
+            f.write(str(int(rc or 0)))
+        os.replace(path + ".tmp", path)  # never read half-written
+    return rc
+
+
+def run_worker(fn, n=None):
+    """One rank of a `launch`ed command: init_worker(n), then rc = fn(), recorded for the launcher."""
+    init_worker(n)
+    return worker_exit(fn())

@@ -1,0 +1,203 @@
+"""Tensor-parallel target (msrun on CPU, 127.0.0.1): TP=2 and TP=4 equal TP=1 (greedy tokens, target-only
+and speculative; logits within 1e-4), each rank reads only its slice of a sharded checkpoint, a dead rank
+ends the job with one line instead of hanging, and only rank 0's output reaches the user.
+
+This file is also the script each rank runs (`python tests/test_tp.py ...` under mindspec.tp.launch).
+The model has 6 query heads in 2 KV groups: TP=2 splits the groups exactly, TP=4 has to replicate KV
+heads and pad query slots (ranks get 1 or 2 of a group's 3 heads); vocab 322 and intermediate 98 are
+not multiples of 4 either, so the padding paths run too."""
+import io
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from conftest import make_tiny_checkpoint  # noqa: E402
+
+PROMPTS = [[5, 6, 7], [100, 3, 250, 17, 9], list(range(10, 50))]
+LOGIT_IDS = [7, 200, 13, 5, 99, 300, 42, 8]
+NEW_TOKENS = 24
+SHAPE = dict(vocab=322, hidden=96, layers=2, heads=6, kv_heads=2, inter=98)
+
+
+def run_job(target, draft, out):
+    """What every rank runs (and the TP=1 reference, in-process): tokens, logits, bytes read.
+    The first generate compiles through the pipeline's compile cache (shared by all TP sizes here, as
+    on a user's machine): a graph cached by one TP layout must never be loaded by another."""
+    import mindspec
+    from mindspec.checkpoint import Checkpoint
+    from mindspec.graphs.tp import tp_rank, tp_size
+    read = {"slice": 0, "whole": 0, "whole_names": []}
+    get, get_slice = Checkpoint.get, Checkpoint.get_slice
+
+    def counting_get(self, name):
+        arr = get(self, name)
+        read["whole"] += arr.nbytes
+        read["whole_names"].append(name)
+        return arr
+
+    def counting_slice(self, name, axis, start, stop):
+        arr = get_slice(self, name, axis, start, stop)
+        read["slice"] += arr.nbytes
+        return arr
+
+    Checkpoint.get, Checkpoint.get_slice = counting_get, counting_slice
+    t0 = time.perf_counter()
+    try:
+        pipe = mindspec.load(target=target, draft=draft, k=4, max_seq=128, buckets=(4,))
+    finally:
+        Checkpoint.get, Checkpoint.get_slice = get, get_slice
+    res = {"rank": tp_rank(), "size": tp_size(), "read": read, "target_only": [], "speculative": [],
+           "accepted": 0, "drafted": 0, "load_s": time.perf_counter() - t0}
+    for ids in PROMPTS:
+        res["target_only"].append(pipe.generate(prompt_ids=ids, max_new_tokens=NEW_TOKENS, speculate=False).token_ids)
+        spec = pipe.generate(prompt_ids=ids, max_new_tokens=NEW_TOKENS)
+        res["speculative"].append(spec.token_ids)
+        res["accepted"] += spec.stats["accepted"]
+        res["drafted"] += spec.stats["drafted"]
+    res["generate_s"] = time.perf_counter() - t0 - res["load_s"]
+    from mindspec.tp import share
+    res["shared"] = share({"from": tp_rank(), "seed": 12345, "costs": [0.31, {"4": 1.25}], "pad": "x" * 300})
+    pipe.target.rollback(0)
+    logits = pipe.target.logits(LOGIT_IDS)  # [T, V]: the gathered vocabulary-parallel logits
+    with open(f"{out}.rank{tp_rank()}.json", "w") as f:
+        json.dump(res, f)
+    np.save(f"{out}.rank{tp_rank()}.npy", logits)
+    if tp_rank() == 0:
+        print(f"rank0 of {tp_size()}: {res['speculative'][0][:5]}")
+        print(f"load {res['load_s']:.1f} s, generate {res['generate_s']:.1f} s, compile {pipe.target.compile_s:.1f} s, "
+              f"total {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    die = os.environ.get("TP_TEST_DIE_RANK")
+    if die == str(tp_rank()):
+        with open(f"{out}.died", "w") as f:
+            f.write(str(time.time()))
+        os.kill(os.getpid(), 9)  # this rank dies ...
+    elif die:
+        pipe.target.decode(5)  # ... while the others wait for it in the first AllReduce of a target call
+    return res, logits
+
+
+def worker_main(argv):
+    from mindspec import tp
+    target, draft, out = argv
+
+    def job():
+        run_job(target, draft, out)
+        return 0
+    return tp.run_worker(job)
+
+
+# ---- the tests (pytest side) ----
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """A sharded tiny target (several safetensors files) and a noisy ONNX draft of it."""
+    from mindspec.export import export_draft
+    root = tmp_path_factory.mktemp("tp")
+    target, tensors = make_tiny_checkpoint(root / "target", shard_bytes=60_000, **SHAPE)
+    draft_dir, _ = make_tiny_checkpoint(root / "draftckpt", base=tensors, noise=0.1, seed=1, **SHAPE)
+    draft = str(root / "draft.onnx")
+    export_draft(draft_dir, draft)
+    return target, draft, tensors, root
+
+
+@pytest.fixture(scope="module")
+def reference(pair):
+    """TP=1, in this process."""
+    from mindspec.graphs.runner import init_mindspore
+    init_mindspore()
+    target, draft, _, root = pair
+    old = os.environ.get("MINDSPEC_HOME")
+    os.environ["MINDSPEC_HOME"] = str(root / "home")
+    try:
+        return run_job(target, draft, str(root / "tp1"))
+    finally:
+        if old is None:
+            del os.environ["MINDSPEC_HOME"]
+        else:
+            os.environ["MINDSPEC_HOME"] = old
+
+
+def launch(n, pair, env=None):
+    from mindspec import tp
+    target, draft, _, root = pair
+    out, err = io.StringIO(), io.StringIO()
+    old = dict(os.environ)
+    os.environ.update(env or {}, MINDSPEC_HOME=str(root / "home"))  # one compile cache for all TP sizes
+    try:
+        code = tp.launch([target, draft, str(root / f"tp{n}")], n, script=os.path.abspath(__file__),
+                         stdout=out, stderr=err, timeout=60)
+        return code, out.getvalue(), err.getvalue()
+    finally:
+        os.environ.clear()
+        os.environ.update(old)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_tp_equals_tp1_and_reads_only_its_shard(pair, reference, n):
+    """TP=2 ends normally. In the TP=4 job, after writing its results, rank 3 kills itself while the
+    others wait for it in a collective: the job must end non-zero with one line, not hang."""
+    target, _, tensors, root = pair
+    ref, ref_logits = reference
+    t = time.time()
+    code, out, err = launch(n, pair, env={"TP_TEST_DIE_RANK": "3"} if n == 4 else None)
+    print(f"TP={n}: {time.time() - t:.1f} s; rank 0: {err.strip()}", file=sys.stderr)
+    if n == 2:
+        assert code == 0, (code, out, err)
+    else:
+        assert code == 1
+        assert err.splitlines()[-1].startswith("mindspec: error: tensor-parallel rank 3 of 4 died (killed by signal 9)")
+        assert time.time() - float((root / "tp4.died").read_text()) < 20
+    assert out.count("rank0 of") == 1 and f"rank0 of {n}:" in out  # rank 0's stdout only, streamed back
+    total = sum(v.nbytes for v in tensors.values())
+    norms = {k for k in tensors if k.endswith("norm.weight")}
+    for r in range(n):
+        res = json.load(open(root / f"tp{n}.rank{r}.json"))
+        assert res["size"] == n and res["rank"] == r
+        assert res["target_only"] == ref["target_only"], (
+            f"rank {r} of TP={n} differs from TP=1; if its tokens are garbage (e.g. all 0), a graph compiled for "
+            "another TP layout was loaded from the compile cache: its key must include graphs.tp.tp_layout()")
+        assert res["speculative"] == ref["speculative"] == ref["target_only"], r
+        assert np.abs(np.load(root / f"tp{n}.rank{r}.npy") - ref_logits).max() < 1e-4
+        assert res["shared"] == dict(ref["shared"], **{"from": 0})  # rank 0's object, on every rank
+        # shard-by-shard: whole tensors read are the norm vectors only; the matrices come as slices
+        assert set(res["read"]["whole_names"]) <= norms
+        assert res["read"]["slice"] < total * 1.2 / n, (res["read"]["slice"], total)
+    assert 0.1 < ref["accepted"] / ref["drafted"] < 0.95  # the draft is sometimes wrong: rollbacks happen
+
+
+def test_tp_refuses_more_ranks_than_heads(pair):
+    from mindspec.checkpoint import Checkpoint
+    from mindspec.errors import MindspecError
+    from mindspec.graphs.tp import shard_plan
+    cfg = Checkpoint(pair[0]).config
+    with pytest.raises(MindspecError, match="exceeds the target's 6 attention heads"):
+        shard_plan(cfg, 8, 0)
+
+
+def test_shard_plans_cover_every_head_once():
+    from mindspec.config import config_from_dict
+    from mindspec.graphs.tp import shard_plan
+    for H, KV in [(6, 2), (9, 3), (8, 8), (32, 8), (64, 8), (4, 1)]:
+        cfg = config_from_dict({"vocab_size": 1000, "hidden_size": 64 * H, "intermediate_size": 100,
+                                "num_hidden_layers": 1, "num_attention_heads": H, "num_key_value_heads": KV})
+        for n in range(1, min(H, 16) + 1):
+            plans = [shard_plan(cfg, n, r) for r in range(n)]
+            q = np.concatenate([p.q_slots.ravel() for p in plans])
+            assert sorted(q[q >= 0]) == list(range(H)), (H, KV, n)
+            for p in plans:  # every query head sits under its own KV head
+                kv = np.broadcast_to(p.kv_slots[:, None], p.q_slots.shape)
+                assert (kv[p.q_slots >= 0] == p.q_slots[p.q_slots >= 0] // (H // KV)).all()
+                assert p.q_slots.shape == plans[0].q_slots.shape
+            if H % n == 0 and KV % n == 0:  # the even case is never padded
+                assert not any(p.padded for p in plans) and plans[0].kv_local == KV // n
+            assert sum(p.inter[1] - p.inter[0] for p in plans) == 100
+            assert sum(p.vocab[1] - p.vocab[0] for p in plans) == 1000
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main(sys.argv[1:]))
