@@ -51,7 +51,10 @@ def format_stats(s):
 
 def cmd_generate(a):
     from .pipeline import load
-    pipe = load(target=a.target, draft=False if a.no_speculate else a.draft, k=a.k, max_seq=a.max_seq)
+    from .plan import parse_size
+    mem = parse_size(a.device_mem, "--device-mem") if a.device_mem else None
+    pipe = load(target=a.target, draft=False if a.no_speculate else a.draft, k=a.k, max_seq=a.max_seq,
+                device_mem=mem, tp=a.tp)
     stream = None if a.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     res = pipe.generate(prompt=a.prompt, prompt_ids=a.prompt_ids, max_new_tokens=a.max_new_tokens,
                         temperature=a.temperature, stop=a.stop, chat=a.chat, on_text=stream, top_k=a.top_k,
@@ -104,6 +107,8 @@ def parser():
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--no-speculate", action="store_true", help="target-only decoding (the baseline)")
+    g.add_argument("--device-mem", default=None,
+                   help="memory per device (e.g. 64GB): refuse, before loading weights, what cannot fit")
     g.add_argument("--tp", type=int, default=1,
                    help="split the target over N devices (ranks launched with msrun; heads padded as needed)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")

@@ -27,7 +27,8 @@ def _round_up(n, m):
 
 
 class Pipeline:
-    def __init__(self, target, draft=None, k="auto", max_seq=None, buckets=DEFAULT_BUCKETS, device=None):
+    def __init__(self, target, draft=None, k="auto", max_seq=None, buckets=DEFAULT_BUCKETS, device=None,
+                 device_mem=None, tp=1):
         from mindspec.graphs.runner import init_mindspore
         self.k = self._check_k(k, buckets)
         self.buckets = tuple(sorted(set(buckets) | ({self.k} - {"auto"})))
@@ -44,6 +45,7 @@ class Pipeline:
         if draft:
             self.manifest, self.draft_path = self._check_draft(draft), draft
         self.fixed_max_seq = max_seq
+        self.device_mem, self.tp = device_mem, tp  # bytes per device: refuse what cannot fit
         self.device = init_mindspore(device)
         from .default import home
         self.cache_dir = os.path.join(home(), "compile_cache")  # see TargetModel.warmup
@@ -98,6 +100,11 @@ class Pipeline:
         if max_seq > self.cfg.max_position_embeddings:
             raise MindspecError(f"{max_seq} positions exceed the model's max_position_embeddings "
                                 f"{self.cfg.max_position_embeddings}")
+        if self.device_mem:  # before any weight is loaded (the target here keeps fp32 weights)
+            from .plan import check_fits, shape_from_config, shape_from_draft
+            check_fits(shape_from_config(self.cfg, "fp32"),
+                       shape_from_draft(self.draft_path, "fp32") if self.draft_path else None,
+                       tp=self.tp, device_mem=self.device_mem, seq_len=max_seq)
         self.target = TargetModel(self.ckpt, max_seq, self.buckets)
         self.costs, self._dynamic = None, None  # costs depend on the cache size
         if self.draft_path:

@@ -128,3 +128,12 @@ def test_draft_with_another_tokenizer_is_refused(pair, tmp_path):
     export_draft(other, str(tmp_path / "othertok.onnx"))
     _expect_error(["generate", "--prompt-ids", "5,6", "--target", target, "--draft",
                    str(tmp_path / "othertok.onnx")], "different tokenizer")
+
+
+def test_generate_refuses_what_cannot_fit_before_loading(pair):
+    target, draft, _ = pair
+    args = ["generate", "--target", target, "--draft", draft, "--prompt-ids", "5,6"]
+    _expect_error(args + ["--device-mem", "200kB"], "does not fit")
+    _expect_error(args + ["--device-mem", "lots"], "bad size")
+    code, _, err = run(*args, "--device-mem", "64GB", "--max-new-tokens", "3", "-k", "2")
+    assert code == 0, err
