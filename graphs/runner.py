@@ -140,16 +140,21 @@ class TargetModel:
         compile order from a fresh process maps every cached file to the right graph (otherwise
         it handed a verify graph of another K to a run that compiled in another order)."""
         need = ["prefill", "decode"] + [f"verify{k}" for k in ks]
+        self._warm(need, cache_dir, lambda: self._compile(ks))
+
+    def _warm(self, need, cache_dir, compile_all):
+        """Run compile_all() unless the graphs `need` exist, with the compile cache on only for a
+        fresh process's first compiles (see warmup)."""
         if all(n in self.compiled for n in need):
             return
         cached = bool(cache_dir) and _COMPILES == 0
         if cached:
             # the TP layout too: MindSpore separates cached graphs by rank id, not by world size
-            key = hashlib.sha256(repr((self.fingerprint, self.max_seq, need, _source_hash(), tp_layout())).encode())
-            ms.set_context(enable_compile_cache=True,
-                           compile_cache_path=os.path.join(cache_dir, key.hexdigest()[:16]))
+            key = repr((self.fingerprint, self.max_seq, need, self.topk_cap, _source_hash(), tp_layout()))
+            ms.set_context(enable_compile_cache=True, compile_cache_path=os.path.join(
+                cache_dir, hashlib.sha256(key.encode()).hexdigest()[:16]))
         try:
-            self._compile(ks)
+            compile_all()
         finally:
             if cached:
                 ms.set_context(enable_compile_cache=False)  # later graphs compile in any order
@@ -247,19 +252,7 @@ class TargetModel:
             return self.warmup(ks, cache_dir)
         _, tag = self._sampler(SampleNext, params)
         need = [f"psample{tag}", f"dsample{tag}"] + [f"vsample{k}{tag}" for k in ks]
-        if all(n in self.compiled for n in need):
-            return
-        cached = bool(cache_dir) and _COMPILES == 0
-        if cached:
-            key = hashlib.sha256(repr((self.fingerprint, self.max_seq, need, self.topk_cap, tp_layout(),
-                                       _source_hash())).encode())
-            ms.set_context(enable_compile_cache=True,
-                           compile_cache_path=os.path.join(cache_dir, key.hexdigest()[:16]))
-        try:
-            self._compile_sample(params, ks)
-        finally:
-            if cached:
-                ms.set_context(enable_compile_cache=False)
+        self._warm(need, cache_dir, lambda: self._compile_sample(params, ks))
 
     def _compile_sample(self, params, ks):
         V = self.cfg.vocab_size
