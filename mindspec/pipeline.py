@@ -32,8 +32,6 @@ class Pipeline:
         from mindspec.graphs.runner import init_mindspore
         self.k = self._check_k(k, buckets)
         self.buckets = tuple(sorted(set(buckets) | ({self.k} - {"auto"})))
-        self.costs = None  # (c, v) for dynamic K, measured on first use
-        self._dynamic = None  # one DynamicK per pipeline: its acceptance prior carries across requests
         self.ckpt = Checkpoint(target)
         self.cfg = self.ckpt.config
         self.tokenizer = Tokenizer(target)
@@ -41,15 +39,13 @@ class Pipeline:
             raise MindspecError(f"tokenizer has {self.tokenizer.vocab_size} tokens but the model's vocab_size "
                                 f"is {self.cfg.vocab_size}")
         self.eos = set(self.cfg.eos_token_ids) | set(self.tokenizer.eos_token_ids)
-        self.draft_path, self.manifest = None, None
-        if draft:
-            self.manifest, self.draft_path = self._check_draft(draft), draft
+        self.target = None
+        self.set_draft(draft)
         self.fixed_max_seq = max_seq
         self.device_mem, self.tp = device_mem, tp  # bytes per device: refuse what cannot fit
         self.device = init_mindspore(device)
         from .default import home
         self.cache_dir = os.path.join(home(), "compile_cache")  # see TargetModel.warmup
-        self.target = self.proposer = None
         if max_seq:
             self._build(max_seq)
 
@@ -86,16 +82,22 @@ class Pipeline:
 
     def set_draft(self, path):
         """Swap the draft (None: target-only), keeping the compiled target."""
-        from mindspec.export import DraftSession
         self.manifest = self._check_draft(path) if path else None
-        self.draft_path = path
-        self.proposer, self.costs, self._dynamic = None, None, None
-        if path and self.target is not None:
-            self.proposer = OnnxProposer(DraftSession(path, max_seq=self.target.max_seq))
+        self.draft_path = path or None
+        self._open_draft()
+
+    def _open_draft(self):
+        """The draft session, its cache sized like the target's (none before the target exists).
+        Resets the dynamic-K costs, which depend on the pair and the cache size."""
+        from mindspec.export import DraftSession
+        self.proposer = None
+        self.costs = None  # (c, v) for dynamic K, measured on first use
+        self._dynamic = None  # one DynamicK per pipeline: its acceptance prior carries across requests
+        if self.draft_path and self.target is not None:
+            self.proposer = OnnxProposer(DraftSession(self.draft_path, max_seq=self.target.max_seq))
 
     def _build(self, max_seq):
         """(Re)build the target graphs and the draft cache for `max_seq` positions."""
-        from mindspec.export import DraftSession
         from mindspec.graphs.runner import TargetModel
         if max_seq > self.cfg.max_position_embeddings:
             raise MindspecError(f"{max_seq} positions exceed the model's max_position_embeddings "
@@ -106,9 +108,7 @@ class Pipeline:
                        shape_from_draft(self.draft_path, "fp32") if self.draft_path else None,
                        tp=self.tp, device_mem=self.device_mem, seq_len=max_seq)
         self.target = TargetModel(self.ckpt, max_seq, self.buckets)
-        self.costs, self._dynamic = None, None  # costs depend on the cache size
-        if self.draft_path:
-            self.proposer = OnnxProposer(DraftSession(self.draft_path, max_seq=self.target.max_seq))
+        self._open_draft()
 
     def _capacity(self, n_prompt, max_new_tokens):
         if self.fixed_max_seq:
