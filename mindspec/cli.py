@@ -59,7 +59,7 @@ def cmd_generate(a):
     res = pipe.generate(prompt=a.prompt, prompt_ids=a.prompt_ids, max_new_tokens=a.max_new_tokens,
                         temperature=a.temperature, stop=a.stop, chat=a.chat, on_text=stream, top_k=a.top_k,
                         top_p=a.top_p, repetition_penalty=a.repetition_penalty,
-                        draft_temperature=a.draft_temperature, seed=a.seed)
+                        draft_temperature=a.draft_temperature, draft_min_conf=a.draft_min_conf, seed=a.seed)
     s = res.stats
     if a.json:
         print(json.dumps({"text": res.text, "token_ids": res.token_ids, "finish_reason": res.finish_reason,
@@ -103,6 +103,8 @@ def parser():
     g.add_argument("--repetition-penalty", type=float, default=1.0)
     g.add_argument("--draft-temperature", type=float, default=None,
                    help="the draft's temperature (e.g. 1.1): changes acceptance, never the output distribution")
+    g.add_argument("--draft-min-conf", type=float, default=None,
+                   help="stop drafting before a token the draft gives less than this probability (off)")
     g.add_argument("--seed", type=int, default=None, help="seed: same seed + same K schedule = same text")
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")

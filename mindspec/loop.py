@@ -64,16 +64,24 @@ def decode(target, proposer, prompt_ids, max_new_tokens, policy, stats, params=N
         # near max_new_tokens the caller drops the surplus: cheaper than compiling a smaller bucket
         kk = policy.choose(target.max_seq - target.pos - 1) if proposer else 0
         t0 = time.perf_counter()
-        if kk == 0:
-            new = [target.decode_sample(seq[-1], params, u(), prev_ids=seq) if rng else target.decode(seq[-1])]
-            stats.record(0, 0)
-        else:
+        if kk:
             if rng:
                 drafts, q = proposer.get_candidates(seq, kk, params, rng)  # [K], [K, V]
             else:
                 drafts = proposer.get_candidates(seq, kk)  # [K]
+            if len(drafts) < kk:  # the confidence cut stopped early: verify the largest bucket that fits
+                kk = max((b for b in target.buckets if b <= len(drafts)), default=0)
+                drafts, q = drafts[:kk], q[:kk] if rng else None
             t1 = time.perf_counter()
             stats.draft_s += t1 - t0
+            t0 = t1
+        if kk == 0:
+            new = [target.decode_sample(seq[-1], params, u(), prev_ids=seq) if rng else target.decode(seq[-1])]
+            stats.record(0, 0)
+            if proposer:
+                policy.update(0, 0)
+                proposer.update_candidate_strategy(seq + new, 0)  # a cut to 0 drafts ran the draft ahead
+        else:
             if rng:
                 n, nxt = target.verify_sample(seq[-1], drafts, q, u(kk + 1), params, prev_ids=seq)
             else:
@@ -82,7 +90,6 @@ def decode(target, proposer, prompt_ids, max_new_tokens, policy, stats, params=N
             stats.record(kk, n)
             policy.update(kk, n)
             proposer.update_candidate_strategy(seq + new, n)
-            t0 = t1
         stats.verify_s += time.perf_counter() - t0
         stats.target_calls += 1
         seq += new

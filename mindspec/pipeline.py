@@ -140,16 +140,20 @@ class Pipeline:
 
     def generate(self, prompt=None, prompt_ids=None, max_new_tokens=64, temperature=0.0, seed=None,
                  stop=None, chat=False, on_text=None, k=None, speculate=True, top_k=0, top_p=1.0,
-                 repetition_penalty=1.0, draft_temperature=None):
+                 repetition_penalty=1.0, draft_temperature=None, draft_min_conf=None):
         """Generate (greedy at temperature 0, else speculative sampling: the target's distribution
         exactly, whatever the draft); `on_text(delta)` receives text as it is produced. `k` overrides the
         pipeline's K for this call (a compiled bucket, or "auto" for dynamic K); speculate=False
-        decodes with the target alone through the same graphs (the baseline)."""
+        decodes with the target alone through the same graphs (the baseline). `draft_min_conf` stops
+        drafting before a token the draft itself gives less than that probability (off by default: it
+        measured slower for the default self-draft, see README)."""
         k = self.k if k is None else k
         if k != "auto" and k not in self.buckets:
             raise MindspecError(f"K={k} is not a compiled bucket {list(self.buckets)}")
         params = SamplingParams(temperature, top_k, top_p, repetition_penalty, draft_temperature, seed)
         sampling = not params.greedy or params.repetition_penalty != 1.0
+        if draft_min_conf is not None and not 0 < draft_min_conf < 1:
+            raise MindspecError(f"draft_min_conf must be between 0 and 1, got {draft_min_conf}")
         if max_new_tokens < 1:
             raise MindspecError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         ids = self.encode(prompt, prompt_ids, chat)
@@ -162,6 +166,8 @@ class Pipeline:
         else:
             self.target.warmup(ks, self.cache_dir)
         policy = self._policy(k) if spec else None
+        if spec:
+            self.proposer.min_conf = draft_min_conf
         stats, out, finish, cut = Stats(), [], "length", False
         stream, text, shown = StreamDecoder(self.tokenizer), "", 0
         stops = [s for s in (stop or []) if s]

@@ -90,7 +90,7 @@ class DynamicK:
 
     MIN_SEEN = 8  # draft tokens judged before past acceptance replaces α0 as the prior
 
-    def __init__(self, buckets, c, v, alpha0=0.8, decay=0.7, min_conf=None, prior_weight=2.0,
+    def __init__(self, buckets, c, v, alpha0=0.8, decay=0.7, prior_weight=2.0,
                  probe_every=16):
         self.buckets = tuple(sorted(b for b in buckets if b > 0))
         missing = [b for b in self.buckets if b not in v]
@@ -98,7 +98,6 @@ class DynamicK:
             raise MindspecError(f"no measured verify cost for K buckets {missing}")
         self.c, self.v = float(c), {int(k): float(x) for k, x in v.items()}
         self.alpha0, self.decay, self.prior_weight = alpha0, decay, prior_weight
-        self.min_conf = min_conf  # the proposer's confidence cut, see stop_early
         self.probe_every = probe_every
         self.seen_acc = self.seen_trials = 0  # over all requests, undecayed
         self.reset()

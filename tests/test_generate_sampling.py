@@ -28,20 +28,26 @@ def test_seeded_runs_repeat_and_differ_by_seed(pipe):
     assert a.stats["drafted"] > 0
 
 
-def test_second_token_follows_the_target_distribution(pipe, tiny_target):
+@pytest.mark.parametrize("min_conf", [None, 0.5])
+def test_second_token_follows_the_target_distribution(pipe, tiny_target, min_conf):
     """The second token is the first one decided by accept/reject: its marginal must be the
-    target's sum_a p(a) p(b | a), whatever the draft proposed."""
+    target's sum_a p(a) p(b | a), whatever the draft proposed, and however early the confidence
+    cut (min_conf) stops drafting."""
     ck = Checkpoint(tiny_target[0])
     soft = lambda x: np.exp(x / T - (x / T).max()) / np.exp(x / T - (x / T).max()).sum()  # noqa: E731
     p1 = soft(reference_logits(ck.config, ck.get, PROMPT)[-1])
     top = np.argsort(p1)[::-1][:12]  # tokens carrying nearly all first-token mass
     p2 = sum(p1[a] * soft(reference_logits(ck.config, ck.get, PROMPT + [int(a)])[-1]) for a in top)
     p2 /= p2.sum()
-    n = 400
+    n, cuts = 400, 0
     seen = np.zeros(len(p2))
     for s in range(n):
-        seen[pipe.generate(prompt_ids=PROMPT, max_new_tokens=2, temperature=T, seed=1000 + s).token_ids[1]] += 1
+        res = pipe.generate(prompt_ids=PROMPT, max_new_tokens=2, temperature=T, seed=1000 + s,
+                            draft_min_conf=min_conf)
+        seen[res.token_ids[1]] += 1
+        cuts += res.stats["k_used"].get("2", 0) == 0
     big = p2 * n >= 5  # pool the rare tokens into one bin
     obs = np.append(seen[big], seen[~big].sum())
     exp = np.append(p2[big], p2[~big].sum()) * n
     assert chisquare(obs, exp).pvalue > 0.001, (obs, exp)
+    assert (0 < cuts < n) if min_conf else cuts == 0, cuts  # the cut really shortened some steps

@@ -106,3 +106,21 @@ def test_dynamic_k_output_equals_target_only(pipe):
         for k, n in dyn.stats["k_used"].items():
             used[k] = used.get(k, 0) + n
     assert len(used) >= 2, used  # the policy really moved K on this often-rejected draft
+
+
+def test_confidence_cut_output_equals_target_only(pipe):
+    """draft_min_conf stops drafting early; the loop verifies the largest bucket that fits (or
+    decodes plainly when nothing was drafted) and the output stays the target's."""
+    used = {}
+    for ids in PROMPTS:
+        base = pipe.generate(prompt_ids=ids, max_new_tokens=30, speculate=False)
+        cut = pipe.generate(prompt_ids=ids, max_new_tokens=30, k=8, draft_min_conf=0.9)
+        assert cut.token_ids == base.token_ids, ids
+        for k, n in cut.stats["k_used"].items():
+            used[k] = used.get(k, 0) + n
+    assert "8" in used and len(used) >= 3, used  # the cut fired, and not always
+
+
+def test_confidence_cut_is_checked(pipe):
+    with pytest.raises(mindspec.MindspecError, match="draft_min_conf must be between 0 and 1"):
+        pipe.generate(prompt_ids=[5, 6], max_new_tokens=4, draft_min_conf=1.5)
