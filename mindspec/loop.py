@@ -34,7 +34,9 @@ class Stats:
                 "tokens_per_target_call": self.new_tokens / max(self.target_calls, 1),
                 "accepted_at": self.accepted_at, "k_used": {str(k): v for k, v in sorted(self.k_used.items())},
                 "prefill_s": round(self.prefill_s, 4), "draft_s": round(self.draft_s, 4),
-                "verify_s": round(self.verify_s, 4), "wall_s": round(self.wall_s, 4),
+                "verify_s": round(self.verify_s, 4),
+                "other_s": round(max(self.wall_s - self.prefill_s - self.draft_s - self.verify_s, 0.0), 4),
+                "wall_s": round(self.wall_s, 4),
                 "compile_s": round(self.compile_s, 4),
                 "tokens_per_s": self.new_tokens / self.wall_s if self.wall_s else None}
 

@@ -33,7 +33,11 @@ def test_generate_json_speculative_equals_no_speculate(pair):
     assert code == 0, err
     spec = json.loads(out)
     assert set(spec["stats"]) >= {"new_tokens", "target_calls", "drafted", "accepted", "acceptance_rate",
-                                  "tokens_per_target_call", "wall_s", "tokens_per_s"}
+                                  "tokens_per_target_call", "accepted_at", "k_used", "prefill_s", "draft_s",
+                                  "verify_s", "other_s", "wall_s", "tokens_per_s"}
+    st = spec["stats"]
+    assert st["prefill_s"] + st["draft_s"] + st["verify_s"] + st["other_s"] == pytest.approx(st["wall_s"], abs=1e-3)
+    assert st["k_used"] == {"2": st["target_calls"] - 1} and len(st["accepted_at"]) == 2
     assert spec["stats"]["new_tokens"] == len(spec["token_ids"]) == 20
     code, out, _ = run(*args, "--no-speculate")
     base = json.loads(out)
