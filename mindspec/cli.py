@@ -49,17 +49,54 @@ def format_stats(s):
     return "\n".join(f"{name:<{w}}  {value}" for name, value in rows)
 
 
-def cmd_generate(a):
+def add_model_args(p):
+    """The model flags of generate, serve and batch (read by load_pipeline)."""
+    p.add_argument("--target", default=None, help="target checkpoint dir (default: the embedded model)")
+    p.add_argument("--draft", default=None, help="draft .onnx from `mindspec export` (default: embedded)")
+    p.add_argument("-k", type=_k, default="auto",
+                   help="draft tokens per target call: a K bucket 1..8, or auto (dynamic K, the default)")
+    p.add_argument("--max-seq", type=int, default=None, help="fix the KV-cache length (default: sized to the job)")
+    p.add_argument("--no-speculate", action="store_true", help="target-only decoding (the baseline)")
+    p.add_argument("--device-mem", default=None,
+                   help="memory per device (e.g. 64GB): refuse, before loading weights, what cannot fit")
+
+
+def add_sampling_args(p):
+    """The sampling flags (read by sampling_kwargs); for serve and batch they are the defaults of a
+    request that does not set them."""
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--draft-temperature", type=float, default=None,
+                   help="the draft's temperature (e.g. 1.1): changes acceptance, never the output distribution")
+    p.add_argument("--draft-min-conf", type=float, default=None,
+                   help="stop drafting before a token the draft gives less than this probability (off)")
+    p.add_argument("--seed", type=int, default=None, help="seed: same seed + same K schedule = same text")
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+
+
+def load_pipeline(a):
+    """The pipeline of the model flags (add_model_args)."""
     from .pipeline import load
     from .plan import parse_size
     mem = parse_size(a.device_mem, "--device-mem") if a.device_mem else None
-    pipe = load(target=a.target, draft=False if a.no_speculate else a.draft, k=a.k, max_seq=a.max_seq,
-                device_mem=mem, tp=a.tp)
+    return load(target=a.target, draft=False if a.no_speculate else a.draft, k=a.k, max_seq=a.max_seq,
+                device_mem=mem, tp=getattr(a, "tp", 1))
+
+
+def sampling_kwargs(a):
+    """Pipeline.generate keywords of the sampling flags (add_sampling_args)."""
+    return dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
+                repetition_penalty=a.repetition_penalty, draft_temperature=a.draft_temperature,
+                draft_min_conf=a.draft_min_conf, seed=a.seed, stop=a.stop)
+
+
+def cmd_generate(a):
+    pipe = load_pipeline(a)
     stream = None if a.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
-    res = pipe.generate(prompt=a.prompt, prompt_ids=a.prompt_ids, max_new_tokens=a.max_new_tokens,
-                        temperature=a.temperature, stop=a.stop, chat=a.chat, on_text=stream, top_k=a.top_k,
-                        top_p=a.top_p, repetition_penalty=a.repetition_penalty,
-                        draft_temperature=a.draft_temperature, draft_min_conf=a.draft_min_conf, seed=a.seed)
+    res = pipe.generate(prompt=a.prompt, prompt_ids=a.prompt_ids, chat=a.chat, on_text=stream, **sampling_kwargs(a))
     s = res.stats
     if a.json:
         print(json.dumps({"text": res.text, "token_ids": res.token_ids, "finish_reason": res.finish_reason,
@@ -91,26 +128,9 @@ def parser():
     g = sub.add_parser("generate", help="generate text with a target + draft pair")
     g.add_argument("prompt", nargs="?", default=None)
     g.add_argument("--prompt-ids", type=_ids, default=None, help="comma-separated token ids instead of text")
-    g.add_argument("--target", default=None, help="target checkpoint dir (default: the embedded model)")
-    g.add_argument("--draft", default=None, help="draft .onnx from `mindspec export` (default: embedded)")
-    g.add_argument("-k", type=_k, default="auto",
-                   help="draft tokens per target call: a K bucket 1..8, or auto (dynamic K, the default)")
-    g.add_argument("--max-new-tokens", type=int, default=64)
-    g.add_argument("--max-seq", type=int, default=None, help="fix the KV-cache length (default: sized to the job)")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
-    g.add_argument("--draft-temperature", type=float, default=None,
-                   help="the draft's temperature (e.g. 1.1): changes acceptance, never the output distribution")
-    g.add_argument("--draft-min-conf", type=float, default=None,
-                   help="stop drafting before a token the draft gives less than this probability (off)")
-    g.add_argument("--seed", type=int, default=None, help="seed: same seed + same K schedule = same text")
-    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    add_model_args(g)
+    add_sampling_args(g)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    g.add_argument("--no-speculate", action="store_true", help="target-only decoding (the baseline)")
-    g.add_argument("--device-mem", default=None,
-                   help="memory per device (e.g. 64GB): refuse, before loading weights, what cannot fit")
     g.add_argument("--tp", type=int, default=1,
                    help="split the target over N devices (ranks launched with msrun; heads padded as needed)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
