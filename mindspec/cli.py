@@ -1,4 +1,5 @@
-"""`mindspec` command line: export, generate, convert. Bad input: one line on stderr, exit 2."""
+"""`mindspec` command line: export, convert, generate, serve (+ plan, bench). Bad input: one line on
+stderr, exit 2."""
 import argparse
 import json
 import sys
@@ -111,6 +112,11 @@ def cmd_generate(a):
           f"{f'K={pipe.k}' if pipe.draft_path else 'target only'}; K used {s['k_used']}]", file=sys.stderr)
 
 
+def cmd_serve(a):
+    from .serve import serve
+    serve(lambda: load_pipeline(a), sampling_kwargs(a), host=a.host, port=a.port, model_name=a.model_name)
+
+
 def parser():
     p = argparse.ArgumentParser(prog="mindspec", description="Speculative decoding: MindSpore target, ONNX draft.")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -136,6 +142,14 @@ def parser():
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g.add_argument("--stats", action="store_true", help="print a table of acceptance and timing to stderr")
     g.set_defaults(func=cmd_generate)
+    s = sub.add_parser("serve", help="HTTP server speaking MindIE Service's APIs (OpenAI, TGI, /infer)")
+    add_model_args(s)
+    add_sampling_args(s)
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=1025, help="port (default 1025 as MindIE; 0 = pick a free one)")
+    s.add_argument("--model-name", default=None,
+                   help="the model's name in requests and /v1/models (default: the target directory's name)")
+    s.set_defaults(func=cmd_serve)
     from . import bench, plan
     plan.add_parser(sub)
     bench.add_parser(sub)
