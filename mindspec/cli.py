@@ -1,5 +1,5 @@
-"""`mindspec` command line: export, convert, generate, serve (+ plan, bench). Bad input: one line on
-stderr, exit 2."""
+"""`mindspec` command line: export, convert, generate, serve, batch (+ plan, bench). Bad input: one line
+on stderr, exit 2."""
 import argparse
 import json
 import sys
@@ -117,6 +117,11 @@ def cmd_serve(a):
     serve(lambda: load_pipeline(a), sampling_kwargs(a), host=a.host, port=a.port, model_name=a.model_name)
 
 
+def cmd_batch(a):
+    from .batch import run_batch
+    return run_batch(lambda: load_pipeline(a), dict(sampling_kwargs(a), chat=a.chat), a.input, a.output)
+
+
 def parser():
     p = argparse.ArgumentParser(prog="mindspec", description="Speculative decoding: MindSpore target, ONNX draft.")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -150,6 +155,13 @@ def parser():
     s.add_argument("--model-name", default=None,
                    help="the model's name in requests and /v1/models (default: the target directory's name)")
     s.set_defaults(func=cmd_serve)
+    b = sub.add_parser("batch", help="offline batch job over a JSONL file (resumable)")
+    b.add_argument("--input", required=True, help="JSONL: one request per line")
+    b.add_argument("--output", required=True, help="JSONL results, appended; ids already there are skipped")
+    add_model_args(b)
+    add_sampling_args(b)
+    b.add_argument("--chat", action="store_true", help="wrap plain \"prompt\" lines in the chat template")
+    b.set_defaults(func=cmd_batch)
     from . import bench, plan
     plan.add_parser(sub)
     bench.add_parser(sub)
@@ -160,13 +172,13 @@ def _run(args):
     if args.cmd == "generate" and args.prompt is None and args.prompt_ids is None:
         args.prompt = "Once upon a time"
     try:
-        args.func(args)
+        code = args.func(args)
     except MindspecError as e:
         print(f"mindspec: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
-    return 0
+    return code or 0
 
 
 def main(argv=None):
