@@ -56,6 +56,8 @@ def add_model_args(p):
     p.add_argument("--draft", default=None, help="draft .onnx from `mindspec export` (default: embedded)")
     p.add_argument("-k", type=_k, default="auto",
                    help="draft tokens per target call: a K bucket 1..8, or auto (dynamic K, the default)")
+    p.add_argument("--dynamic-k", dest="k", action="store_const", const="auto",
+                   help="choose K each step from measured costs and acceptance (the default; same as -k auto)")
     p.add_argument("--max-seq", type=int, default=None, help="fix the KV-cache length (default: sized to the job)")
     p.add_argument("--no-speculate", action="store_true", help="target-only decoding (the baseline)")
     p.add_argument("--device-mem", default=None,

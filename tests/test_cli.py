@@ -141,3 +141,11 @@ def test_generate_refuses_what_cannot_fit_before_loading(pair):
     _expect_error(args + ["--device-mem", "lots"], "bad size")
     code, _, err = run(*args, "--device-mem", "64GB", "--max-new-tokens", "3", "-k", "2")
     assert code == 0, err
+
+
+def test_dynamic_k_flag():
+    from mindspec.cli import parser
+    for cmd in (["generate"], ["serve"], ["batch", "--input", "in.jsonl", "--output", "out.jsonl"]):
+        assert parser().parse_args(cmd).k == "auto"  # dynamic K is the default
+        assert parser().parse_args(cmd + ["-k", "4"]).k == 4
+        assert parser().parse_args(cmd + ["-k", "4", "--dynamic-k"]).k == "auto"
