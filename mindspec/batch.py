@@ -31,7 +31,7 @@ def _read_input(path):
         raise MindspecError(f"input {path} is not UTF-8 text") from None
 
 
-def _done_ids(path):
+def _done_ids(path, writer=True):
     """Ids already in the output. A last line without its newline that starts like our records is an
     interrupted write: it is cut off (and redone) unless it is a whole record. Anything else in the
     file means it is not ours: refuse to append to it."""
@@ -49,13 +49,15 @@ def _done_ids(path):
             ids.add(_key(json.loads(line)["id"]))
         except (ValueError, KeyError, TypeError):
             if n > whole and line.startswith(b'{"id": '):
+                if not writer:
+                    continue
                 with open(path, "r+b") as f:
                     f.truncate(len(data) - len(line))
             elif line.strip():
                 raise MindspecError(f"{path}:{n} is not a mindspec batch record; not appending to that file") \
                     from None
         else:
-            if n > whole:
+            if n > whole and writer:
                 with open(path, "ab") as f:
                     f.write(b"\n")
     return ids
@@ -110,10 +112,11 @@ def _record(pipe, rid, kw):
     return rec, res.stats
 
 
-def run_batch(load, defaults, input_path, output_path):
-    todo, skipped = _requests(_read_input(input_path), defaults, _done_ids(output_path), input_path)
+def run_batch(load, defaults, input_path, output_path, writer=True):
+    """writer=False (tensor-parallel ranks other than 0): run the same job in lock step, write nothing."""
+    todo, skipped = _requests(_read_input(input_path), defaults, _done_ids(output_path, writer), input_path)
     try:
-        out = open(output_path, "a", encoding="utf-8")
+        out = open(output_path if writer else os.devnull, "a", encoding="utf-8")
     except OSError as e:
         raise MindspecError(f"cannot write output {output_path}: {e.strerror}") from None
     pipe = load() if any(kw is not None for _, kw, _ in todo) else None

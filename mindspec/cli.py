@@ -2,9 +2,11 @@
 on stderr, exit 2."""
 import argparse
 import json
+import os
 import sys
 
 from .errors import MindspecError
+from .request import SEED_ENV
 
 
 def _ids(text):
@@ -64,6 +66,11 @@ def add_model_args(p):
                    help="memory per device (e.g. 64GB): refuse, before loading weights, what cannot fit")
 
 
+def add_tp_arg(p):
+    p.add_argument("--tp", type=int, default=1,
+                   help="split the target over N devices (ranks launched with msrun; heads padded as needed)")
+
+
 def add_sampling_args(p):
     """The sampling flags (read by sampling_kwargs); for serve and batch they are the defaults of a
     request that does not set them."""
@@ -121,7 +128,12 @@ def cmd_serve(a):
 
 def cmd_batch(a):
     from .batch import run_batch
-    return run_batch(lambda: load_pipeline(a), dict(sampling_kwargs(a), chat=a.chat), a.input, a.output)
+    writer = True
+    if a.tp > 1:  # every rank runs the job in lock step; rank 0 alone writes the output
+        from .tp import is_rank0
+        writer = is_rank0()
+    return run_batch(lambda: load_pipeline(a), dict(sampling_kwargs(a), chat=a.chat), a.input, a.output,
+                     writer=writer)
 
 
 def parser():
@@ -144,8 +156,7 @@ def parser():
     add_model_args(g)
     add_sampling_args(g)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    g.add_argument("--tp", type=int, default=1,
-                   help="split the target over N devices (ranks launched with msrun; heads padded as needed)")
+    add_tp_arg(g)
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g.add_argument("--stats", action="store_true", help="print a table of acceptance and timing to stderr")
     g.set_defaults(func=cmd_generate)
@@ -163,6 +174,7 @@ def parser():
     add_model_args(b)
     add_sampling_args(b)
     b.add_argument("--chat", action="store_true", help="wrap plain \"prompt\" lines in the chat template")
+    add_tp_arg(b)
     b.set_defaults(func=cmd_batch)
     from . import bench, plan
     plan.add_parser(sub)
@@ -189,9 +201,11 @@ def main(argv=None):
     if getattr(args, "tp", 1) > 1:
         from . import tp
         if not tp.is_worker():  # the user's process: run this same command on N ranks under msrun
+            import random
             if args.cmd == "generate" and args.seed is None and args.temperature > 0:
-                import random
                 argv += ["--seed", str(random.randrange(2 ** 31))]  # every rank must draw the same uniforms
+            # and the same seeds for the sampled requests of a batch that carry none
+            os.environ.setdefault(SEED_ENV, str(random.randrange(2 ** 31)))
             try:
                 return tp.launch(argv, args.tp)
             except MindspecError as e:

@@ -7,9 +7,13 @@ take the caller's defaults (the command line's flags). Range checks of the sampl
 SamplingParams' (raised by generate before any work); this module checks what generate cannot:
 the shapes of prompts, messages, stop strings and token counts.
 """
+import os
 import random
 
 from .errors import MindspecError
+
+SEED_ENV = "MINDSPEC_SEED_BASE"  # set by the tensor-parallel launcher: every rank draws the same seeds
+_seeds = None
 
 PROMPT_FIELDS = ("prompt", "messages", "prompt_ids")
 FIELDS = frozenset(PROMPT_FIELDS + (
@@ -93,8 +97,17 @@ def parse(req, defaults=None):
     elif do_sample and not kw.get("temperature"):
         kw["temperature"] = 1.0
     if isinstance(kw.get("temperature"), (int, float)) and kw["temperature"] > 0 and kw.get("seed") is None:
-        kw["seed"] = random.randrange(2 ** 31)
+        kw["seed"] = _seed()
     return kw
+
+
+def _seed():
+    """A fresh seed; reproducible from SEED_ENV when it is set (ranks parse the same requests in order)."""
+    global _seeds
+    if _seeds is None:
+        base = os.environ.get(SEED_ENV)
+        _seeds = random.Random(int(base)) if base else random.Random()
+    return _seeds.randrange(2 ** 31)
 
 
 def run(pipe, kw, on_text=None):

@@ -36,11 +36,11 @@ def setup(tiny_target, tiny_draft_ckpt, tmp_path_factory):
     return tiny_target[0], draft, inp, d
 
 
-def batch(setup, out, inp=None):
+def batch(setup, out, inp=None, extra=()):
     target, draft, default_inp, _ = setup
     p = subprocess.run([sys.executable, "-m", "mindspec", "batch", "--input", str(inp or default_inp),
                         "--output", str(out), "--target", target, "--draft", draft, "-k", "2",
-                        "--max-seq", str(MAX_SEQ), "--max-new-tokens", "5"],
+                        "--max-seq", str(MAX_SEQ), "--max-new-tokens", "5", *extra],
                        capture_output=True, text=True, timeout=600)
     return p.returncode, p.stderr
 
@@ -112,3 +112,24 @@ def test_unusable_input_or_output_exits_2_with_one_line(setup, tmp_path):
     _expect_usage_error(setup, foreign, "not a mindspec batch record")
     assert foreign.read_text() == "my notes\nmore notes\n"  # untouched
     assert not os.path.exists(tmp_path / "o.jsonl")
+
+
+def test_tensor_parallel_batch_equals_tp1(setup, first_run, tmp_path):
+    """`batch --tp 2` (msrun, 127.0.0.1): both ranks run the job in lock step, rank 0 alone writes;
+    greedy lines equal the TP=1 run, and a sampled line without a seed gets the same drawn seed on
+    every rank (else the ranks would accept different drafts and the text would not repeat)."""
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(LINES[0] + "\n" + LINES[3] + "\n" +
+                   json.dumps({"id": "s", "prompt_ids": [9, 8, 7], "temperature": 1.0, "max_new_tokens": 8}) + "\n")
+    out = tmp_path / "out.jsonl"
+    code, err = batch(setup, out, inp, extra=["--tp", "2"])
+    assert code == 0, err
+    assert "2 done" not in err and "3 done, 0 skipped, 0 failed" in err.strip().splitlines()[-1], err
+    recs = records(out)
+    assert [r["id"] for r in recs] == ["a", "d", "s"]  # written once, by rank 0
+    tp1 = {r["id"]: r for r in records(first_run[2])}
+    for r in recs[:2]:
+        assert r["token_ids"] == tp1[r["id"]]["token_ids"], r["id"]
+    pipe = mindspec.load(target=setup[0], draft=setup[1], k=2, max_seq=MAX_SEQ)
+    ref = pipe.generate(prompt_ids=[9, 8, 7], max_new_tokens=8, temperature=1.0, seed=recs[2]["seed"])
+    assert recs[2]["token_ids"] == ref.token_ids and recs[2]["stats"]["drafted"] > 0
