@@ -122,8 +122,13 @@ def cmd_generate(a):
 
 
 def cmd_serve(a):
-    from .serve import serve
-    serve(lambda: load_pipeline(a), sampling_kwargs(a), host=a.host, port=a.port, model_name=a.model_name)
+    from .serve import follow, serve
+    if a.tp > 1:  # rank 0 listens and hands each request to the other ranks, which follow in lock step
+        from .tp import is_rank0
+        if not is_rank0():
+            return follow(load_pipeline(a))
+    serve(lambda: load_pipeline(a), sampling_kwargs(a), host=a.host, port=a.port, model_name=a.model_name,
+          tp=a.tp > 1)
 
 
 def cmd_batch(a):
@@ -165,6 +170,7 @@ def parser():
     add_sampling_args(s)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=1025, help="port (default 1025 as MindIE; 0 = pick a free one)")
+    add_tp_arg(s)
     s.add_argument("--model-name", default=None,
                    help="the model's name in requests and /v1/models (default: the target directory's name)")
     s.set_defaults(func=cmd_serve)

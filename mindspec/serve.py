@@ -22,7 +22,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from .errors import MindspecError
 from .request import RequestError, parse, run
+from .tp import share
 
+TICK = 0.5  # s: how long the worker waits for a request before checking signals (and, under TP, pinging the ranks)
 MAX_BODY = 4 * 2 ** 20  # MindIE's limit on a request's text: 4 MB
 EXTENSIONS = ("top_k", "repetition_penalty", "k", "draft_temperature")  # beyond each API's own fields
 
@@ -42,8 +44,8 @@ class _Job:
 class App:
     """What the handlers share: the pipeline (once loaded), the request defaults, the job queue."""
 
-    def __init__(self, defaults, model_name=None):
-        self.defaults, self.model_name = defaults, model_name
+    def __init__(self, defaults, model_name=None, tp=False):
+        self.defaults, self.model_name, self.tp = defaults, model_name, tp
         self.pipe, self.started = None, int(time.time())
         self.ready, self.stopping = threading.Event(), threading.Event()
         self.jobs, self.current, self._lock = queue.Queue(), None, threading.Lock()
@@ -57,14 +59,19 @@ class App:
         return job
 
     def work(self):
-        """The worker loop (main thread): one request at a time, in arrival order."""
+        """The worker loop (main thread): one request at a time, in arrival order. Under tensor
+        parallelism this is rank 0, which hands each request to the other ranks (see follow)."""
         while True:
             try:
-                job = self.jobs.get(timeout=0.5)  # a timeout keeps the main thread responsive to signals
+                job = self.jobs.get(timeout=TICK)  # a timeout keeps the main thread responsive to signals
             except queue.Empty:
+                if self.tp:
+                    share(None)  # idle: the other ranks must not wait in a collective for long
                 continue
             if job.cancelled.is_set():
                 continue
+            if self.tp:
+                share(job.kw)
             self.current = job
             try:
                 job.events.put(("done", run(self.pipe, job.kw, lambda delta: self._text(job, delta))))
@@ -79,6 +86,8 @@ class App:
 
     def _text(self, job, delta):
         if job.cancelled.is_set() or self.stopping.is_set():
+            if self.tp:  # the other ranks run this request to its end: so must rank 0, answering nobody
+                return
             raise _Cancelled
         job.events.put(("text", delta))
 
@@ -483,14 +492,27 @@ def _stop_on_signals():
         signal.signal(sig, signal.default_int_handler)
 
 
-def serve(load, defaults, host="127.0.0.1", port=1025, model_name=None):
+def follow(pipe):
+    """Ranks > 0 of a tensor-parallel server: run every request rank 0 shares, in lock step with it
+    (the target's collectives need every rank), and answer nobody. Runs until the job is stopped."""
+    while True:
+        kw = share(None)
+        if kw is None:  # rank 0 is idle
+            continue
+        try:
+            run(pipe, kw)
+        except MindspecError:
+            pass  # rank 0 met the same error at the same point and answers the client
+
+
+def serve(load, defaults, host="127.0.0.1", port=1025, model_name=None, tp=False):
     """Listen, load the pipeline (health answers 503 meanwhile), then generate until SIGINT/SIGTERM."""
     try:
         httpd = ThreadingHTTPServer((host, port), Handler)
     except OSError as e:
         raise MindspecError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     httpd.daemon_threads = True
-    httpd.app = app = App(defaults, model_name)
+    httpd.app = app = App(defaults, model_name, tp)
     _stop_on_signals()
     threading.Thread(target=httpd.serve_forever, name="http", daemon=True).start()
     try:

@@ -41,6 +41,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 from .errors import MindspecError
@@ -147,6 +148,8 @@ def launch(argv, n, script=None, timeout=CLUSTER_TIMEOUT, log_dir=None, grace=FA
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                 start_new_session=True)
     failed_at, done_at, interrupted, seen = None, None, False, 0
+    main = threading.current_thread() is threading.main_thread()
+    old_term = signal.signal(signal.SIGTERM, signal.default_int_handler) if main else None  # SIGTERM = Ctrl-C
     try:
         while proc.poll() is None:
             out.pump()
@@ -173,6 +176,8 @@ def launch(argv, n, script=None, timeout=CLUSTER_TIMEOUT, log_dir=None, grace=FA
         except subprocess.TimeoutExpired:
             pass
     finally:
+        if main:
+            signal.signal(signal.SIGTERM, old_term)
         _stop(proc, job)
         out.close()
         err.close()

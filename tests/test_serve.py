@@ -227,3 +227,37 @@ def test_sigterm_stops_cleanly(server):
     reader.join(timeout=10)
     log = "".join(err)
     assert "server stopped" in log and "Traceback" not in log, log[-2000:]
+
+
+def test_tensor_parallel_server(pair, pipe):
+    """`serve --tp 2`: rank 0 listens on 127.0.0.1 and hands each request to rank 1 (idle ranks ping
+    each other every TICK, so a quiet server does not break the group); answers equal TP=1's, a bad
+    request is still a 4xx, and SIGTERM to the launcher ends the whole job."""
+    import time
+    target, draft = pair
+    p = subprocess.Popen([sys.executable, "-m", "mindspec", "serve", "--tp", "2", "--target", target, "--draft", draft,
+                          "-k", "2", "--max-seq", str(MAX_SEQ), "--port", "0", "--model-name", "tiny"],
+                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    try:
+        lines = queue.Queue()
+        threading.Thread(target=lambda: [lines.put(x) for x in p.stdout], daemon=True).start()
+        while not (m := re.search(r"serving tiny on (http://127\.0\.0\.1:\d+)", lines.get(timeout=300))):
+            pass
+        base = m.group(1)
+        time.sleep(40)  # idle longer than a collective waits (without the pings the job dies)
+        c = post(base, "/v1/completions", {"prompt": IDS, "max_tokens": N})
+        ref = pipe.generate(prompt_ids=IDS, max_new_tokens=N, speculate=False)
+        assert c["choices"][0]["text"] == ref.text and c["mindspec"]["drafted"] > 0
+        assert call(base, "/v1/completions", {"prompt": IDS, "max_tokens": 0})[0] == 400
+        body = {"inputs": TEXT, "parameters": {"max_new_tokens": N, "do_sample": True, "temperature": 1.5,
+                                               "seed": 7, "details": True}}
+        tgi = post(base, "/generate", body)
+        ref = pipe.generate(prompt=TEXT, max_new_tokens=N, temperature=1.5, seed=7, k=2)
+        assert [t["id"] for t in tgi["details"]["tokens"]] == ref.token_ids
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=60) == 130
+    finally:
+        if p.poll() is None:
+            import os
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
