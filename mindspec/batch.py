@@ -31,7 +31,7 @@ def _read_input(path):
         raise MindspecError(f"input {path} is not UTF-8 text") from None
 
 
-def _done_ids(path, writer=True):
+def _done_ids(path):
     """Ids already in the output. A last line without its newline that starts like our records is an
     interrupted write: it is cut off (and redone) unless it is a whole record. Anything else in the
     file means it is not ours: refuse to append to it."""
@@ -49,15 +49,13 @@ def _done_ids(path, writer=True):
             ids.add(_key(json.loads(line)["id"]))
         except (ValueError, KeyError, TypeError):
             if n > whole and line.startswith(b'{"id": '):
-                if not writer:
-                    continue
                 with open(path, "r+b") as f:
                     f.truncate(len(data) - len(line))
             elif line.strip():
                 raise MindspecError(f"{path}:{n} is not a mindspec batch record; not appending to that file") \
                     from None
         else:
-            if n > whole and writer:
+            if n > whole:
                 with open(path, "ab") as f:
                     f.write(b"\n")
     return ids
@@ -65,7 +63,7 @@ def _done_ids(path, writer=True):
 
 def _requests(lines, defaults, done, input_path):
     """(id, parsed keywords or None, error or None) per line still to do; and how many were skipped."""
-    todo, skipped, seen = [], 0, set(done)
+    todo, skipped, line_of = [], 0, {}
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -82,12 +80,13 @@ def _requests(lines, defaults, done, input_path):
                 rid, err = n, f"line {n}: id must be a string or an integer, got {row['id']!r}"
             elif unknown := sorted(set(row) - FIELDS - {"id"}):
                 err = f"line {n}: unknown field(s) {', '.join(unknown)}"
-        if _key(rid) in seen:
-            if _key(rid) not in done:
-                print(f"mindspec: {input_path}:{n}: id {rid!r} appears twice; skipped", file=sys.stderr)
+        if _key(rid) in line_of:  # before any work: skipping one of them would lose a prompt silently
+            raise MindspecError(f"{input_path}:{n}: id {rid!r} is already line {line_of[_key(rid)]}'s; ids must be "
+                                f"unique (a line without \"id\" has its line number)")
+        line_of[_key(rid)] = n
+        if _key(rid) in done:
             skipped += 1
             continue
-        seen.add(_key(rid))
         if err is None:
             try:
                 kw = parse({k: v for k, v in row.items() if k != "id"}, defaults)
@@ -112,9 +111,18 @@ def _record(pipe, rid, kw):
     return rec, res.stats
 
 
-def run_batch(load, defaults, input_path, output_path, writer=True):
-    """writer=False (tensor-parallel ranks other than 0): run the same job in lock step, write nothing."""
-    todo, skipped = _requests(_read_input(input_path), defaults, _done_ids(output_path, writer), input_path)
+def _rank0():
+    from .tp import is_rank0
+    return is_rank0()
+
+
+def run_batch(load, defaults, input_path, output_path, share=None):
+    """share (mindspec.tp.share, under tensor parallelism): rank 0 alone reads and writes the output and
+    hands the finished ids to the other ranks, which run the same job in lock step and write nothing."""
+    writer = share is None or _rank0()
+    done = _done_ids(output_path) if writer else None
+    done = share(done) if share else done  # before rank 0 writes anything
+    todo, skipped = _requests(_read_input(input_path), defaults, done, input_path)
     try:
         out = open(output_path if writer else os.devnull, "a", encoding="utf-8")
     except OSError as e:

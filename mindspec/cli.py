@@ -3,6 +3,7 @@ on stderr, exit 2."""
 import argparse
 import json
 import os
+import signal
 import sys
 
 from .errors import MindspecError
@@ -66,8 +67,18 @@ def add_model_args(p):
                    help="memory per device (e.g. 64GB): refuse, before loading weights, what cannot fit")
 
 
+def _positive(text):
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return n
+
+
 def add_tp_arg(p):
-    p.add_argument("--tp", type=int, default=1,
+    p.add_argument("--tp", type=_positive, default=1,
                    help="split the target over N devices (ranks launched with msrun; heads padded as needed)")
 
 
@@ -133,12 +144,11 @@ def cmd_serve(a):
 
 def cmd_batch(a):
     from .batch import run_batch
-    writer = True
-    if a.tp > 1:  # every rank runs the job in lock step; rank 0 alone writes the output
-        from .tp import is_rank0
-        writer = is_rank0()
+    share = None
+    if a.tp > 1:  # every rank runs the job in lock step; rank 0 alone reads and writes the output
+        from .tp import share
     return run_batch(lambda: load_pipeline(a), dict(sampling_kwargs(a), chat=a.chat), a.input, a.output,
-                     writer=writer)
+                     share=share)
 
 
 def parser():
@@ -218,6 +228,9 @@ def main(argv=None):
                 print(f"mindspec: error: {e}", file=sys.stderr)
                 return 2
         return tp.run_worker(lambda: _run(args), args.tp)  # one rank (msrun's scheduler exits inside)
+    # SIGTERM = Ctrl-C (MindSpore's own SIGINT handler turns Ctrl-C into SIGTERM): exit 130, and a batch job
+    # still prints its summary. (Under TP the launcher stops the ranks.)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     return _run(args)
 
 

@@ -148,8 +148,8 @@ class Pipeline:
         drafting before a token the draft itself gives less than that probability (off by default: it
         measured slower for the default self-draft, see README)."""
         k = self.k if k is None else k
-        if k != "auto" and k not in self.buckets:
-            raise MindspecError(f"K={k} is not a compiled bucket {list(self.buckets)}")
+        if k != "auto" and (isinstance(k, bool) or not isinstance(k, int) or k not in self.buckets):
+            raise MindspecError(f"K={k!r} is not a compiled bucket {list(self.buckets)}")
         params = SamplingParams(temperature, top_k, top_p, repetition_penalty, draft_temperature, seed)
         sampling = not params.greedy or params.repetition_penalty != 1.0
         if draft_min_conf is not None and not 0 < draft_min_conf < 1:

@@ -33,6 +33,15 @@ def _is_int(v):
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _text(name, v):
+    """A string the tokenizer can take: JSON may carry lone surrogates (\\ud800) that UTF-8 cannot."""
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:
+        raise RequestError(f"{name} is not valid Unicode text (a lone surrogate?)") from None
+    return v
+
+
 def _messages(v):
     """[{role, content}] with content a string or a list of {"type": "text", "text"} parts."""
     if not isinstance(v, list) or not v:
@@ -49,7 +58,7 @@ def _messages(v):
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
             raise RequestError(f"messages[{i}].content must be a string")
-        out.append({"role": m["role"], "content": content})
+        out.append({"role": m["role"], "content": _text(f"messages[{i}].content", content)})
     return out
 
 
@@ -68,7 +77,7 @@ def parse(req, defaults=None):
     if src == "prompt":
         if not isinstance(req["prompt"], str) or not req["prompt"]:
             raise RequestError("prompt must be a non-empty string")
-        kw["prompt"] = req["prompt"]
+        kw["prompt"] = _text("prompt", req["prompt"])
     elif src == "messages":
         kw["messages"] = _messages(req["messages"])
     else:
@@ -88,6 +97,10 @@ def parse(req, defaults=None):
         kw["stop"] = [stop]
     elif stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
         raise RequestError("stop must be a string or a list of strings")
+    for s in kw.get("stop") or ():
+        _text("stop", s)
+    if "k" in kw and kw["k"] != "auto" and not _is_int(kw["k"]):
+        raise RequestError(f"k must be an integer K bucket or \"auto\", got {kw['k']!r}")
     for flag in ("chat", "do_sample"):
         if not isinstance(kw.get(flag, False), bool):
             raise RequestError(f"{flag} must be true or false, got {kw[flag]!r}")

@@ -149,18 +149,20 @@ class _OpenAI:
     def response(self, ids, res):
         return dict(self.head, choices=[self._choice(res.text, res.finish_reason)], **self._tail(ids, res))
 
+    def _role(self):
+        """The chat stream's first chunk, once (also when no text comes at all)."""
+        if not self.chat or self.sent_role:
+            return []
+        self.sent_role = True
+        return [dict(self._stream_head(), choices=[dict(self._choice("", None, True),
+                                                        delta={"role": "assistant", "content": ""})])]
+
     def chunk(self, delta):
-        out = []
-        if self.chat and not self.sent_role:
-            self.sent_role = True
-            out.append(dict(self._stream_head(), choices=[dict(self._choice("", None, True),
-                                                               delta={"role": "assistant", "content": ""})]))
-        out.append(dict(self._stream_head(), choices=[self._choice(delta, None, True)]))
-        return out
+        return self._role() + [dict(self._stream_head(), choices=[self._choice(delta, None, True)])]
 
     def last(self, ids, res):
         choice = self._choice(None if self.chat else "", res.finish_reason, True)
-        return [dict(self._stream_head(), choices=[choice], **self._tail(ids, res))]
+        return self._role() + [dict(self._stream_head(), choices=[choice], **self._tail(ids, res))]
 
 
 class _TGI:
@@ -341,7 +343,9 @@ class Handler(BaseHTTPRequestHandler):
         try:
             n = int(self.headers.get("Content-Length") or 0)
         except ValueError:
-            raise RequestError("bad Content-Length header") from None
+            n = -1
+        if n < 0:
+            raise RequestError("bad Content-Length header")
         if n > MAX_BODY:
             if n <= 16 * MAX_BODY:
                 self.rfile.read(n)  # drain it, so the client reads our answer instead of a reset
@@ -403,7 +407,7 @@ class Handler(BaseHTTPRequestHandler):
             raise RequestError(f"model {name!r} not found: this server serves {self.app.model_name!r}", 404)
         pipe = self.app.pipe
         return {"id": self.app.model_name, "object": "model", "created": self.app.started, "owned_by": "mindspec",
-                "root": pipe.ckpt.dir, "parent": None, "max_model_len": pipe.cfg.max_position_embeddings}
+                "root": pipe.ckpt.dir, "parent": None, "max_model_len": pipe.fixed_max_seq or pipe.cfg.max_position_embeddings}
 
     def get_models(self):
         self._check_ready()
@@ -457,11 +461,12 @@ class Handler(BaseHTTPRequestHandler):
         inputs = body.get("inputs")
         if not isinstance(inputs, str) or not inputs:
             raise RequestError("inputs must be a non-empty string")
-        params = body.get("parameters") or {}
+        params = body.get("parameters")
+        params = {} if params is None else params
         if not isinstance(params, dict):
             raise RequestError("parameters must be a JSON object")
         for key in ("details", "return_full_text", "decoder_input_details"):
-            if not isinstance(params.get(key, False), bool):
+            if params.get(key) not in (None, True, False):  # null: the default
                 raise RequestError(f"{key} must be true or false")
         if params.get("best_of") not in (None, 1):
             raise RequestError("best_of > 1 is not supported (static batch 1)")
@@ -503,6 +508,8 @@ def follow(pipe):
             run(pipe, kw)
         except MindspecError:
             pass  # rank 0 met the same error at the same point and answers the client
+        except Exception:  # noqa: BLE001 - as rank 0 (500 and serve on): one bad request must not end the job
+            traceback.print_exc()
 
 
 def serve(load, defaults, host="127.0.0.1", port=1025, model_name=None, tp=False):

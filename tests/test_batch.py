@@ -133,3 +133,34 @@ def test_tensor_parallel_batch_equals_tp1(setup, first_run, tmp_path):
     pipe = mindspec.load(target=setup[0], draft=setup[1], k=2, max_seq=MAX_SEQ)
     ref = pipe.generate(prompt_ids=[9, 8, 7], max_new_tokens=8, temperature=1.0, seed=recs[2]["seed"])
     assert recs[2]["token_ids"] == ref.token_ids and recs[2]["stats"]["drafted"] > 0
+
+
+def test_duplicate_ids_stop_the_job_before_it_starts(setup, tmp_path):
+    inp = tmp_path / "dup.jsonl"
+    inp.write_text(json.dumps({"id": 2, "prompt": "first"}) + "\n" + json.dumps({"prompt": "second"}) + "\n")
+    _expect_usage_error(setup, tmp_path / "o.jsonl", "id 2 is already line 1's", inp=inp)
+
+
+def test_interrupt_keeps_what_was_written_and_says_so(setup, tmp_path):
+    """Ctrl-C or kill after the first records: exit 130 with the summary line, whole records kept.
+    (MindSpore's own SIGINT handler, installed while it compiles, turns Ctrl-C into SIGTERM.)"""
+    import signal
+    import time
+    target, draft, _, _ = setup
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps({"prompt_ids": [5, 6, i], "max_new_tokens": 40}) + "\n" for i in range(40)))
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        home = tmp_path / f"home{int(sig)}"  # no compile cache: MindSpore compiles, and takes the signals
+        p = subprocess.Popen([sys.executable, "-m", "mindspec", "batch", "--input", str(inp), "--output", str(out),
+                              "--target", target, "--draft", draft, "-k", "2", "--max-seq", str(MAX_SEQ)],
+                             stderr=subprocess.PIPE, text=True, env=dict(os.environ, MINDSPEC_HOME=str(home)))
+        before = len(records(out)) if out.exists() else 0
+        while not out.exists() or len(out.read_text().splitlines()) < before + 2:
+            assert p.poll() is None, p.stderr.read()
+            time.sleep(0.05)
+        p.send_signal(sig)
+        err = p.communicate(timeout=120)[1]
+        assert p.returncode == 130, (sig, err)
+        assert "Traceback" not in err and " done, " in err.strip().splitlines()[-1], err
+        recs = records(out)  # every line whole
+        assert len(recs) < 40 and len({r["id"] for r in recs}) == len(recs)

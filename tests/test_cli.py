@@ -149,3 +149,11 @@ def test_dynamic_k_flag():
         assert parser().parse_args(cmd).k == "auto"  # dynamic K is the default
         assert parser().parse_args(cmd + ["-k", "4"]).k == 4
         assert parser().parse_args(cmd + ["-k", "4", "--dynamic-k"]).k == "auto"
+
+
+@pytest.mark.parametrize("bad", ["0", "-2", "two"])
+def test_tp_must_be_positive(bad, capsys):
+    from mindspec.cli import parser
+    with pytest.raises(SystemExit) as e:
+        parser().parse_args(["batch", "--input", "a", "--output", "b", "--tp", bad])
+    assert e.value.code == 2 and "--tp: must be an integer >= 1" in capsys.readouterr().err

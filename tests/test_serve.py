@@ -178,6 +178,10 @@ BAD = [  # (path, body or raw bytes, status, words in the message)
     ("/generate", {"inputs": "hi", "parameters": {"top_p": 2}}, 422, "top_p must be in (0, 1]"),
     ("/generate_stream", {"inputs": "hi", "parameters": {"repetition_penalty": 0}}, 422, "repetition_penalty"),
     ("/infer", {"inputs": "hi", "stream": "yes"}, 422, "stream must be"),
+    ("/v1/completions", b'{"prompt": "a\\ud800b"}', 400, "not valid Unicode"),  # a lone surrogate
+    ("/generate", b'{"inputs": "hi", "parameters": {"stop": ["\\udc00"]}}', 422, "not valid Unicode"),
+    ("/v1/completions", {"prompt": "hi", "k": 1.0}, 400, "k must be an integer"),
+    ("/v1/completions", {"prompt": "hi", "k": True}, 400, "k must be an integer"),
 ]
 
 
@@ -192,6 +196,32 @@ def test_bad_requests_get_one_line_json_errors(server, path, body, status, needl
         assert err["error"]["type"] == "invalid_request_error" and needle in err["error"]["message"], err
     else:  # TGI / MindIE's shape
         assert err["error_type"] == "validation" and needle in err["error"], err
+
+
+def test_negative_content_length_is_a_400_not_a_hang(server):
+    import socket
+    host, port = server[0].rsplit("/", 1)[1].split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as c:
+        c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n{}")
+        head = c.recv(4096).decode()
+    assert head.startswith("HTTP/1.0 400") or head.startswith("HTTP/1.1 400"), head
+    assert "bad Content-Length" in head
+
+
+def test_null_tgi_flags_models_length_and_role_chunk(server):
+    base = server[0]
+    out = post(base, "/generate", {"inputs": TEXT, "parameters": {"max_new_tokens": 3, "details": None}})
+    assert "details" not in out and isinstance(out["generated_text"], str)
+    status, text = call(base, "/v1/models")
+    assert status == 200 and json.loads(text)["data"][0]["max_model_len"] == MAX_SEQ  # the cache, not the model
+    # a chat stream that stops before any text still opens with the assistant's role chunk
+    first = post(base, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
+    text = first["choices"][0]["message"]["content"]
+    assert text
+    ev = events(base, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+                                                "stop": [text[0]], "stream": True})
+    assert ev[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""} and ev[-1] == "[DONE]"
+    assert ev[-2]["choices"][0]["finish_reason"] == "stop"
 
 
 def test_unknown_routes_and_methods_then_still_serving(server):
