@@ -59,15 +59,12 @@ def main():
         post(url, {"prompt": prompts[0], "max_tokens": 8, "stream": True})
         rows = []
         for _ in range(a.rounds):
-            for text in prompts + chats:
-                body = {"prompt": text, "max_tokens": a.max_new_tokens}
-                if text in chats:
-                    body = {"messages": [{"role": "user", "content": text}], "max_tokens": a.max_new_tokens}
-                    url_ = base + "/v1/chat/completions"
-                else:
-                    url_ = url
-                res, wall, _ = post(url_, body)
-                sres, swall, ttft = post(url_, dict(body, stream=True))
+            jobs = [(url, {"prompt": t}) for t in prompts]
+            jobs += [(base + "/v1/chat/completions", {"messages": [{"role": "user", "content": t}]}) for t in chats]
+            for where, body in jobs:
+                body["max_tokens"] = a.max_new_tokens
+                res, wall, _ = post(where, body)
+                _, swall, ttft = post(where, dict(body, stream=True))
                 n = res["usage"]["completion_tokens"]
                 rows.append(dict(tokens=n, client_s=wall, loop_s=res["mindspec"]["wall_s"], stream_s=swall,
                                  ttft_s=ttft, loop_prefill_s=res["mindspec"]["prefill_s"]))
