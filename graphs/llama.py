@@ -1,9 +1,12 @@
-"""The target Llama decoder as a MindSpore static graph with a preallocated KV cache.
+"""The target Llama decoder as a MindSpore static graph with a preallocated, slotted KV cache.
 
-One K and one V Parameter per layer, shape [B, KV, S, D], written with scatter_nd_update at absolute
-positions start..start+T-1. Attention runs over the whole static cache with a position mask
-(key_pos <= query_pos), so rollback is free: stale slots past the current position are masked
-and later overwritten. `start` is a 0-d Tensor, never a Python int (an int recompiles per value).
+One K and one V Parameter per layer, shape [slots, KV, S, D]: each running request owns a slot. A
+call feeds ids [B, T], each row at its own position pos[b] of its own slot slots[b]; K/V are written
+with scatter_nd_update and attention runs over the row's whole static cache with a per-row position
+mask (key_pos <= query_pos), so rollback is free: stale positions past a row's position are masked
+and later overwritten. Positions and slots are Tensors, never Python ints (an int recompiles per
+value), so one graph per (B, T) serves every mix of rows. The last slot is scratch: padding rows of
+a batch bucket write there and nothing reads it.
 
 On CPU the cost of a small model is dominated by per-kernel dispatch (~20 us a kernel, measured),
 so the weights are pre-folded to need few kernels per layer (see fuse.py).
@@ -11,17 +14,16 @@ so the weights are pre-folded to need few kernels per layer (see fuse.py).
 Tensor parallel (graphs/tp.py): when collectives were initialised (tp_size() > 1) each rank holds its
 slice of every matrix and its KV heads' cache; the decoder adds one AllReduce after the embedding and
 after each row-parallel matmul (o_proj, down_proj) and gathers the vocabulary-parallel logits, so
-every rank returns the same logits [B, T, V]. Argmax and GreedyVerify gather only each rank's (max,
-index) pair instead of its logits. With one rank the graph is exactly the single-device one.
+every rank gets the same logits; greedy steps gather only each rank's (max, index) pairs. With one
+rank the graph is exactly the single-device one.
 """
 import numpy as np
 import mindspore as ms
 from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
 from .fuse import fused_weights, rope_rows
+from .sampling import NEG, TOPK_CAP, greedy_accept, process, sample, seen_mask, speculative_accept
 from .tp import shard_plan, tp_rank, tp_size
-
-NEG = -1e9  # finite "minus infinity": exp() underflows to exactly 0 in float32
 
 
 def _param(arr, name, dtype):
@@ -35,13 +37,14 @@ def _slicer(get):
 
 
 class LlamaDecoder(nn.Cell):
-    """ids [B, T] + start -> logits [B, T, V]; writes K/V of the T positions into the cache.
+    """ids [B, T], slots [B], pos [B] -> normed hidden [B*T, d]; writes K/V of the T positions into the
+    rows' cache slots. head_logits / head_argmax turn hidden rows into logits / greedy tokens.
 
     `get(name)` returns a checkpoint tensor; under tensor parallelism (tp_size() > 1, or an explicit
     `plan` from graphs.tp.shard_plan) the rank's slices are read through `get.__self__.get_slice`
     when it exists."""
 
-    def __init__(self, cfg, get, max_seq, batch=1, dtype=ms.float32, plan=None):
+    def __init__(self, cfg, get, max_seq, slots=1, dtype=ms.float32, plan=None):
         super().__init__()
         plan = plan or shard_plan(cfg, tp_size(), tp_rank())
         self.tp, self.V = plan.size, cfg.vocab_size
@@ -55,7 +58,7 @@ class LlamaDecoder(nn.Cell):
         self.head = _param(w["head"], "head", dtype)
         self.w = ParameterTuple([_param(w[f"{n}.{i}"], f"{n}.{i}", dtype)
                                  for i in range(self.L) for n in ("qkv", "o", "gate_up", "down")])
-        shape = (batch, self.KV, max_seq, self.D)
+        shape = (slots, self.KV, max_seq, self.D)  # [slots, KV, S, D]
         self.k_cache = ParameterTuple([_param(np.zeros(shape, np.float32), f"k_cache.{i}", dtype)
                                        for i in range(self.L)])
         self.v_cache = ParameterTuple([_param(np.zeros(shape, np.float32), f"v_cache.{i}", dtype)
@@ -64,7 +67,6 @@ class LlamaDecoder(nn.Cell):
         self.cos, self.sin = Tensor(cos, dtype), Tensor(sin, dtype)  # [S, N]
         self.key_pos = Tensor(np.arange(max_seq, dtype=np.int32))  # [S]
         self.qk_t = ops.BatchMatMul(transpose_b=True)  # q @ k^T without materialising k^T
-        self.batch_index = Tensor(np.arange(batch, dtype=np.int32))
         self.head_index = Tensor(np.arange(self.KV, dtype=np.int32))
         if self.tp > 1:
             from mindspore.communication import GlobalComm
@@ -90,45 +92,44 @@ class LlamaDecoder(nn.Cell):
     def reduce(self, x):  # after a row-parallel matmul: the partial sums of all ranks
         return self.all_reduce(x) if self.tp > 1 else x
 
-    def construct(self, ids, start):
-        """ids [B, T] int32; start 0-d int32 (absolute position of ids[:, 0]) -> logits [B, T, V]."""
-        B, T = ids.shape
-        x = self.local_logits(ids, start)  # [B*T, V / tp]
+    def head_logits(self, h):
+        """h [R, d] (normed hidden rows) -> logits [R, V] float32, the whole vocabulary on every rank."""
+        x = ops.dense(h, self.head).astype(ms.float32)  # [R, V / tp]
         if self.tp == 1:
-            return x.reshape(B, T, -1)
-        x = self.all_gather(x)  # [tp*B*T, Vl]: rank r's columns are tokens r*Vl ..
-        x = x.reshape(self.tp, B * T, self.Vl).transpose(1, 0, 2).reshape(B, T, self.tp * self.Vl)
-        return x[:, :, :self.V]
+            return x
+        R = h.shape[0]
+        x = self.all_gather(x)  # [tp*R, Vl]: rank r's columns are tokens r*Vl ..
+        x = x.reshape(self.tp, R, self.Vl).transpose(1, 0, 2).reshape(R, self.tp * self.Vl)
+        return x[:, :self.V]
 
-    def argmax(self, ids, start):
-        """Greedy next tokens [B, T] int32. Under TP each rank sends its (max, index) pairs only."""
-        B, T = ids.shape
-        x = self.local_logits(ids, start)
+    def head_argmax(self, h):
+        """h [R, d] -> greedy tokens [R] int32. Under TP each rank sends its (max, index) pairs only."""
+        x = ops.dense(h, self.head)
         if self.tp == 1:
-            return ops.argmax(x.reshape(B, T, -1), -1).astype(ms.int32)
+            return ops.argmax(x, -1).astype(ms.int32)
+        R = h.shape[0]
         x = x.astype(ms.float32) + self.vocab_mask
-        best, idx = ops.max(x, -1)  # [B*T] each: this rank's first maximum
+        best, idx = ops.max(x, -1)  # [R] each: this rank's first maximum
         tok = (idx.astype(ms.int32) + self.vocab_start).astype(ms.float32)  # exact below 2**24
-        pair = self.all_gather(ops.stack((best, tok), -1))  # [tp*B*T, 2]
-        pair = pair.reshape(self.tp, B * T, 2)
-        r = ops.argmax(pair[:, :, 0], 0).reshape(1, B * T)  # first rank holding the max = first index
-        tok = ops.gather_elements(pair[:, :, 1], 0, r)
-        return tok.reshape(B, T).astype(ms.int32)
+        pair = self.all_gather(ops.stack((best, tok), -1)).reshape(self.tp, R, 2)  # [tp, R, 2]
+        r = ops.argmax(pair[:, :, 0], 0).reshape(1, R)  # first rank holding the max = first index
+        return ops.gather_elements(pair[:, :, 1], 0, r).reshape(R).astype(ms.int32)
 
-    def local_logits(self, ids, start):
-        """This rank's logits columns [B*T, V / tp] (all of them at tp 1)."""
+    def construct(self, ids, slots, pos):
+        """ids [B, T] int32 fed at positions pos[b].. of cache slot slots[b] (slots [B], pos [B] int32)
+        -> normed hidden states [B*T, d]. Writes the T positions' K/V into each row's slot."""
         B, T = ids.shape
         S = self.key_pos.shape[0]
-        qpos = ops.arange(T, dtype=ms.int32) + start  # [T]
-        cos = ops.gather(self.cos, qpos, 0).reshape(1, T, self.N)  # [1, T, N]
-        sin = ops.gather(self.sin, qpos, 0).reshape(1, T, self.N)
-        mask = ops.select(self.key_pos.reshape(1, -1) <= qpos.reshape(-1, 1),
-                          ops.zeros((T, S), ms.float32), ops.fill(ms.float32, (T, S), NEG))  # [T, S]
-        mask = ops.tile(mask, (self.G, 1))  # [G*T, S]: query rows grouped per KV head
-        bi = ops.broadcast_to(self.batch_index.reshape(B, 1, 1), (B, self.KV, T))
+        qpos = pos.reshape(B, 1) + ops.arange(T, dtype=ms.int32).reshape(1, T)  # [B, T]
+        cos = ops.gather(self.cos, qpos.reshape(-1), 0).reshape(B, T, self.N)  # [B, T, N]
+        sin = ops.gather(self.sin, qpos.reshape(-1), 0).reshape(B, T, self.N)
+        mask = ops.select(self.key_pos.reshape(1, 1, S) <= qpos.reshape(B, T, 1),
+                          ops.zeros((B, T, S), ms.float32), ops.fill(ms.float32, (B, T, S), NEG))  # [B, T, S]
+        mask = ops.tile(mask.reshape(B, 1, T, S), (1, 1, self.G, 1))  # [B, 1, G*T, S]: rows grouped per KV head
+        si = ops.broadcast_to(slots.reshape(B, 1, 1), (B, self.KV, T))
         hi = ops.broadcast_to(self.head_index.reshape(1, self.KV, 1), (B, self.KV, T))
-        ti = ops.broadcast_to(qpos.reshape(1, 1, T), (B, self.KV, T))
-        idx = ops.stack((bi, hi, ti), -1)  # [B, KV, T, 3]: cache[b, h, qpos[t]]
+        ti = ops.broadcast_to(qpos.reshape(B, 1, T), (B, self.KV, T))
+        idx = ops.stack((si, hi, ti), -1)  # [B, KV, T, 3]: cache[slot[b], h, qpos[b, t]]
         x = self.embed_tokens(ids.reshape(-1))  # [B*T, d]
         for i in range(self.L):
             w_qkv, w_o, w_gu, w_down = self.w[4 * i:4 * i + 4]
@@ -137,56 +138,85 @@ class LlamaDecoder(nn.Cell):
             a = a.reshape(B, T, self.N) * cos + a_rot.reshape(B, T, self.N) * sin
             a = a.reshape(B, T, self.H + 2 * self.KV, self.D).transpose(0, 2, 1, 3)
             q, k, v = ops.split(a, (self.H, self.KV, self.KV), 1)  # [B, H|KV|KV, T, D]
-            kc = ops.scatter_nd_update(self.k_cache[i], idx, k)  # [B, KV, S, D]
-            vc = ops.scatter_nd_update(self.v_cache[i], idx, v)
-            # GQA without copying the cache: the G query heads of a KV head become extra rows
+            kc = ops.gather(ops.scatter_nd_update(self.k_cache[i], idx, k), slots, 0)  # [B, KV, S, D]
+            vc = ops.gather(ops.scatter_nd_update(self.v_cache[i], idx, v), slots, 0)
+            # GQA without copying the cache per head: the G query heads of a KV head become extra rows
             s = self.qk_t(q.reshape(B, self.KV, self.G * T, self.D), kc) + mask  # [B, KV, G*T, S]
             o = ops.matmul(ops.softmax(s, -1), vc)  # [B, KV, G*T, D]
             o = o.reshape(B, self.H, T, self.D).transpose(0, 2, 1, 3).reshape(B * T, self.H * self.D)
             x = x + self.reduce(ops.dense(o, w_o))
             g, u = ops.split(ops.dense(self.norm(x), w_gu), w_down.shape[1], -1)  # [B*T, I] each
             x = x + self.reduce(ops.dense(ops.silu(g) * u, w_down))
-        return ops.dense(self.norm(x), self.head)
+        return self.norm(x)
 
 
 class Logits(nn.Cell):
-    """ids [B, T], start -> logits [B, T, V] (float32)."""
+    """ids [B, T], slots [B], pos [B] -> logits [B, T, V] float32 (tests, numerical checks)."""
 
     def __init__(self, decoder):
         super().__init__()
         self.decoder = decoder
 
-    def construct(self, ids, start):
-        return self.decoder(ids, start).astype(ms.float32)
+    def construct(self, ids, slots, pos):
+        B, T = ids.shape
+        return self.decoder.head_logits(self.decoder(ids, slots, pos)).reshape(B, T, -1)
 
 
-class Argmax(nn.Cell):
-    """ids [B, T], start -> greedy next tokens [B, T] int32 (prefill chunks, target-only decode)."""
-
-    def __init__(self, decoder):
-        super().__init__()
-        self.decoder = decoder
-
-    def construct(self, ids, start):
-        return self.decoder.argmax(ids, start)
-
-
-class GreedyVerify(nn.Cell):
-    """The fused greedy verify step for one K bucket.
-
-    ids [B, K+1] = the last committed token followed by K draft tokens, at positions start.. .
-    Returns n_accepted [B] (length of the prefix of drafts equal to the target's argmax) and
-    next_token [B] (the target's token after that prefix: recovered, or bonus when all K agree).
-    """
+class GreedyStep(nn.Cell):
+    """One greedy engine step for a (B, K) bucket: ids [B, K+1] = each row's last committed token and
+    K drafts, fed at pos [B] of cache slots [B]; n_valid [B] caps each row's acceptance (padding rows
+    and rows with fewer drafts). Returns n_accepted [B] and next [B] (recovered or bonus token).
+    K = 0 is a plain decode step."""
 
     def __init__(self, decoder):
         super().__init__()
         self.decoder = decoder
 
-    def construct(self, ids, start):
-        g = self.decoder.argmax(ids, start)  # [B, K+1]
-        K = ids.shape[1] - 1
-        match = (g[:, :K] == ids[:, 1:]).astype(ms.int32)  # [B, K]
-        n_acc = ops.cumprod(match, 1).sum(1).astype(ms.int32)  # [B]
-        nxt = ops.gather_elements(g, 1, n_acc.reshape(-1, 1)).reshape(-1)  # [B]
-        return n_acc, nxt
+    def construct(self, ids, slots, pos, n_valid):
+        B, T = ids.shape
+        g = self.decoder.head_argmax(self.decoder(ids, slots, pos)).reshape(B, T)  # [B, K+1]
+        if T == 1:
+            return ops.zeros((B,), ms.int32), g[:, 0]
+        return greedy_accept(g, ids, n_valid)
+
+
+class SampleStep(nn.Cell):
+    """One engine step with per-row sampling (speculative sampling for K >= 1, plain sampling for
+    K = 0; greedy rows are rows whose temperature is 0). ids, slots, pos, n_valid as GreedyStep;
+    q [B, K, V] the processed draft distributions the drafts were sampled from (K = 0: [B, 1, V],
+    unused); u_acc [B, K] (K = 0: [B, 1], unused) and u_smp [B, K+1] uniforms in [0, 1);
+    temperature, top_k (int32), top_p, penalty [B]; seen [B, V] float32 (1: token committed).
+    Returns n_accepted [B], next [B]."""
+
+    def __init__(self, decoder, cap=TOPK_CAP):
+        super().__init__()
+        self.decoder, self.cap = decoder, cap
+
+    def construct(self, ids, slots, pos, n_valid, q, u_acc, u_smp, temperature, top_k, top_p, penalty, seen):
+        B, T = ids.shape
+        V = seen.shape[1]
+        logits = self.decoder.head_logits(self.decoder(ids, slots, pos)).reshape(B, T, V)
+        drafts = ids[:, 1:]  # [B, K]
+        seen_all = seen_mask(seen, drafts, V) if T > 1 else (seen > 0).reshape(B, 1, V)
+        p = process(logits, temperature, top_k, top_p, penalty, seen_all, self.cap)  # [B, K+1, V]
+        if T == 1:
+            return ops.zeros((B,), ms.int32), sample(p.reshape(B, V), u_smp[:, 0])
+        return speculative_accept(p, q, drafts, n_valid, u_acc, u_smp)
+
+
+class Prefill(nn.Cell):
+    """A prompt chunk of one row: ids [1, C] at pos [1] of slot [1] (padding after the real tokens lands
+    in stale positions: masked, later overwritten); the next token is sampled after index last [1]
+    with u [1] and the row's sampling parameters (as SampleStep; temperature 0 = greedy). Only that
+    position goes through the LM head. Returns next [1] int32."""
+
+    def __init__(self, decoder, cap=TOPK_CAP):
+        super().__init__()
+        self.decoder, self.cap = decoder, cap
+
+    def construct(self, ids, slots, pos, last, u, temperature, top_k, top_p, penalty, seen):
+        h = ops.gather(self.decoder(ids, slots, pos), last, 0)  # [1, d]
+        V = seen.shape[1]
+        logits = self.decoder.head_logits(h).reshape(1, 1, V)
+        p = process(logits, temperature, top_k, top_p, penalty, (seen > 0).reshape(1, 1, V), self.cap)
+        return sample(p.reshape(1, V), u)

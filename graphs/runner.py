@@ -1,24 +1,27 @@
-"""TargetModel: the compiled target graphs plus the one integer that says how much cache is valid."""
+"""TargetModel: the compiled target graphs over a slotted KV cache. It keeps no per-request state:
+the engine says, per call, which slot each row uses and at which position (rollback = the engine
+moving that integer)."""
 import hashlib
 import os
+import sys
 import time
+from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 import mindspore as ms
 from mindspore import Tensor
 
 from mindspec.errors import MindspecError
-from .llama import Argmax, GreedyVerify, LlamaDecoder, Logits
+from mindspec.spec import PREFILL_CHUNK, detect_device, round_up
+from .llama import GreedyStep, LlamaDecoder, Logits, Prefill, SampleStep
+from .sampling import TOPK_CAP
 from .tp import tp_layout, tp_size
-from .sampling import TOPK_CAP, SampleNext, SamplingVerify, scalars
-
-PREFILL_CHUNK = 32  # prompt processed in fixed chunks: one compiled prefill graph for any length
-DEFAULT_BUCKETS = (1, 2, 4, 8)
 
 
 def init_mindspore(device=None):
-    """GRAPH_MODE on Ascend when present, else CPU."""
-    device = device or ("Ascend" if os.environ.get("ASCEND_HOME_PATH") else "CPU")
+    """GRAPH_MODE on the detected (or given) device."""
+    device = detect_device(device)
     ms.set_context(mode=ms.GRAPH_MODE)
     if tp_size() == 1:  # under msrun, init_tp() already set this rank's device id
         ms.set_device(device)
@@ -39,228 +42,174 @@ def _source_hash():
     return h.hexdigest()
 
 
-def round_up(n, m):
-    return (n + m - 1) // m * m
+@dataclass
+class RowSampling:
+    """Per-row sampling inputs of one step (n rows): temperature, top_k, top_p, penalty [n]; seen [n, V]
+    (None: no row penalises); q [n, K, V] draft probabilities (None for K = 0); u_acc [n, K] and
+    u_smp [n, K+1] uniforms."""
+    temperature: np.ndarray
+    top_k: np.ndarray
+    top_p: np.ndarray
+    penalty: np.ndarray
+    u_acc: np.ndarray
+    u_smp: np.ndarray
+    seen: Optional[np.ndarray] = None
+    q: Optional[np.ndarray] = None
+
+    @classmethod
+    def greedy(cls, n, K=0, V=None):
+        """n plain greedy rows (uniforms 0.5; q uniform when V is given and K > 0)."""
+        q = np.full((n, K, V), 1.0 / V, np.float32) if V and K else None
+        return cls(np.zeros(n, np.float32), np.zeros(n, np.int64), np.ones(n, np.float32), np.ones(n, np.float32),
+                   np.full((n, max(K, 1)), 0.5, np.float32), np.full((n, K + 1), 0.5, np.float32), q=q)
+
+
+def _pad(a, B, value=0):
+    """a [n, ...] padded with `value` rows to [B, ...]."""
+    a = np.asarray(a)
+    if a.shape[0] == B:
+        return a
+    return np.concatenate([a, np.full((B - a.shape[0],) + a.shape[1:], value, a.dtype)])
 
 
 class TargetModel:
-    """Greedy target over a static cache of `max_seq` positions (a multiple of PREFILL_CHUNK)."""
+    """Target graphs for `max_batch` slots of `max_seq` committed positions (a multiple of
+    PREFILL_CHUNK); `batch_buckets` / `k_buckets` are the compiled (B, K) shapes."""
 
-    def __init__(self, ckpt, max_seq, buckets=DEFAULT_BUCKETS, dtype=ms.float32):
+    def __init__(self, ckpt, max_seq, k_buckets=(1, 2, 4, 8), batch_buckets=(1,), max_batch=1, dtype=ms.float32):
         self.cfg = ckpt.config
         self.max_seq = round_up(max_seq, PREFILL_CHUNK)
-        self.buckets = tuple(sorted(buckets))
-        self.decoder = LlamaDecoder(self.cfg, ckpt.get, self.max_seq, batch=1, dtype=dtype)
-        self._logits = Logits(self.decoder)
-        self._argmax = Argmax(self.decoder)
-        self._verify = GreedyVerify(self.decoder)
-        for cell in (self._logits, self._argmax, self._verify):
+        self.k_buckets, self.batch_buckets = tuple(sorted(k_buckets)), tuple(sorted(batch_buckets))
+        self.max_batch = max_batch
+        self.scratch = max_batch  # the extra slot padding rows write to
+        # a verify step writes up to K positions past the last committed one
+        self.decoder = LlamaDecoder(self.cfg, ckpt.get, self.max_seq + max(self.k_buckets), slots=max_batch + 1,
+                                    dtype=dtype)
+        self.cells = {"greedy": GreedyStep(self.decoder), "sample": SampleStep(self.decoder, TOPK_CAP),
+                      "prefill": Prefill(self.decoder, TOPK_CAP), "logits": Logits(self.decoder)}
+        for cell in self.cells.values():
             cell.set_train(False)
-        self.pos = 0  # tokens whose K/V are valid in the cache
         self.fingerprint = ckpt.fingerprint()
         self.compiled, self.compile_s = set(), 0.0
-        self._samplers = {}  # (graph class, variant flags) -> cell, built on first use
-        self.topk_cap = TOPK_CAP  # top-k/top-p candidates before the (exact) full-sort fallback
-        self._no_seen = Tensor(np.zeros((1, self.cfg.vocab_size), np.float32))
+        self._no_seen = {}  # B -> zeros [B, V]
 
-    def _run(self, cell, key, ids, *extra):
-        """Call a graph; the first call of each (graph, shape) compiles it.
-        `extra`: inputs after (ids, start), Tensors only (a Python number recompiles per value)."""
+    def _run(self, kind, shape, *args):
+        """Call a graph; the first call of each (graph, shape) compiles it. Every input is a Tensor
+        (a Python number would recompile per value)."""
+        key = f"{kind}{shape}"
         if key in self.compiled:
-            return cell(self._ids(ids), self._start(), *extra)
+            return self.cells[kind](*args)
         global _COMPILES
         _COMPILES += 1
         t = time.perf_counter()
-        out = cell(self._ids(ids), self._start(), *extra)
+        out = self.cells[kind](*args)
         self.compile_s += time.perf_counter() - t
         self.compiled.add(key)
         return out
 
-    def _start(self):
-        return Tensor(np.array(self.pos, np.int32))
+    @staticmethod
+    def _i32(a):
+        return Tensor(np.ascontiguousarray(a, np.int32))
 
-    def _ids(self, ids):
-        return Tensor(np.asarray(ids, np.int32).reshape(1, -1))
+    @staticmethod
+    def _f32(a):
+        return Tensor(np.ascontiguousarray(a, np.float32))
 
-    def _check_room(self, n):
-        if self.pos + n > self.max_seq:
-            raise MindspecError(f"sequence would exceed the target's max_seq {self.max_seq} "
-                                f"(at position {self.pos} + {n})")
+    def _seen(self, seen, B):
+        if seen is not None:
+            return self._f32(_pad(seen, B))
+        if B not in self._no_seen:
+            self._no_seen[B] = Tensor(np.zeros((B, self.cfg.vocab_size), np.float32))
+        return self._no_seen[B]
 
-    def rollback(self, pos):
-        assert 0 <= pos <= self.pos, (pos, self.pos)
-        self.pos = pos
+    def _params(self, s, B):
+        """The per-row sampling parameter Tensors, padding rows greedy."""
+        V = self.cfg.vocab_size
+        top_k = np.minimum(np.asarray(s.top_k, np.int64), V)  # k >= V means off; keeps int32 in range
+        return (self._f32(_pad(s.temperature, B)), self._i32(_pad(top_k, B)), self._f32(_pad(s.top_p, B, 1)),
+                self._f32(_pad(s.penalty, B, 1)), self._seen(s.seen, B))
 
-    def prefill(self, ids):
-        """Feed prompt ids [n] from position pos in fixed-size chunks; return the greedy next token."""
-        ids = list(ids)
-        self._check_room(round_up(len(ids), PREFILL_CHUNK))
-        nxt = None
-        for c in range(0, len(ids), PREFILL_CHUNK):
-            chunk = ids[c:c + PREFILL_CHUNK]
-            n = len(chunk)
-            # the padding lands in stale cache slots past pos: masked, later overwritten
-            g = self._run(self._argmax, "prefill", chunk + [0] * (PREFILL_CHUNK - n)).asnumpy()
-            self.pos += n
-            nxt = int(g[0, n - 1])
-        return nxt
+    def prefill(self, slot, pos, ids, s):
+        """Feed one prompt chunk ids (at most PREFILL_CHUNK) at `pos` of `slot`; return the token
+        sampled after it with the row's RowSampling s (u_smp [1, 1]; temperature 0: greedy)."""
+        n = len(ids)
+        assert 1 <= n <= PREFILL_CHUNK, n
+        if pos + n > self.max_seq:
+            raise MindspecError(f"prompt would exceed the target's max_seq {self.max_seq}")
+        chunk = np.zeros((1, PREFILL_CHUNK), np.int32)
+        chunk[0, :n] = ids
+        out = self._run("prefill", (1, PREFILL_CHUNK), self._i32(chunk), self._i32([slot]), self._i32([pos]),
+                        self._i32([n - 1]), self._f32(np.asarray(s.u_smp).reshape(1)), *self._params(s, 1))
+        return int(out.asnumpy()[0])
 
-    def decode(self, token):
-        """Target-only step: feed one token, return the greedy next token."""
-        self._check_room(1)
-        g = self._run(self._argmax, "decode", [token]).asnumpy()
-        self.pos += 1
-        return int(g[0, 0])
+    def step(self, ids, slots, pos, n_valid, s=None):
+        """One decode (K = 0) or verify step over n rows: ids [n, K+1] (last committed token + K drafts),
+        slots, pos, n_valid [n]; s: RowSampling, None when every row is plain greedy. Rows are padded
+        to the batch bucket. Returns (n_accepted [n], next [n]) int arrays."""
+        ids = np.asarray(ids, np.int32)
+        n, T = ids.shape
+        K = T - 1
+        assert K == 0 or K in self.k_buckets, (K, self.k_buckets)
+        B = next(b for b in self.batch_buckets if b >= n)
+        if (np.asarray(pos) + T > self.max_seq + max(self.k_buckets)).any():
+            raise MindspecError(f"sequence would exceed the target's max_seq {self.max_seq}")
+        head = (self._i32(_pad(ids, B)), self._i32(_pad(slots, B, self.scratch)), self._i32(_pad(pos, B)),
+                self._i32(_pad(n_valid, B)))
+        if s is None:
+            acc, nxt = self._run("greedy", (B, T), *head)
+        else:
+            V = self.cfg.vocab_size
+            q = s.q if K else np.zeros((n, 1, V), np.float32)
+            u_acc = s.u_acc if K else np.zeros((n, 1), np.float32)
+            acc, nxt = self._run("sample", (B, T), *head, self._f32(_pad(q, B)), self._f32(_pad(u_acc, B, 0.5)),
+                                 self._f32(_pad(s.u_smp, B, 0.5)), *self._params(s, B))
+        return acc.asnumpy()[:n].astype(np.int64), nxt.asnumpy()[:n].astype(np.int64)
 
-    def verify(self, last, drafts):
-        """Feed [last] + drafts (K = len(drafts), a compiled bucket) in one graph call.
+    def logits(self, slot, pos, ids):
+        """Full logits [T, V] of ids fed at pos of slot (tests and numerical checks)."""
+        T = len(ids)
+        out = self._run("logits", (1, T), self._i32(np.reshape(ids, (1, T))), self._i32([slot]), self._i32([pos]))
+        return out.asnumpy()[0]
 
-        Returns (n_accepted, next_token). The cache ends valid for last + accepted drafts."""
-        assert len(drafts) in self.buckets, (len(drafts), self.buckets)
-        self._check_room(len(drafts) + 1)
-        n_acc, nxt = self._run(self._verify, f"verify{len(drafts)}", [last] + list(drafts))
-        n = int(n_acc.asnumpy()[0])
-        self.pos += 1 + n
-        return n, int(nxt.asnumpy()[0])
+    # ---- warm-up: compile before timing, through MindSpore's compile cache when that is safe ----
 
-    def logits(self, ids):
-        """Full logits [T, V] for ids fed at pos (tests, sampling). Advances pos."""
-        self._check_room(len(ids))
-        out = self._run(self._logits, f"logits{len(ids)}", ids).asnumpy()[0]
-        self.pos += len(ids)
-        return out
+    def graph_names(self, batch_sizes, ks, greedy=True, sample=False):
+        """The graphs (kind, B, T) a run over these batch sizes and K values (0: plain decode) needs,
+        in a fixed order."""
+        names = [("prefill", 1, PREFILL_CHUNK)]
+        for B in batch_sizes:
+            for K in ks:
+                names += [(kind, B, K + 1) for kind, on in (("greedy", greedy), ("sample", sample)) if on]
+        return names
 
-    def warmup(self, ks=(), cache_dir=None):
-        """Compile prefill, decode and the verify graphs of `ks`, so that
-        timed generation measures decoding only. Runs at position 0 and leaves pos at 0.
+    def warmup(self, names, cache_dir=None):
+        """Compile the graphs `names` (graph_names). They run on the scratch slot, so no request's cache
+        is touched.
 
-        With `cache_dir`, the graphs are saved to / loaded from MindSpore's compile cache, but
-        only when they are the first graphs compiled in this process: MindSpore names cached
-        graphs by the process's compile counter and reads the cache path once, so only a fixed
-        compile order from a fresh process maps every cached file to the right graph (otherwise
-        it handed a verify graph of another K to a run that compiled in another order)."""
-        need = ["prefill", "decode"] + [f"verify{k}" for k in ks]
-        self._warm(need, cache_dir, lambda: self._compile(ks))
-
-    def _warm(self, need, cache_dir, compile_all):
-        """Run compile_all() unless the graphs `need` exist, with the compile cache on only for a
-        fresh process's first compiles (see warmup)."""
-        if all(n in self.compiled for n in need):
+        With `cache_dir`, the graphs are saved to / loaded from MindSpore's compile cache, but only
+        when they are the first graphs compiled in this process: MindSpore names cached graphs by the
+        process's compile counter and reads the cache path once, so only a fixed compile order from a
+        fresh process maps every cached file to the right graph (otherwise it handed a verify graph
+        of another K to a run that compiled in another order). MindSpore also reads the entry script
+        (sys.argv[0]) for the cache, so a `python -c` or stdin script runs without it."""
+        if all(f"{kind}{(B, T)}" in self.compiled for kind, B, T in names):
             return
-        cached = bool(cache_dir) and _COMPILES == 0
+        cached = bool(cache_dir) and _COMPILES == 0 and os.path.isfile(sys.argv[0] if sys.argv else "")
         if cached:
             # the TP layout too: MindSpore separates cached graphs by rank id, not by world size
-            key = repr((self.fingerprint, self.max_seq, need, self.topk_cap, _source_hash(), tp_layout()))
+            key = repr((self.fingerprint, self.max_seq, self.max_batch, self.k_buckets, names, TOPK_CAP,
+                        _source_hash(), tp_layout()))
             ms.set_context(enable_compile_cache=True, compile_cache_path=os.path.join(
                 cache_dir, hashlib.sha256(key.encode()).hexdigest()[:16]))
         try:
-            compile_all()
+            for kind, B, T in names:
+                self._compile(kind, B, T - 1)
         finally:
             if cached:
                 ms.set_context(enable_compile_cache=False)  # later graphs compile in any order
 
-    def _compile(self, ks):
-        self.rollback(0)
-        self.prefill([0])
-        self.decode(0)
-        for k in ks:
-            self.rollback(1)
-            self.verify(0, [0] * k)
-        self.rollback(0)
-
-    # ---- sampling (temperature > 0): see graphs/sampling.py and mindspec/acceptance.py ----
-
-    def _sampler(self, cls, params):
-        """The sampling cell for these params and its key suffix: top-k/top-p (t) and the repetition
-        penalty (r, which also serves greedy-with-penalty) are compiled variants, so plain sampling
-        pays for neither."""
-        flags = (params.truncates and not params.greedy, params.repetition_penalty != 1.0)
-        if (cls, flags) not in self._samplers:
-            cell = cls(self.decoder, *flags, cap=self.topk_cap)
-            cell.set_train(False)
-            self._samplers[(cls, flags)] = cell
-        return self._samplers[(cls, flags)], "".join(c for c, f in zip("tr", flags) if f)
-
-    def _sample_inputs(self, params, prev_ids):
-        """(temperature, top_k, top_p, penalty, seen [1, V]) Tensors; prev_ids: the committed tokens
-        the repetition penalty looks at (needed only when it is on)."""
-        seen = self._no_seen
-        if params.repetition_penalty != 1.0:
-            if prev_ids is None:
-                raise ValueError("repetition_penalty needs prev_ids (the committed token ids)")
-            m = np.zeros((1, self.cfg.vocab_size), np.float32)
-            m[0, np.asarray(list(prev_ids), np.int64)] = 1.0
-            seen = Tensor(m)
-        return scalars(params) + (seen,)
-
-    @staticmethod
-    def _uniforms(u, *shape):
-        return Tensor(np.asarray(u, np.float32).reshape(shape))
-
-    def prefill_sample(self, ids, params, u, prev_ids=None):
-        """As prefill, but the next token is sampled with `params` (SamplingParams) and the uniform u.
-        prev_ids defaults to ids (the repetition penalty sees the prompt)."""
-        if params.greedy and params.repetition_penalty == 1.0:
-            return self.prefill(ids)
-        ids = list(ids)
-        self._check_room(round_up(len(ids), PREFILL_CHUNK))
-        cell, tag = self._sampler(SampleNext, params)
-        rest = (self._uniforms(u, 1),) + self._sample_inputs(params, ids if prev_ids is None else prev_ids)
-        tok = None
-        for c in range(0, len(ids), PREFILL_CHUNK):
-            chunk = ids[c:c + PREFILL_CHUNK]
-            n = len(chunk)
-            tok = self._run(cell, f"psample{tag}", chunk + [0] * (PREFILL_CHUNK - n), Tensor(np.int32(n - 1)), *rest)
-            self.pos += n
-        return int(tok.asnumpy()[0])
-
-    def decode_sample(self, token, params, u, prev_ids=None):
-        """Target-only sampling step: feed one token, sample the next with the uniform u."""
-        if params.greedy and params.repetition_penalty == 1.0:
-            return self.decode(token)
-        self._check_room(1)
-        cell, tag = self._sampler(SampleNext, params)
-        tok = self._run(cell, f"dsample{tag}", [token], Tensor(np.int32(0)), self._uniforms(u, 1),
-                        *self._sample_inputs(params, prev_ids))
-        self.pos += 1
-        return int(tok.asnumpy()[0])
-
-    def verify_sample(self, last, drafts, q, u, params, prev_ids=None):
-        """Speculative sampling in one graph call: drafts [K] (a compiled bucket) sampled from q [K, V]
-        (the processed draft distributions), u [K+1] uniforms in [0, 1). Returns (n_accepted,
-        next_token); the cache ends valid for last + accepted drafts. prev_ids: committed ids
-        (including last) for the repetition penalty. Greedy params (temperature 0) without a penalty
-        run the exact-match greedy graph (same result: p is one-hot)."""
-        if params.greedy and params.repetition_penalty == 1.0:
-            return self.verify(last, drafts)
-        K = len(drafts)
-        assert K in self.buckets, (K, self.buckets)
-        self._check_room(K + 1)
-        q = np.asarray(q, np.float32)
-        assert q.shape == (K, self.cfg.vocab_size), q.shape
-        cell, tag = self._sampler(SamplingVerify, params)
-        n, nxt, _ = self._run(cell, f"vsample{K}{tag}", [last] + list(drafts), Tensor(q.reshape(1, K, -1)),
-                              self._uniforms(u, 1, K + 1), *self._sample_inputs(params, prev_ids))
-        n = int(n.asnumpy()[0])
-        self.pos += 1 + n
-        return n, int(nxt.asnumpy()[0])
-
-    def warmup_sample(self, params, ks=(), cache_dir=None):
-        """warmup() for the sampling graphs of these params' variant (same compile-cache rule: used
-        only when these are the first graphs compiled in the process)."""
-        if params.greedy and params.repetition_penalty == 1.0:
-            return self.warmup(ks, cache_dir)
-        _, tag = self._sampler(SampleNext, params)
-        need = [f"psample{tag}", f"dsample{tag}"] + [f"vsample{k}{tag}" for k in ks]
-        self._warm(need, cache_dir, lambda: self._compile_sample(params, ks))
-
-    def _compile_sample(self, params, ks):
-        V = self.cfg.vocab_size
-        self.rollback(0)
-        self.prefill_sample([0], params, 0.5, prev_ids=[0])
-        self.decode_sample(0, params, 0.5, prev_ids=[0])
-        for k in ks:
-            self.rollback(1)
-            self.verify_sample(0, [0] * k, np.full((k, V), 1.0 / V, np.float32), np.full(k + 1, 0.5), params,
-                               prev_ids=[0])
-        self.rollback(0)
+    def _compile(self, kind, B, K):
+        if kind == "prefill":
+            return self.prefill(self.scratch, 0, [0], RowSampling.greedy(1))
+        s = RowSampling.greedy(B, K, self.cfg.vocab_size) if kind == "sample" else None
+        self.step(np.zeros((B, K + 1)), [self.scratch] * B, np.zeros(B), np.zeros(B), s)

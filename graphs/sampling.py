@@ -1,74 +1,69 @@
-"""Speculative sampling fused into the target's compiled graphs.
+"""Logits processing, sampling and the accept/reject step inside the target's compiled graphs.
 
-The sampling parameters come in as 0-d Tensors (one compiled graph serves every temperature /
-top-k / top-p / penalty value) and randomness as pre-drawn uniforms, so a seeded run is
-reproducible. Processing matches mindspec.sampling.process_logits (HF order and semantics), the
-acceptance matches mindspec.acceptance.speculative_accept. Compiled variants (constructor flags):
-`penalize` (repetition penalty; also serves temperature 0, i.e. greedy with a penalty: plain greedy
-has its own graphs in llama.py) and `truncate` (top-k/top-p), so plain sampling pays for neither.
-Only token ids and counts leave the graph: full-vocabulary logits never go back to Python.
+Sampling parameters are per row ([B] Tensors) and randomness comes in as pre-drawn uniforms, so one
+compiled graph serves any mix of greedy rows (temperature 0) and sampling rows with any top-k /
+top-p / repetition-penalty values, and a seeded request is reproducible. Processing matches
+mindspec.sampling.process_logits (HF order and semantics), acceptance matches
+mindspec.acceptance.speculative_accept. Only token ids and counts leave the graph.
 
 Top-k/top-p without a full sort (a CPU sort of the vocabulary costs ~20x the rest): the thresholds
 come from the `cap` largest logits (ops.topk) and the softmax normaliser over the whole vocabulary.
 That is exact whenever the kept set fits in the candidates (top_k <= cap, or the candidates hold
 top_p of the mass); otherwise an in-graph branch recomputes them from a full sort.
 """
-import numpy as np
 import mindspore as ms
-from mindspore import Tensor, nn, ops
+from mindspore import Tensor, ops
 
-from .llama import NEG
-
+NEG = -1e9  # finite "minus infinity": exp() underflows to exactly 0 in float32
 BIG = 3e38  # "+infinity" for min-reductions
 TOPK_CAP = 2048  # topk costs ~6 ms at 1024-2048 on 5 x 49152 (2 CPU cores), a full sort ~55 ms
 
 
 def _cut(s, x, top_k, top_p):
-    """Truncation threshold from s [.., C], the C largest logits of x [.., V] (descending).
-    Returns (cut [.., 1]: keep x >= cut, exact: 0-d bool, whether the C candidates sufficed)."""
+    """Truncation threshold from s [B, T, C], the C largest logits of x [B, T, V] (descending);
+    top_k [B, 1, 1] int32 (0: off), top_p [B, 1, 1]. Returns (cut [B, T, 1]: keep x >= cut,
+    exact: 0-d bool, whether the C candidates sufficed for every row)."""
     V, C = x.shape[-1], s.shape[-1]
     k = top_k + (top_k <= 0).astype(ms.int32) * V  # 0 (off) -> V
-    k = ops.minimum(k, V)
-    kth = ops.gather(s, ops.minimum(k, C) - 1, s.ndim - 1).expand_dims(-1)  # [.., 1] k-th largest
-    kth = ops.select(k >= V, ops.full_like(kth, -BIG), kth)
+    k = ops.minimum(k, V)  # [B, 1, 1]
+    kk = ops.broadcast_to(ops.minimum(k, C) - 1, s.shape[:-1] + (1,))  # [B, T, 1]
+    kth = ops.gather_elements(s, 2, kk)  # [B, T, 1] the k-th largest
+    kth = ops.select(ops.broadcast_to(k >= V, kth.shape), ops.full_like(kth, -BIG), kth)
     m = s[..., :1]
     z = (ops.exp(x - m) * (x >= kth).astype(ms.float32)).sum(-1, keepdims=True)  # mass after top-k
-    ps = ops.exp(s - m) * (s >= kth).astype(ms.float32) / z  # [.., C] probabilities, descending
+    ps = ops.exp(s - m) * (s >= kth).astype(ms.float32) / z  # [B, T, C] probabilities, descending
     incl = ops.cumsum(ps, -1)
     before = incl - ps  # mass of the tokens ranked before each one: kept when < top_p
     cut_p = ops.select(before < top_p, s, ops.full_like(s, BIG)).min(-1, keepdims=True)
-    cut = ops.select(top_p < 1, ops.maximum(cut_p, kth), kth)
-    exact = ops.logical_or(k <= C, ops.logical_and(
-        k >= V, ops.logical_or(top_p >= 1, (incl[..., C - 1] >= top_p).all())))
-    return cut, exact
+    cut_p = ops.minimum(cut_p, m)  # the most likely token always stays, however small top_p
+    cut = ops.select(ops.broadcast_to(top_p < 1, kth.shape), ops.maximum(cut_p, kth), kth)
+    fits = ops.logical_or(k <= C, ops.logical_or(top_p >= 1, incl[..., C - 1:] >= top_p))  # [B, T, 1]
+    return cut, fits.all()
 
 
-def process(x, temperature, top_k, top_p, penalty, seen, penalize, truncate, cap):
-    """logits x [.., V] float32 -> probabilities [.., V]. 0-d temperature, top_k int32 (0: off), top_p,
-    penalty; seen [.., V] bool (token already in the sequence). Without `penalize` the temperature
-    must be > 0 (plain greedy has its own graphs); with it, temperature 0 gives the one-hot argmax of
-    the penalised logits (greedy with a repetition penalty)."""
-    if penalize:
-        x = ops.select(seen, ops.select(x > 0, x / penalty, x * penalty), x)
-        hot = (temperature > 0).astype(ms.float32)  # 0-d: 1 sampling, 0 greedy
-        greedy = ops.one_hot(ops.argmax(x, -1), x.shape[-1], Tensor(1.0, ms.float32), Tensor(0.0, ms.float32))
-        return _softmax_truncated(x / (temperature + 1.0 - hot), top_k, top_p, truncate, cap) * hot \
-            + greedy * (1.0 - hot)
-    return _softmax_truncated(x / temperature, top_k, top_p, truncate, cap)
-
-
-def _softmax_truncated(x, top_k, top_p, truncate, cap):
-    """softmax of logits x [.., V] (temperature applied) after top-k / top-p (when `truncate`)."""
+def _truncate(x, top_k, top_p, cap):
+    """x [B, T, V] with every token below its row's top-k / top-p threshold set to NEG."""
     V = x.shape[-1]
-    if truncate:
-        if cap < V:
-            cut, exact = _cut(ops.topk(x, cap, -1, True, True)[0], x, top_k, top_p)
-            if not exact:  # the kept set does not fit in the candidates: full sort (rare, slow on CPU)
-                cut, exact = _cut(ops.sort(x, -1, True)[0], x, top_k, top_p)
-        else:
+    if cap < V:
+        cut, exact = _cut(ops.topk(x, cap, -1, True, True)[0], x, top_k, top_p)
+        if not exact:  # the kept set does not fit in the candidates: full sort (rare, slow on CPU)
             cut, exact = _cut(ops.sort(x, -1, True)[0], x, top_k, top_p)
-        x = ops.select(x >= cut, x, ops.full_like(x, NEG))
-    return ops.softmax(x, -1)
+    else:
+        cut, exact = _cut(ops.sort(x, -1, True)[0], x, top_k, top_p)
+    return ops.select(x >= cut, x, ops.full_like(x, NEG))
+
+
+def process(x, temperature, top_k, top_p, penalty, seen, cap):
+    """logits x [B, T, V] float32 -> probabilities [B, T, V]. Per row: temperature [B] (0: greedy, the
+    one-hot argmax of the penalised logits), top_k [B] int32 (0: off), top_p [B], penalty [B]
+    (1: off); seen [B, T, V] bool (token already in the sequence at that position)."""
+    B = x.shape[0]
+    temperature, penalty = temperature.reshape(B, 1, 1), penalty.reshape(B, 1, 1)
+    x = ops.select(seen, ops.select(x > 0, x / penalty, x * penalty), x)
+    hot = (temperature > 0).astype(ms.float32)  # [B, 1, 1]: 1 sampling, 0 greedy
+    greedy = ops.one_hot(ops.argmax(x, -1), x.shape[-1], Tensor(1.0, ms.float32), Tensor(0.0, ms.float32))
+    x = _truncate(x / (temperature + 1.0 - hot), top_k.reshape(B, 1, 1), top_p.reshape(B, 1, 1), cap)
+    return ops.softmax(x, -1) * hot + greedy * (1.0 - hot)
 
 
 def sample(probs, u):
@@ -90,58 +85,39 @@ def seen_mask(seen, drafts, V):
     return (d + seen.reshape(B, 1, V)) > 0
 
 
-class _Sampler(nn.Cell):
-    def __init__(self, decoder, truncate=False, penalize=False, cap=TOPK_CAP):
-        super().__init__()
-        self.decoder = decoder
-        self.truncate, self.penalize, self.cap = truncate, penalize, cap
+def valid_prefix(flags, n_valid):
+    """flags [B, K] int32 (1: accepted), n_valid [B] -> accepted prefix length [B], at most n_valid."""
+    K = flags.shape[1]
+    within = (ops.arange(K, dtype=ms.int32).reshape(1, K) < n_valid.reshape(-1, 1)).astype(ms.int32)
+    return ops.cumprod(flags * within, 1).sum(1).astype(ms.int32)
 
 
-class SamplingVerify(_Sampler):
-    """The fused speculative-sampling verify step for one K bucket.
-
-    ids [B, K+1] int32 (last committed token + K drafts, at positions start..), start 0-d int32,
-    q [B, K, V] float32 (the processed draft distributions the drafts were sampled from),
-    u [B, K+1] float32 in [0, 1) (K acceptance uniforms + 1 for the recovered/bonus token),
-    temperature, top_k (int32), top_p, penalty 0-d, seen [B, V] float32 (1: token committed).
-    Returns n_accepted [B] int32, next_token [B] int32, accepted [B, K] int32 (per-position
-    acceptance flags; those after the first rejection are not used)."""
-
-    def construct(self, ids, start, q, u, temperature, top_k, top_p, penalty, seen):
-        logits = self.decoder(ids, start).astype(ms.float32)  # [B, K+1, V]
-        B, K1, V = logits.shape
-        K = K1 - 1
-        drafts = ids[:, 1:]  # [B, K]
-        seen_all = seen_mask(seen, drafts, V) if self.penalize else None
-        p = process(logits, temperature, top_k, top_p, penalty, seen_all,
-                    self.penalize, self.truncate, self.cap)  # [B, K+1, V]
-        pick = ops.concat((drafts, ops.zeros((B, 1), ms.int32)), 1).reshape(B, K1, 1)
-        px = ops.gather_elements(p, 2, pick).reshape(B, K1)[:, :K]  # [B, K] p_i(x_i)
-        qx = ops.gather_elements(q, 2, drafts.reshape(B, K, 1)).reshape(B, K)  # [B, K] q_i(x_i)
-        acc = (u[:, :K] * qx < px).astype(ms.int32)  # [B, K]: accepted with probability min(1, p/q)
-        n = ops.cumprod(acc, 1).sum(1).astype(ms.int32)  # [B]
-        rows = ops.arange(B, dtype=ms.int32)
-        pn = ops.gather(p.reshape(B * K1, V), rows * K1 + n, 0)  # [B, V]: p at the first rejection, or p_K
-        qn = ops.gather(q.reshape(B * K, V), rows * K + ops.minimum(n, K - 1), 0) \
-            * (n < K).astype(ms.float32).reshape(B, 1)  # [B, V]: q there; 0 after K acceptances
-        r = ops.relu(pn - qn)  # recovered: norm(max(0, p - q)); bonus: r = p_K
-        r = ops.select(ops.broadcast_to(r.sum(-1, keepdims=True) > 0, (B, V)), r, pn)  # degenerate: p
-        return n, sample(r, u[:, K]), acc
+def greedy_accept(g, ids, n_valid):
+    """g [B, K+1] the target's argmax after each fed token, ids [B, K+1] (last token + K drafts),
+    n_valid [B] -> (n_accepted [B], next [B]): drafts kept while they equal the argmax (at most
+    n_valid of them), then the target's own token (recovered, or bonus after n_valid)."""
+    K = ids.shape[1] - 1
+    n = valid_prefix((g[:, :K] == ids[:, 1:]).astype(ms.int32), n_valid)
+    return n, ops.gather_elements(g, 1, n.reshape(-1, 1)).reshape(-1)
 
 
-class SampleNext(_Sampler):
-    """Target-only sampling (prefill chunks, plain decode): ids [B, T] at start, sample the token
-    after position `last` (0-d int32, the last real token of a padded chunk) with uniforms u [B];
-    other inputs as SamplingVerify. Returns tokens [B] int32."""
-
-    def construct(self, ids, start, last, u, temperature, top_k, top_p, penalty, seen):
-        logits = self.decoder(ids, start).astype(ms.float32)  # [B, T, V]
-        x = ops.gather(logits, last, 1)  # [B, V]
-        p = process(x, temperature, top_k, top_p, penalty, seen > 0, self.penalize, self.truncate, self.cap)
-        return sample(p, u)
-
-
-def scalars(params):
-    """SamplingParams -> the 0-d Tensors the graphs take (temperature, top_k, top_p, penalty)."""
-    return (Tensor(np.float32(params.temperature)), Tensor(np.int32(params.top_k)),
-            Tensor(np.float32(params.top_p)), Tensor(np.float32(params.repetition_penalty)))
+def speculative_accept(p, q, drafts, n_valid, u_acc, u_smp):
+    """p [B, K+1, V] target probabilities, q [B, K, V] draft probabilities, drafts [B, K], n_valid [B],
+    u_acc [B, K], u_smp [B, K+1] (the sample uniform of each possible stopping point) ->
+    (n_accepted [B], next [B]). Draft x_i is kept when u_i * q_i(x) < p_i(x); at the first
+    rejection the recovered token comes from norm(max(0, p - q)), after n_valid acceptances the
+    bonus from p."""
+    B, K1, V = p.shape
+    K = K1 - 1
+    pick = ops.concat((drafts, ops.zeros((B, 1), ms.int32)), 1).reshape(B, K1, 1)
+    px = ops.gather_elements(p, 2, pick).reshape(B, K1)[:, :K]  # [B, K] p_i(x_i)
+    qx = ops.gather_elements(q, 2, drafts.reshape(B, K, 1)).reshape(B, K)  # [B, K] q_i(x_i)
+    n = valid_prefix((u_acc * qx < px).astype(ms.int32), n_valid)  # [B]
+    rows = ops.arange(B, dtype=ms.int32)
+    pn = ops.gather(p.reshape(B * K1, V), rows * K1 + n, 0)  # [B, V]: p at the first rejection, or after n_valid
+    qn = ops.gather(q.reshape(B * K, V), rows * K + ops.minimum(n, K - 1), 0) \
+        * (n < n_valid).astype(ms.float32).reshape(B, 1)  # [B, V]: q there; 0 when every valid draft was kept
+    r = ops.relu(pn - qn)  # recovered: norm(max(0, p - q)); bonus: r = p
+    r = ops.select(ops.broadcast_to(r.sum(-1, keepdims=True) > 0, (B, V)), r, pn)  # degenerate: p
+    u = ops.gather_elements(u_smp, 1, n.reshape(-1, 1)).reshape(-1)  # [B]
+    return n, sample(r, u)

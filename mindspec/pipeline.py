@@ -1,45 +1,33 @@
-"""`mindspec.load(...)` -> Pipeline: target + draft + tokenizer, and `generate` over the shared loop."""
+"""`mindspec.load(...)` -> Pipeline: target + draft + tokenizer, and thin drivers over the one engine:
+generate (one request), generate_many (many, continuously batched) and run (what serve and batch
+use)."""
 import os
-import time
-from dataclasses import dataclass
 
 from .checkpoint import Checkpoint
+from .engine import Engine
 from .errors import MindspecError
-from .loop import Stats, decode
-from .proposer import OnnxProposer
 from .sampling import SamplingParams
-from .tokenizer import StreamDecoder, Tokenizer
+from .sequence import Request, Result
+from .spec import BATCH_BUCKETS, K_BUCKETS, SpecConfig
+from .tokenizer import Tokenizer
 
-SEQ_ROUND = 256  # max_seq grows in steps of this: each size is a new set of compiled graphs
-DEFAULT_BUCKETS = (1, 2, 4, 8)
-
-
-@dataclass
-class Result:
-    token_ids: list
-    text: str
-    stats: dict
-    finish_reason: str  # "stop" (EOS or stop string) or "length"
-
-
-def _round_up(n, m):
-    return (n + m - 1) // m * m
+__all__ = ["Pipeline", "Result", "load"]
 
 
 class Pipeline:
-    def __init__(self, target, draft=None, k="auto", max_seq=None, buckets=DEFAULT_BUCKETS, device=None,
-                 device_mem=None, tp=1):
+    def __init__(self, target, draft=None, k="auto", max_seq=None, buckets=K_BUCKETS, device=None,
+                 device_mem=None, tp=1, max_batch=1, batch_buckets=BATCH_BUCKETS):
         from mindspec.graphs.runner import init_mindspore
-        self.k = self._check_k(k, buckets)
-        self.buckets = tuple(sorted(set(buckets) | ({self.k} - {"auto"})))
+        self.spec = SpecConfig(k, tuple(buckets), tuple(batch_buckets), max_batch)
+        self._batch_buckets = tuple(batch_buckets)
         self.ckpt = Checkpoint(target)
         self.cfg = self.ckpt.config
         self.tokenizer = Tokenizer(target)
         if self.tokenizer.vocab_size > self.cfg.vocab_size:
             raise MindspecError(f"tokenizer has {self.tokenizer.vocab_size} tokens but the model's vocab_size "
                                 f"is {self.cfg.vocab_size}")
-        self.eos = set(self.cfg.eos_token_ids) | set(self.tokenizer.eos_token_ids)
-        self.target = None
+        self.eos = frozenset(self.cfg.eos_token_ids) | frozenset(self.tokenizer.eos_token_ids)
+        self.target = self.proposer = self.engine = None
         self.set_draft(draft)
         self.fixed_max_seq = max_seq
         self.device_mem, self.tp = device_mem, tp  # bytes per device: refuse what cannot fit
@@ -47,7 +35,28 @@ class Pipeline:
         from .default import home
         self.cache_dir = os.path.join(home(), "compile_cache")  # see TargetModel.warmup
         if max_seq:
-            self._build(max_seq)
+            self._build(max_seq, max_batch)
+
+    # ---- what callers may read
+
+    @property
+    def k(self):
+        return self.spec.k
+
+    @property
+    def buckets(self):
+        return self.spec.k_buckets
+
+    @property
+    def model_dir(self):
+        return self.ckpt.dir
+
+    @property
+    def max_seq(self):
+        """Positions a request can fill: the fixed --max-seq, else the current (growable) cache."""
+        return self.fixed_max_seq or (self.target.max_seq if self.target else self.cfg.max_position_embeddings)
+
+    # ---- model setup
 
     def _check_draft(self, path):
         from mindspec.export import read_manifest
@@ -61,43 +70,26 @@ class Pipeline:
                                 f"({m.get('source')}): a draft must share its target's tokenizer")
         return m
 
-    @staticmethod
-    def _check_k(k, buckets):
-        if k == "auto":
-            return k
-        if not isinstance(k, int) or not 1 <= k <= max(buckets):
-            raise MindspecError(f"-k must be between 1 and the largest K bucket {max(buckets)} (or auto), got {k}")
-        return k
-
-    def _policy(self, k):
-        """FixedK for an int, DynamicK for "auto" (costs measured once per pipeline, cached on disk)."""
-        from .policy import DynamicK, FixedK, measure_costs
-        if k != "auto":
-            return FixedK(k, self.buckets)
-        if self._dynamic is None:
-            if self.costs is None:
-                self.costs = measure_costs(self)
-            self._dynamic = DynamicK(self.buckets, *self.costs)
-        return self._dynamic  # decode() resets it per request
-
     def set_draft(self, path):
-        """Swap the draft (None: target-only), keeping the compiled target."""
+        """Swap the draft (None: target-only), keeping the compiled target. Not while requests run."""
         self.manifest = self._check_draft(path) if path else None
         self.draft_path = path or None
-        self._open_draft()
+        if self.target is not None:
+            self._engine()
 
-    def _open_draft(self):
-        """The draft session, its cache sized like the target's (none before the target exists).
-        Resets the dynamic-K costs, which depend on the pair and the cache size."""
+    def _engine(self):
+        """The draft session and the engine over the current target. The dynamic-K costs depend on the
+        pair and the cache size: measured again when next needed."""
         from mindspec.export import DraftSession
-        self.proposer = None
-        self.costs = None  # (c, v) for dynamic K, measured on first use
-        self._dynamic = None  # one DynamicK per pipeline: its acceptance prior carries across requests
-        if self.draft_path and self.target is not None:
-            self.proposer = OnnxProposer(DraftSession(self.draft_path, max_seq=self.target.max_seq))
+        from .proposer import DraftProposer
+        t = self.target
+        self.proposer = DraftProposer(DraftSession(self.draft_path, max_seq=t.max_seq + max(t.k_buckets),
+                                                   max_batch=t.max_batch)) if self.draft_path else None
+        self.costs = None
+        self.engine = Engine(t, self.proposer, self.spec)
 
-    def _build(self, max_seq):
-        """(Re)build the target graphs and the draft cache for `max_seq` positions."""
+    def _build(self, max_seq, max_batch):
+        """(Re)build the target graphs and the draft cache for `max_seq` positions and `max_batch` rows."""
         from mindspec.graphs.runner import TargetModel
         if max_seq > self.cfg.max_position_embeddings:
             raise MindspecError(f"{max_seq} positions exceed the model's max_position_embeddings "
@@ -106,22 +98,21 @@ class Pipeline:
             from .plan import check_fits, shape_from_config, shape_from_draft
             check_fits(shape_from_config(self.cfg, "fp32"),
                        shape_from_draft(self.draft_path, "fp32") if self.draft_path else None,
-                       tp=self.tp, device_mem=self.device_mem, seq_len=max_seq)
-        self.target = TargetModel(self.ckpt, max_seq, self.buckets)
-        self._open_draft()
+                       tp=self.tp, device_mem=self.device_mem, seq_len=max_seq * max_batch)
+        if max_batch != self.spec.max_batch:
+            self.spec = SpecConfig(self.spec.k, self.spec.k_buckets, self._batch_buckets, max_batch)
+        self.target = None  # free the old graphs' memory first
+        self.target = TargetModel(self.ckpt, max_seq, self.spec.k_buckets, self.spec.batch_buckets, max_batch)
+        self._engine()
 
-    def _capacity(self, n_prompt, max_new_tokens):
-        if self.fixed_max_seq:
-            if n_prompt + 1 > self.fixed_max_seq:
-                raise MindspecError(f"prompt is {n_prompt} tokens; it does not fit max_seq {self.fixed_max_seq}")
+    def ensure(self, positions, max_batch):
+        """A cache of at least `positions` positions and `max_batch` slots (rebuilt only while idle)."""
+        t = self.target
+        if t is not None and t.max_seq >= positions and t.max_batch >= max_batch:
             return
-        need = min(_round_up(n_prompt + max_new_tokens + max(self.buckets) + 1, SEQ_ROUND),
-                   self.cfg.max_position_embeddings)
-        if n_prompt + 1 > need:
-            raise MindspecError(f"prompt is {n_prompt} tokens; the model takes at most "
-                                f"{self.cfg.max_position_embeddings - 1}")
-        if self.target is None or self.target.max_seq < need:
-            self._build(need)
+        if self.engine is not None and self.engine.has_work:
+            raise MindspecError("cannot resize the KV cache while requests are running")
+        self._build(positions, max(max_batch, t.max_batch if t else 1))
 
     def encode(self, prompt=None, prompt_ids=None, chat=False):
         if (prompt is None) == (prompt_ids is None):
@@ -138,66 +129,94 @@ class Pipeline:
             raise MindspecError("the prompt is empty")
         return ids
 
-    def generate(self, prompt=None, prompt_ids=None, max_new_tokens=64, temperature=0.0, seed=None,
-                 stop=None, chat=False, on_text=None, k=None, speculate=True, top_k=0, top_p=1.0,
-                 repetition_penalty=1.0, draft_temperature=None, draft_min_conf=None):
+    def request(self, prompt=None, prompt_ids=None, max_new_tokens=64, temperature=0.0, seed=None, stop=None,
+                chat=False, k=None, speculate=True, top_k=0, top_p=1.0, repetition_penalty=1.0,
+                draft_temperature=None, draft_min_conf=None, request_id=None):
+        """A validated Request (generate's keywords); a sampled request without a seed gets a drawn one."""
+        k = self.spec.k_for_request(k)
+        if seed is None and temperature:
+            seed = int.from_bytes(os.urandom(7), "little")
+        params = SamplingParams(temperature, top_k, top_p, repetition_penalty, draft_temperature, seed)
+        if draft_min_conf is not None and not 0 < draft_min_conf < 1:
+            raise MindspecError(f"draft_min_conf must be between 0 and 1, got {draft_min_conf}")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise MindspecError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        ids = self.encode(prompt, prompt_ids, chat)
+        limit = self.fixed_max_seq or self.cfg.max_position_embeddings
+        if len(ids) + 1 > limit:
+            raise MindspecError(f"prompt is {len(ids)} tokens; it does not fit max_seq {limit}")
+        return Request(ids, params, max_new_tokens, stop=stop, eos=self.eos, k=k,
+                       speculate=speculate and self.draft_path is not None, tokenizer=self.tokenizer,
+                       draft_min_conf=draft_min_conf, request_id=request_id)
+
+    def prepare(self, reqs, max_batch=1, every_graph=False):
+        """Size the cache for these requests (read them first, size once), compile what they need
+        (every graph of every batch bucket with every_graph) and measure the dynamic-K costs."""
+        need = max(len(r.prompt_ids) + r.max_new_tokens for r in reqs) if reqs else 1
+        positions = self.fixed_max_seq or self.spec.seq_for(need, self.cfg.max_position_embeddings)
+        self.ensure(positions, max_batch)
+        t, spec = self.target, self.spec
+        n = max_batch if every_graph else min(max_batch, max(len(reqs), 1))
+        sizes = [b for b in spec.batch_buckets if b <= spec.batch_bucket(n)]
+        drafting = self.proposer is not None and (every_graph or any(r.speculate for r in reqs))
+        greedy = every_graph or any(r.params.plain_greedy for r in reqs)
+        sample = every_graph or any(not r.params.plain_greedy for r in reqs)
+        ks = [0] + (list(t.k_buckets) if drafting else [])
+        t.warmup(t.graph_names(sizes, ks, greedy, sample), self.cache_dir)
+        if drafting and (every_graph or any(r.k == "auto" for r in reqs)):
+            self._dynamic_for(sizes)
+
+    def _dynamic_for(self, sizes):
+        """The engine's DynamicK with measured costs for these batch sizes (kept across requests: its
+        acceptance prior carries over)."""
+        from .policy import DynamicK, measure_costs
+        have = self.costs or {}
+        if all(b in have for b in sizes) and self.engine.dynamic is not None:
+            return
+        if not all(b in have for b in sizes):
+            self.costs = {**have, **measure_costs(self, [b for b in sizes if b not in have])}
+        prior = self.engine.dynamic
+        self.engine.dynamic = DynamicK(self.spec.k_buckets, self.costs)
+        if prior is not None:
+            self.engine.dynamic.seen_acc, self.engine.dynamic.seen_trials = prior.seen_acc, prior.seen_trials
+
+    def run(self, reqs, on_event=None, max_batch=1):
+        """Run requests to the end through the engine, up to max_batch at once (the rest join as rows
+        finish). on_event(request, text) gets each step's new text per request."""
+        self.prepare(reqs, max_batch)
+        compile_s = self.target.compile_s
+        for r in reqs:
+            self.engine.add(r)
+        pending = set(reqs)
+        while pending:
+            for r, text in self.engine.step():
+                if on_event is not None and (text or r.done):
+                    on_event(r, text)
+                if r.done:
+                    pending.discard(r)
+        for r in reqs:
+            r.stats.compile_s = self.target.compile_s - compile_s
+        return reqs
+
+    def generate(self, prompt=None, prompt_ids=None, max_new_tokens=64, on_text=None, **kw):
         """Generate (greedy at temperature 0, else speculative sampling: the target's distribution
         exactly, whatever the draft); `on_text(delta)` receives text as it is produced. `k` overrides the
         pipeline's K for this call (a compiled bucket, or "auto" for dynamic K); speculate=False
         decodes with the target alone through the same graphs (the baseline). `draft_min_conf` stops
         drafting before a token the draft itself gives less than that probability (off by default: it
         measured slower for the default self-draft, see README)."""
-        k = self.k if k is None else k
-        if k != "auto" and (isinstance(k, bool) or not isinstance(k, int) or k not in self.buckets):
-            raise MindspecError(f"K={k!r} is not a compiled bucket {list(self.buckets)}")
-        params = SamplingParams(temperature, top_k, top_p, repetition_penalty, draft_temperature, seed)
-        sampling = not params.greedy or params.repetition_penalty != 1.0
-        if draft_min_conf is not None and not 0 < draft_min_conf < 1:
-            raise MindspecError(f"draft_min_conf must be between 0 and 1, got {draft_min_conf}")
-        if max_new_tokens < 1:
-            raise MindspecError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        ids = self.encode(prompt, prompt_ids, chat)
-        self._capacity(len(ids), max_new_tokens)
-        compile_s = self.target.compile_s
-        spec = speculate and self.proposer is not None
-        ks = ([k] if k != "auto" else self.buckets) if spec else []
-        if sampling:
-            self.target.warmup_sample(params, ks, self.cache_dir)
-        else:
-            self.target.warmup(ks, self.cache_dir)
-        policy = self._policy(k) if spec else None
-        if spec:
-            self.proposer.min_conf = draft_min_conf
-        stats, out, finish, cut = Stats(), [], "length", False
-        stream, text, shown = StreamDecoder(self.tokenizer), "", 0
-        stops = [s for s in (stop or []) if s]
-        hold = max((len(s) for s in stops), default=1) - 1  # never stream a half-seen stop string
-        t0 = time.perf_counter()
-        for new in decode(self.target, self.proposer if spec else None, ids, max_new_tokens, policy, stats,
-                          params if sampling else None):
-            for tok in new[:max_new_tokens - len(out)]:  # the last step may overshoot
-                out.append(tok)
-                if tok in self.eos:
-                    finish = "stop"
-                    break
-                text += stream.push([tok])
-                hit = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
-                if hit >= 0:
-                    text, finish, cut = text[:hit], "stop", True
-                    break
-            if finish == "stop":
-                break
-            if on_text and len(text) - hold > shown:
-                on_text(text[shown:len(text) - hold])
-                shown = len(text) - hold
-        if not cut:
-            text += stream.flush()
-        stats.new_tokens = len(out)
-        stats.wall_s = time.perf_counter() - t0
-        stats.compile_s = self.target.compile_s - compile_s
-        if on_text and len(text) > shown:
-            on_text(text[shown:])
-        return Result(out, text, stats.as_dict(), finish)
+        r = self.request(prompt, prompt_ids, max_new_tokens, **kw)
+        self.run([r], (lambda _, text: text and on_text(text)) if on_text else None)
+        if r.error is not None:
+            raise r.error
+        return r.result()
+
+    def generate_many(self, requests, max_batch=None):
+        """requests: a list of dicts of generate's keywords. Results in input order, up to max_batch
+        (default: the pipeline's) running at once. A request that fails has finish_reason "error"."""
+        reqs = [self.request(**dict(kw)) for kw in requests]
+        self.run(reqs, max_batch=max_batch or self.spec.max_batch)
+        return [r.result() for r in reqs]
 
 
 def load(target=None, draft=None, k="auto", **kw):

@@ -1,8 +1,9 @@
-"""How many tokens to draft per target call: a fixed K, or the K that maximises expected tokens per
-unit of time under a measured cost model (DESIGN.md, "Dynamic K").
+"""How many tokens to draft per step: a fixed K, or the K that maximises the batch's expected
+committed tokens per unit of time under a measured cost model (docs/design.md, "Dynamic K").
 
-Costs are in units of one plain target decode call:  c = one draft step,  v[K] = one verify call of
-bucket K.  K = 0 means "do not speculate": 1 token for cost 1.
+Costs are in units of one plain target decode call at batch 1:  c(B) = one draft step of B rows,
+v(B, K) = one verify call of bucket K over B rows (v(B, 0): a plain decode).  K = 0 means "do not
+speculate": one token per row.
 """
 import json
 import os
@@ -27,20 +28,39 @@ def expected_tokens(alpha, k):
 
 
 def step_cost(k, c, v):
-    return 1.0 if k == 0 else k * c + v[k]
+    """Cost of a step drafting k (v[0]: a plain decode, 1 at batch 1 by the choice of unit)."""
+    return v.get(0, 1.0) if k == 0 else k * c + v[k]
 
 
 def rate(alpha, k, c, v):
-    """Expected tokens per unit of time (one target decode = 1) of drafting K tokens."""
+    """Expected tokens per unit of time (one target decode at batch 1 = 1) of drafting K tokens."""
     return expected_tokens(alpha, k) / step_cost(k, c, v)
+
+
+def batch_rate(alphas, caps, k, c, v, buckets):
+    """Expected tokens per unit of time of a step of K over rows with acceptance `alphas` whose
+    drafts are capped at `caps` (room left): a row drafts the largest bucket <= min(K, cap)."""
+    return sum(expected_tokens(a, fit(buckets, min(k, cap))) for a, cap in zip(alphas, caps)) / step_cost(k, c, v)
+
+
+def fit(buckets, limit):
+    """The largest bucket <= limit, 0 if none."""
+    return max((b for b in buckets if b <= limit), default=0)
 
 
 def best_k(alpha, c, v, buckets):
     """argmax over {0} ∪ buckets of E(α, K) / (K·c + v[K]); ties go to the smaller (cheaper) K."""
-    best, best_rate = 0, 1.0
+    return batch_best_k([alpha], [max(buckets, default=0)], c, v, buckets)
+
+
+def batch_best_k(alphas, caps, c, v, buckets):
+    """The K (0 or a bucket) that maximises the batch's expected committed tokens per unit of time;
+    ties go to the smaller K. At a large batch the verify's extra cost outgrows what the drafts
+    save, and K = 0 wins by itself."""
+    best, best_rate = 0, batch_rate(alphas, caps, 0, c, v, buckets)
     for k in sorted(buckets):
-        r = rate(alpha, k, c, v)
-        if k > 0 and r > best_rate * (1 + 1e-9):
+        r = batch_rate(alphas, caps, k, c, v, buckets)
+        if r > best_rate * (1 + 1e-9):
             best, best_rate = k, r
     return best
 
@@ -51,97 +71,101 @@ def stop_early(q_top, threshold):
     return threshold is not None and q_top < threshold
 
 
-class FixedK:
-    """Always K (the largest bucket <= min(K, limit) near the end of the budget; 0 if none fits)."""
+class Acceptance:
+    """One request's acceptance estimate α: a step that drafted k and kept n is a run of Bernoulli(α)
+    trials cut at the first rejection, n successes and one failure when n < k (none when all k were
+    kept). The geometric MLE pools them: α = accepted / (accepted + rejections); both counts decay by
+    `decay` per step, so the estimate follows the text (code accepts long runs, prose does not).
+    Averaging n/k per step instead would undercount (a full acceptance at k=1 says little, n=0 at k=8
+    says a lot). It starts from a prior worth `weight` draft tokens."""
 
-    def __init__(self, k, buckets=None):
-        self.k = int(k)
-        self.buckets = tuple(sorted(buckets or (self.k,)))
-
-    def reset(self):
-        pass
-
-    def choose(self, limit):
-        fit = [b for b in self.buckets if b <= min(self.k, limit)]
-        return fit[-1] if fit else 0
-
-    def update(self, k, n_accepted):
-        pass
-
-
-class DynamicK:
-    """K from an exponential moving estimate of the per-token acceptance α, per request.
-
-    A step that drafted k and kept n is a run of Bernoulli(α) trials cut at the first rejection:
-    n successes and one failure when n < k (none when all k were kept). The geometric MLE pools
-    them: α = accepted / (accepted + rejections); both counts decay by `decay` per step, so the
-    estimate follows the text (code accepts long runs, prose does not). Averaging n/k per step
-    instead would undercount (a full acceptance at k=1 says little, n=0 at k=8 says a lot).
-    A rejection lowers α and so K; a full acceptance raises both (best_k is monotone in α).
-
-    Each request starts from the acceptance seen over this policy's past requests (α0 before any),
-    so a short request does not spend its first steps re-learning how good the draft is.
-
-    A plain (K=0) step brings no evidence, so the estimate decays toward that prior instead: a few
-    unlucky rejections do not switch drafting off for the rest of the request. When even the prior
-    makes K=0 best (a useless draft), every `probe_every` plain steps one step drafts the smallest
-    bucket to see whether the text became predictable again.
-    """
-
-    MIN_SEEN = 8  # draft tokens judged before past acceptance replaces α0 as the prior
-
-    def __init__(self, buckets, c, v, alpha0=0.8, decay=0.7, prior_weight=2.0,
-                 probe_every=16):
-        self.buckets = tuple(sorted(b for b in buckets if b > 0))
-        missing = [b for b in self.buckets if b not in v]
-        if missing:
-            raise MindspecError(f"no measured verify cost for K buckets {missing}")
-        self.c, self.v = float(c), {int(k): float(x) for k, x in v.items()}
-        self.alpha0, self.decay, self.prior_weight = alpha0, decay, prior_weight
-        self.probe_every = probe_every
-        self.seen_acc = self.seen_trials = 0  # over all requests, undecayed
-        self.reset()
-
-    def reset(self):
-        """Start a new request from the prior (worth `prior_weight` draft tokens): the acceptance
-        of past requests once there is enough of it, else α0."""
-        self.acc, self.trials = self._prior() * self.prior_weight, self.prior_weight
-        self.plain_steps = 0
-
-    def _prior(self):
-        return self.seen_acc / self.seen_trials if self.seen_trials >= self.MIN_SEEN else self.alpha0
+    def __init__(self, prior, weight, decay):
+        self.acc, self.trials, self.weight, self.decay = prior * weight, weight, weight, decay
 
     @property
     def alpha(self):
         return self.acc / self.trials
 
-    def choose(self, limit):
-        fit = [b for b in self.buckets if b <= limit]
-        k = best_k(self.alpha, self.c, self.v, fit)
-        if k == 0 and fit and self.probe_every and self.plain_steps >= self.probe_every:
-            k = fit[0]
+    def update(self, k, n_accepted, prior):
+        if k == 0:  # no news: forget toward the prior, as the EMA forgets toward new evidence
+            w = (1 - self.decay) * self.weight
+            self.acc = self.decay * self.acc + w * prior
+            self.trials = self.decay * self.trials + w
+            return
+        self.acc = self.decay * self.acc + n_accepted
+        self.trials = self.decay * self.trials + n_accepted + (1 if n_accepted < k else 0)
+
+
+class FixedK:
+    """Always K (each row capped to the largest bucket that fits its room; 0 if none)."""
+
+    def __init__(self, k, buckets=None):
+        self.k = int(k)
+        self.buckets = tuple(sorted(buckets or (self.k,)))
+
+    def start(self):
+        return None
+
+    def choose(self, estimates, caps, B=1):
+        return self.k
+
+    def update(self, est, k, n_accepted):
+        pass
+
+
+class DynamicK:
+    """K per step for the whole batch, from each request's acceptance estimate and the measured costs
+    of the batch's bucket: costs = {B: (c, v)}, c = one draft step of B rows, v[K] = one verify of
+    B rows (v[0] = a plain decode), all in units of one batch-1 decode.
+
+    Each request starts from the acceptance seen over this policy's past requests (α0 before any),
+    so a short request does not spend its first steps re-learning how good the draft is. A plain
+    (K=0) step brings no evidence, so estimates decay toward that prior instead: a few unlucky
+    rejections do not switch drafting off for good. When even the prior makes K=0 best (a useless
+    draft), every `probe_every` plain steps one step drafts the smallest bucket to see whether the
+    text became predictable again."""
+
+    MIN_SEEN = 8  # draft tokens judged before past acceptance replaces α0 as the prior
+
+    def __init__(self, buckets, costs, alpha0=0.8, decay=0.7, prior_weight=2.0, probe_every=16):
+        self.buckets = tuple(sorted(b for b in buckets if b > 0))
+        self.costs = {int(B): (float(c), {int(k): float(x) for k, x in v.items()}) for B, (c, v) in costs.items()}
+        for B, (_, v) in self.costs.items():
+            missing = [b for b in self.buckets if b not in v]
+            if missing:
+                raise MindspecError(f"no measured verify cost for K buckets {missing} at batch {B}")
+        self.alpha0, self.decay, self.prior_weight = alpha0, decay, prior_weight
+        self.probe_every, self.plain_steps = probe_every, 0
+        self.seen_acc = self.seen_trials = 0  # over all requests, undecayed
+
+    def prior(self):
+        return self.seen_acc / self.seen_trials if self.seen_trials >= self.MIN_SEEN else self.alpha0
+
+    def start(self):
+        """A new request's estimate."""
+        return Acceptance(self.prior(), self.prior_weight, self.decay)
+
+    def choose(self, estimates, caps, B=1):
+        c, v = self.costs[B]
+        k = batch_best_k([e.alpha for e in estimates], caps, c, v, self.buckets)
+        if k == 0 and self.probe_every and self.plain_steps >= self.probe_every and max(caps, default=0) > 0:
+            k = self.buckets[0]
         self.plain_steps = self.plain_steps + 1 if k == 0 else 0
         return k
 
-    def update(self, k, n_accepted):
-        if k == 0:  # no news: forget toward the prior, as the EMA forgets toward new evidence
-            w = (1 - self.decay) * self.prior_weight
-            self.acc = self.decay * self.acc + w * self._prior()
-            self.trials = self.decay * self.trials + w
-            return
-        rejected = 1 if n_accepted < k else 0
-        self.acc = self.decay * self.acc + n_accepted
-        self.trials = self.decay * self.trials + n_accepted + rejected
-        self.seen_acc += n_accepted
-        self.seen_trials += n_accepted + rejected
+    def update(self, est, k, n_accepted):
+        est.update(k, n_accepted, self.prior())
+        if k:
+            self.seen_acc += n_accepted
+            self.seen_trials += n_accepted + (1 if n_accepted < k else 0)
 
 
 # -- cost measurement ------------------------------------------------------------------------------
 
-def _cost_key(pipe):
+def _cost_key(pipe, B):
     st = os.stat(pipe.draft_path)
     return (f"{pipe.ckpt.fingerprint()}|{os.path.abspath(pipe.draft_path)}|{st.st_size}|{st.st_mtime_ns}|"
-            f"s{pipe.target.max_seq}|{pipe.device}|tp{tp_size()}")
+            f"s{pipe.target.max_seq}|b{pipe.target.max_batch}|B{B}|{pipe.device}|tp{tp_size()}")
 
 
 def _costs_path():
@@ -157,74 +181,80 @@ def _read_costs():
         return {}
 
 
-def _write_costs(key, entry):
+def _write_costs(entries):
     path = _costs_path()
     os.makedirs(os.path.dirname(path), exist_ok=True)
     data = _read_costs()  # re-read: another process may have added its own pair meanwhile
     # forget pairs whose draft file is gone (temporary test drafts), so the file stays small
     data = {k: e for k, e in data.items() if len(k.split("|")) > 1 and os.path.exists(k.split("|")[1])}
-    data[key] = entry
+    data.update(entries)
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
         json.dump(data, f, indent=1)
     os.replace(tmp, path)  # readers never see a half-written file
 
 
-def measure_costs(pipe, reps=5, cache=True):
-    """(c, v) measured on rank 0 and shared, so every tensor-parallel rank picks the same K."""
+def measure_costs(pipe, batch_sizes=(1,), reps=5, cache=True):
+    """{B: (c, v)} measured on rank 0 and shared, so every tensor-parallel rank picks the same K."""
     from .tp import share
-    return share(_measure_costs(pipe, reps, cache))
+    return share(_measure_costs(pipe, batch_sizes, reps, cache))
 
 
-def _measure_costs(pipe, reps=5, cache=True):
-    """(c, v): the draft step cost and the verify cost of each K bucket, relative to one target
-    decode call, measured on the loaded pipeline at ~COST_CONTEXT positions, median of `reps`.
-
-    Draft and target calls alternate as in the loop (on 2 cores their thread pools interfere: a
-    draft step measured alone is cheaper than inside the loop). Cached on disk per (target weights,
-    draft file, max_seq, device) in home()/costs.json. Leaves both caches at position 0."""
+def _measure_costs(pipe, batch_sizes, reps=5, cache=True):
+    """{B: (c, v)}: per batch size B, the cost of one draft step of B rows (c) and of one verify call
+    of each K bucket over B rows (v[K]; v[0] a plain decode), in units of one batch-1 decode,
+    measured on the loaded pipeline at ~COST_CONTEXT positions, median of `reps`. Draft and target
+    calls alternate as in the engine (on 2 cores their thread pools interfere: a draft step measured
+    alone is cheaper than inside the loop). Cached on disk per (target weights, draft file, cache
+    size, batch size, device) in home()/costs.json. Uses slots 0..B-1 and draft rows 0..B-1: only
+    while the engine is idle."""
     if pipe.proposer is None:
         raise MindspecError("measuring the draft/target cost ratio needs a draft")
-    if pipe.target is None:
-        pipe._capacity(COST_CONTEXT, 1)  # sizes and builds the target as a first request would
+    saved = _read_costs() if cache else {}
+    sizes = sorted(set(batch_sizes) | {1})  # batch 1's decode is the unit
+    hits = {B: saved.get(_cost_key(pipe, B)) for B in sizes}
     t, s = pipe.target, pipe.proposer.session
-    key = _cost_key(pipe)
-    hit = _read_costs().get(key) if cache else None
-    if hit and all(str(k) in hit["v"] for k in t.buckets):
-        return hit["c"], {int(k): x for k, x in hit["v"].items()}
-    kmax = max(t.buckets)
-    ctx = max(1, min(COST_CONTEXT, t.max_seq - kmax - 2, s.max_seq - 2))
-    prompt = [i % t.cfg.vocab_size for i in range(7, 7 + ctx)]  # [ctx]; content does not change the cost
-    t.warmup(t.buckets)
-    t.rollback(0)
-    t.prefill(prompt)
+    if all(h and all(str(k) in h["v"] for k in (0,) + t.k_buckets) for h in hits.values()):
+        return {B: (h["c"], {int(k): x for k, x in h["v"].items()}) for B, h in hits.items() if B in batch_sizes}
+    ctx = max(1, min(COST_CONTEXT, t.max_seq - max(t.k_buckets) - 2))
+    prompt = [i % t.cfg.vocab_size for i in range(7, 7 + ctx)]  # content does not change the cost
+    t.warmup(t.graph_names(sizes, (0,) + t.k_buckets))
+    B_max = max(sizes)
+    from mindspec.spec import PREFILL_CHUNK
+    from mindspec.graphs.runner import RowSampling
+    import numpy as np
+    greedy1 = RowSampling.greedy(1)
+    for b in range(B_max):  # every row holds the same context
+        for c in range(0, ctx, PREFILL_CHUNK):
+            t.prefill(b, c, prompt[c:c + PREFILL_CHUNK], greedy1)
     s.reset()
-    s.forward(prompt)
-    base_t, base_s = t.pos, s.pos
-
-    def timed(f, rollback, base):
-        rollback(base)
-        t0 = time.perf_counter()
-        f()
-        return time.perf_counter() - t0
-
-    times = {"draft": [], "decode": [], **{k: [] for k in t.buckets}}
-    for _ in range(reps + 1):  # the first round only warms ORT and the graphs' memory
-        times["draft"].append(timed(lambda: s.forward([5]), s.rollback, base_s))
-        times["decode"].append(timed(lambda: t.decode(5), t.rollback, base_t))
-        for k in t.buckets:
-            times["draft"].append(timed(lambda: s.forward([5]), s.rollback, base_s))
-            times[k].append(timed(lambda: t.verify(5, [6] * k), t.rollback, base_t))
-    med = {n: statistics.median(x[1:] if n != "draft" else x[len(t.buckets) + 1:]) for n, x in times.items()}
-    t.rollback(0)
+    s.forward([prompt] * B_max)
+    timed = {}
+    for B in sizes:
+        rows, times = list(range(B)), {"draft": [], **{k: [] for k in (0,) + t.k_buckets}}
+        for _ in range(reps + 1):  # the first round only warms ORT and the graphs' memory
+            for k in (0,) + t.k_buckets:
+                t0 = time.perf_counter()
+                s.forward([[5]] * B)
+                times["draft"].append(time.perf_counter() - t0)
+                for b in rows:
+                    s.rollback(b, ctx)
+                t0 = time.perf_counter()
+                t.step(np.full((B, k + 1), 6), rows, [ctx] * B, [k] * B)
+                times[k].append(time.perf_counter() - t0)
+        timed[B] = {n: statistics.median(x[1:] if n != "draft" else x[len(t.k_buckets) + 1:]) for n, x in times.items()}
     s.reset()
-    c = med["draft"] / med["decode"]
-    # verifying K+1 tokens costs at least a decode and at least a smaller bucket: on a shared machine
-    # a burst of load can make single medians break that, and a v(K) < 1 would make K look free
-    v, floor = {}, 1.0
-    for k in sorted(t.buckets):
-        v[k] = floor = max(floor, med[k] / med["decode"])
+    unit = timed[1][0]
+    out, entries = {}, {}
+    for B in sizes:
+        # verifying K+1 tokens costs at least a decode and at least a smaller bucket: on a shared machine
+        # a burst of load can make single medians break that, and a v(K) below v(0) would make K look free
+        v, floor = {}, 0.0
+        for k in (0,) + t.k_buckets:
+            v[k] = floor = max(floor, timed[B][k] / unit)
+        out[B] = (timed[B]["draft"] / unit, v)
+        entries[_cost_key(pipe, B)] = {"c": out[B][0], "v": {str(k): x for k, x in v.items()},
+                                       "decode_s": timed[B][0], "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
     if cache and is_rank0():
-        _write_costs(key, {"c": c, "v": {str(k): x for k, x in v.items()}, "decode_s": med["decode"],
-                           "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
-    return c, v
+        _write_costs(entries)
+    return {B: out[B] for B in batch_sizes}

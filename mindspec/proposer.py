@@ -1,56 +1,86 @@
-"""Draft proposers. The interface has two methods (as transformers' CandidateGenerator), so other
-proposers (n-gram / prompt lookup) can plug into the same loop."""
+"""Draft proposers. The interface has two methods (as transformers' CandidateGenerator),
+get_candidates and update_candidate_strategy, so other proposers (n-gram / prompt lookup) can plug
+into the same engine; prefill / release keep a stateful draft's cache in step with the engine's rows."""
 import numpy as np
 
 from .policy import stop_early
-from .sampling import draft_token
+from .sampling import DRAFT, draft_token, uniforms
 
 
-class OnnxProposer:
-    """Greedy K-token proposals from an ONNX draft (mindspec.export.DraftSession).
+class DraftProposer:
+    """K-token proposals for a batch of rows from an ONNX draft (mindspec.export.DraftSession, one
+    cache row per engine row).
 
-    The draft cache holds seq[:session.pos]. After a step where all K drafts were accepted, the
-    draft has never seen its own last draft token, so two tokens are fed next time, never lost
-    and never counted twice."""
+    A row's draft cache holds seq[:pos]. After a step where all K drafts were accepted, the draft has
+    never seen its own last draft token, and after plain (K = 0) steps it is further behind: the
+    next call feeds every token it has not seen, never losing one nor counting one twice."""
 
-    def __init__(self, session, min_conf=None):
+    def __init__(self, session):
         self.session = session
-        self.min_conf = min_conf  # confidence cut: see get_candidates
+        self.vocab_size = session.vocab_size
 
-    def reset(self):
-        self.session.reset()
+    def prefill(self, row, ids):
+        """Feed prompt tokens to a row's cache (its logits are not needed: drafting starts later)."""
+        self.session.forward([list(ids)], start=row)
 
-    def get_candidates(self, seq, k, params=None, rng=None):
-        """seq: committed token ids (prompt + generated). Greedy: returns up to k draft ids. With
-        sampling params + rng: (drafts [n], q [n, V]), each draft sampled from q, the draft's
-        distribution at params.draft_temperature with the same top-k/top-p/penalty as the target.
-
-        Confidence cut (llama.cpp's p-min, HF's assistant_confidence_threshold): with min_conf set,
-        drafting stops before a token whose top draft probability is below it, so fewer than k
-        (maybe 0) drafts come back; such a token is likely rejected and each draft step costs."""
-        logits = self.session.forward(seq[self.session.pos:])  # [T, V]
-        drafts, qs = [], []
+    def get_candidates(self, rows, k, need_q):
+        """rows: the engine's rows in row order, a Request or None (takes no part). Drafts k tokens for
+        each Request row: greedy rows take the argmax, sampling rows sample from q, the draft's
+        distribution processed as the target's (SamplingParams.for_draft) with the row's own DRAFT
+        uniforms. Returns (drafts [n, k] int64, q [n, k, V] float32 or None, confident [n] int: drafts
+        before the first one under the row's confidence cut), n = the Request rows, in order."""
+        live = [i for i, r in enumerate(rows) if r is not None]
+        m, V = len(rows), self.vocab_size
+        feed = [r.seq[int(self.session.pos[i]):] if r is not None else [] for i, r in enumerate(rows)]
+        logits = self.session.forward(feed)[live]  # [n, V]
+        drafts = np.zeros((len(live), k), np.int64)
+        q = np.zeros((len(live), k, V), np.float32) if need_q else None
+        confident = np.full(len(live), k, np.int64)
         for i in range(k):
-            if params is None:
-                tok, q_top = int(np.argmax(logits[-1])), None
-                if self.min_conf is not None:
-                    z = logits[-1] - logits[-1, tok]
-                    q_top = 1.0 / float(np.exp(z).sum())  # softmax at the argmax
-            else:
-                prev = seq + drafts if params.repetition_penalty != 1.0 else None
-                tok, q = draft_token(logits[-1], params, prev, float(rng.random(dtype=np.float32)))
-                q_top = float(q.max())
-            if stop_early(q_top, self.min_conf):
-                break
-            drafts.append(tok)
-            if params is not None:
-                qs.append(q)
+            for j, row in enumerate(live):
+                r = rows[row]
+                tok, q_i = self._one(r, logits[j], i, drafts[j, :i], need_q)
+                drafts[j, i] = tok
+                if q is not None:
+                    q[j, i] = q_i
+                if confident[j] == k and r.draft_min_conf is not None:
+                    top = float(q_i.max()) if q_i is not None else _top_prob(logits[j])
+                    if stop_early(top, r.draft_min_conf):
+                        confident[j] = i
             if i < k - 1:
-                logits = self.session.forward(drafts[-1:])
-        if params is None:
-            return drafts
-        return drafts, (np.stack(qs).astype(np.float32) if qs else np.zeros((0, logits.shape[-1]), np.float32))
+                step = [[] for _ in range(m)]
+                for j, row in enumerate(live):
+                    step[row] = [int(drafts[j, i])]
+                logits = self.session.forward(step)[live]
+        return drafts, q, confident
 
-    def update_candidate_strategy(self, seq, n_accepted):
-        """Roll the draft cache back to the committed sequence (the last token is fed next step)."""
-        self.session.rollback(min(self.session.pos, len(seq) - 1))
+    def _one(self, r, logits, i, prev_drafts, need_q):
+        """One draft token of request r at draft position i: (token, q [V] or None)."""
+        if r.params.plain_greedy:  # the target keeps only its argmax: a greedy draft matches it best
+            tok = int(np.argmax(logits))
+            if not need_q:
+                return tok, None
+            q = np.zeros(len(logits), np.float32)
+            q[tok] = 1.0
+            return tok, q
+        prev = r.seq + [int(t) for t in prev_drafts] if r.params.repetition_penalty != 1.0 else None
+        u = float(uniforms(r.params.seed, len(r.seq) + i, 1, DRAFT)[0])
+        tok, q = draft_token(logits, r.params, prev, u)
+        return tok, q.astype(np.float32)
+
+    def update_candidate_strategy(self, row, r):
+        """Roll a row's cache back to request r's committed sequence (its last token is fed next step)."""
+        self.session.rollback(row, min(int(self.session.pos[row]), len(r.seq) - 1))
+
+    def release(self, row, last_row):
+        """Row `row` left: the engine moves its last row there (rows stay contiguous, so a batch of n
+        rows is the cache's first n rows, no copy)."""
+        if row != last_row:
+            self.session.move(last_row, row)
+        self.session.reset(last_row)
+
+
+def _top_prob(logits):
+    """The draft's own probability of its argmax (softmax at the max)."""
+    z = logits - logits.max()
+    return 1.0 / float(np.exp(z).sum())

@@ -16,11 +16,17 @@ import numpy as np
 from .errors import MindspecError
 
 
+MAX_TEMPERATURE = 100.0  # above this every distribution is flat to float32 precision
+PENALTY_RANGE = (0.01, 100.0)  # a penalty outside divides logits by ~0 or ~inf in float32
+MAX_TOP_K = 2 ** 31 - 1  # the graph's int32; any k >= the vocabulary means "off"
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """temperature 0 = greedy. top_k 0 / top_p 1.0 / repetition_penalty 1.0 = off. The draft uses the
     same processing with `draft_temperature` (None: the target's): it changes q, hence the acceptance
-    rate, never the output distribution. `seed` (None: fresh entropy) drives all uniform draws."""
+    rate, never the output distribution. `seed` (None: drawn when the request is made) keys every
+    uniform draw (see uniforms). Every value is checked against what the float32 graph represents."""
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
@@ -29,36 +35,34 @@ class SamplingParams:
     seed: Optional[int] = None
 
     def __post_init__(self):
-        def finite(name, v):
+        def number(name, v, lo, hi, lo_open=False):
             if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) \
-                    or not math.isfinite(v):
-                raise MindspecError(f"{name} must be a finite number, got {v!r}")
-        finite("temperature", self.temperature)
-        if self.temperature < 0:
-            raise MindspecError(f"temperature must be >= 0, got {self.temperature}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, (int, np.integer)) or self.top_k < 0:
-            raise MindspecError(f"top_k must be an integer >= 0 (0: off), got {self.top_k!r}")
-        finite("top_p", self.top_p)
-        if not 0 < self.top_p <= 1:
-            raise MindspecError(f"top_p must be in (0, 1], got {self.top_p}")
-        finite("repetition_penalty", self.repetition_penalty)
-        if self.repetition_penalty <= 0:
-            raise MindspecError(f"repetition_penalty must be > 0 (1.0: off), got {self.repetition_penalty}")
+                    or not math.isfinite(v) or not (lo < v if lo_open else lo <= v) or not v <= hi:
+                raise MindspecError(f"{name} must be a number in {'(' if lo_open else '['}{lo}, {hi}], got {v!r}")
+        number("temperature", self.temperature, 0, MAX_TEMPERATURE)
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, (int, np.integer)) \
+                or not 0 <= self.top_k <= MAX_TOP_K:
+            raise MindspecError(f"top_k must be an integer in [0, {MAX_TOP_K}] (0: off), got {self.top_k!r}")
+        number("top_p", self.top_p, 0, 1, lo_open=True)
+        number("repetition_penalty", self.repetition_penalty, *PENALTY_RANGE)
         if self.draft_temperature is not None:
-            finite("draft_temperature", self.draft_temperature)
-            if self.draft_temperature < 0:
-                raise MindspecError(f"draft_temperature must be >= 0, got {self.draft_temperature}")
+            number("draft_temperature", self.draft_temperature, 0, MAX_TEMPERATURE)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer))
-                                      or self.seed < 0):
-            raise MindspecError(f"seed must be an integer >= 0, got {self.seed!r}")
+                                      or not 0 <= self.seed < 2 ** 63):
+            raise MindspecError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
 
     @property
     def greedy(self):
         return self.temperature == 0
 
     @property
+    def plain_greedy(self):
+        """Greedy without a penalty: the target's argmax graphs suffice."""
+        return self.greedy and self.repetition_penalty == 1.0
+
+    @property
     def truncates(self):
-        """Whether top-k or top-p removes anything (the target then needs the sorting graph)."""
+        """Whether top-k or top-p removes anything."""
         return self.top_k > 0 or self.top_p < 1
 
     def for_draft(self):
@@ -66,11 +70,25 @@ class SamplingParams:
         t = self.temperature if self.draft_temperature is None else self.draft_temperature
         return replace(self, temperature=t, draft_temperature=None)
 
-    def rng(self):
-        return np.random.default_rng(self.seed)
-
     def process(self, logits, prev_ids=None):
         return process_logits(logits, self.temperature, self.top_k, self.top_p, self.repetition_penalty, prev_ids)
+
+
+DRAFT, ACCEPT, SAMPLE = 0, 1, 2  # the three uniform streams of a position
+
+
+def uniforms(seed, start, n, stream):
+    """[n] float32 uniforms in [0, 1) for sequence positions start..start+n-1 of one stream (DRAFT:
+    the draft's sample, ACCEPT: the accept test of the draft token there, SAMPLE: the target's own
+    token there). Counter-based (Philox keyed by the seed, counter = position): what a position draws
+    does not depend on how the steps were cut, on K, or on the other rows of a batch; a draw that was
+    computed but not used (past a rejection) is independent of everything committed, so using it
+    again later is still fresh randomness."""
+    out = np.empty(n, np.float32)
+    for i in range(n):
+        g = np.random.Generator(np.random.Philox(key=int(seed), counter=[start + i, stream, 0, 0]))
+        out[i] = g.random(dtype=np.float32)
+    return out
 
 
 def _softmax(x):

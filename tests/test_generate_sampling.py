@@ -36,7 +36,7 @@ def test_second_token_follows_the_target_distribution(pipe, tiny_target, min_con
     ck = Checkpoint(tiny_target[0])
     soft = lambda x: np.exp(x / T - (x / T).max()) / np.exp(x / T - (x / T).max()).sum()  # noqa: E731
     p1 = soft(reference_logits(ck.config, ck.get, PROMPT)[-1])
-    top = np.argsort(p1)[::-1][:12]  # tokens carrying nearly all first-token mass
+    top = np.flatnonzero(p1 > 1e-9)  # every first token that can occur (at T=3 the top 12 hold only 76%)
     p2 = sum(p1[a] * soft(reference_logits(ck.config, ck.get, PROMPT + [int(a)])[-1]) for a in top)
     p2 /= p2.sum()
     n, cuts = 400, 0
@@ -48,6 +48,7 @@ def test_second_token_follows_the_target_distribution(pipe, tiny_target, min_con
         cuts += res.stats["k_used"].get("2", 0) == 0
     big = p2 * n >= 5  # pool the rare tokens into one bin
     obs = np.append(seen[big], seen[~big].sum())
-    exp = np.append(p2[big], p2[~big].sum()) * n
+    exp = np.append(p2[big], p2[~big].sum())
+    exp = exp.astype(np.float64) / exp.sum(dtype=np.float64) * obs.sum()  # float32 rounding trips chisquare
     assert chisquare(obs, exp).pvalue > 0.001, (obs, exp)
     assert (0 < cuts < n) if min_conf else cuts == 0, cuts  # the cut really shortened some steps

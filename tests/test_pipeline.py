@@ -58,15 +58,15 @@ def test_target_as_its_own_draft_accepts_everything(tiny_target, self_draft):
 
 def test_draft_target_and_reference_agree_after_rollbacks(tiny_target, self_draft):
     ckpt = Checkpoint(tiny_target[0])
-    target, draft = TargetModel(ckpt, max_seq=64), DraftSession(self_draft, max_seq=64)
+    target, draft = TargetModel(ckpt, max_seq=64, k_buckets=(1,)), DraftSession(self_draft, max_seq=64)
     seq = [int(x) for x in np.random.default_rng(3).integers(3, 300, 20)]
-    t1, d1 = target.logits(seq[:12]), draft.forward(seq[:12])
-    target.rollback(8), draft.rollback(8)  # reject 4 positions, then take another branch
+    t1, d1 = target.logits(0, 0, seq[:12]), draft.forward([seq[:12]])[0]
+    draft.rollback(0, 8)  # reject 4 positions (the target: feed at position 8 again), take another branch
     alt = seq[12:20]
-    t2, d2 = target.logits(alt), draft.forward(alt)
+    t2, d2 = target.logits(0, 8, alt), draft.forward([alt])[0]
     ref = reference_logits(ckpt.config, ckpt.get, seq[:8] + alt)
-    assert np.abs(t1[:8] - ref[:8]).max() < 1e-4 and np.abs(d1[:8] - ref[:8]).max() < 1e-4
-    assert np.abs(t2 - ref[8:]).max() < 1e-4 and np.abs(d2 - ref[8:]).max() < 1e-4
+    assert np.abs(t1[:8] - ref[:8]).max() < 1e-4 and np.abs(d1 - t1[-1]).max() < 1e-4
+    assert np.abs(t2 - ref[8:]).max() < 1e-4 and np.abs(d2 - ref[-1]).max() < 1e-4
 
 
 def test_stops_on_eos_max_new_tokens_and_stop_strings(pipe):
@@ -80,11 +80,11 @@ def test_stops_on_eos_max_new_tokens_and_stop_strings(pipe):
     assert res.finish_reason == "stop" and res.text == text[:text.find(stop)]
     assert len(res.token_ids) < len(base.token_ids)
     # EOS: make the greedy continuation's 4th token the EOS id
-    pipe.eos.add(base.token_ids[3])
+    eos, pipe.eos = pipe.eos, pipe.eos | {base.token_ids[3]}
     try:
         res = pipe.generate(prompt_ids=[5, 6, 7], max_new_tokens=30)
     finally:
-        pipe.eos.discard(base.token_ids[3])
+        pipe.eos = eos
     assert res.token_ids == base.token_ids[:4] and res.finish_reason == "stop"
 
 
@@ -97,7 +97,7 @@ def test_streamed_text_equals_final_text(pipe):
 def test_dynamic_k_output_equals_target_only(pipe):
     # fixed costs (draft step = 0.1 decode, verify a bit dearer per K) so the K schedule does not
     # depend on timings measured on a busy machine
-    pipe.costs, pipe._dynamic = (0.1, {1: 1.1, 2: 1.15, 4: 1.25, 8: 1.5}), None
+    pipe.costs, pipe.engine.dynamic = {1: (0.1, {0: 1.0, 1: 1.1, 2: 1.15, 4: 1.25, 8: 1.5})}, None
     used = {}
     for ids in PROMPTS:
         base = pipe.generate(prompt_ids=ids, max_new_tokens=30, speculate=False)

@@ -6,10 +6,35 @@ import pytest
 
 import mindspec
 from mindspec.export import export_draft
-from mindspec.policy import DynamicK, FixedK, best_k, expected_tokens, measure_costs, rate, stop_early
+from mindspec.policy import (DynamicK, FixedK, batch_best_k, best_k, expected_tokens, fit, measure_costs, rate,
+                             stop_early)
 
 BUCKETS = (1, 2, 4, 8)
-V = {1: 1.15, 2: 1.2, 4: 1.3, 8: 1.6}  # verify cost / decode cost, as measured on CPU (DESIGN.md)
+V = {1: 1.15, 2: 1.2, 4: 1.3, 8: 1.6}  # verify cost / decode cost, as measured on CPU (docs/design.md)
+
+
+def dynamic(c, alpha0=0.8, **kw):
+    return DynamicK(BUCKETS, {1: (c, {0: 1.0, **V})}, alpha0=alpha0, **kw)
+
+
+class One:
+    """One request alone through the batch policy, as the engine runs a lone row."""
+
+    def __init__(self, p):
+        self.p, self.est = p, p.start()
+
+    def choose(self, limit=100):
+        return fit(BUCKETS, min(self.p.choose([self.est], [limit]), limit))
+
+    def update(self, k, n):
+        self.p.update(self.est, k, n)
+
+    def reset(self):
+        self.est = self.p.start()
+
+    @property
+    def alpha(self):
+        return self.est.alpha
 
 
 def test_expected_tokens():
@@ -43,16 +68,32 @@ def test_best_k_is_monotone_in_alpha():
     assert ks == sorted(ks) and ks[0] == 0 and ks[-1] == 8
 
 
-def test_fixed_k_fits_the_room_left():
+def test_fixed_k_rows_fit_the_room_left():
     p = FixedK(4, BUCKETS)
-    assert [p.choose(lim) for lim in (10, 4, 3, 1, 0)] == [4, 4, 2, 1, 0]
-    p.update(4, 0)
-    assert p.choose(10) == 4
-    assert FixedK(8).choose(5) == 0  # no smaller bucket compiled: decode plainly
+    assert [fit(BUCKETS, min(p.choose([], []), lim)) for lim in (10, 4, 3, 1, 0)] == [4, 4, 2, 1, 0]
+    assert fit((8,), 5) == 0  # no smaller bucket compiled: decode plainly
+
+
+def test_batch_k_switches_speculation_off_where_verify_stops_paying():
+    """At batch 8 a verify of K+1 positions per row costs much more than a decode of one (measured
+    shape on CPU); at batch 1 it barely does: the same acceptance drafts at B=1 and not at B=8."""
+    costs = {1: (0.3, {0: 1.0, 1: 1.15, 2: 1.2, 4: 1.3, 8: 1.6}),
+             8: (0.6, {0: 1.8, 1: 2.6, 2: 3.4, 4: 5.0, 8: 8.0})}
+    p = DynamicK(BUCKETS, costs, alpha0=0.6)
+    rows = [p.start() for _ in range(8)]
+    assert p.choose(rows[:1], [100], B=1) > 0
+    assert p.choose(rows, [100] * 8, B=8) == 0
+    # a batch's K maximises the summed expected tokens over the cost of the step
+    alphas, caps = [0.9, 0.2, 0.6], [100, 100, 1]
+    c, v = costs[8]
+    k = batch_best_k(alphas, caps, c, v, BUCKETS)
+    rates = {kk: sum(expected_tokens(a, fit(BUCKETS, min(kk, cap))) for a, cap in zip(alphas, caps))
+             / (v[0] if kk == 0 else kk * c + v[kk]) for kk in (0,) + BUCKETS}
+    assert rates[k] == pytest.approx(max(rates.values()))
 
 
 def test_dynamic_k_lowers_after_rejections_and_raises_after_full_acceptances():
-    p = DynamicK(BUCKETS, c=0.1, v=V, alpha0=0.8)
+    p = One(dynamic(0.1, alpha0=0.8))
     k0 = p.choose(100)
     assert k0 == 4
     ks = []
@@ -76,7 +117,7 @@ def test_dynamic_k_lowers_after_rejections_and_raises_after_full_acceptances():
 
 
 def test_dynamic_k_switches_a_useless_draft_off_and_probes_now_and_then():
-    p = DynamicK(BUCKETS, c=0.3, v=V, alpha0=0.8, probe_every=5)
+    p = One(dynamic(0.3, alpha0=0.8, probe_every=5))
     seq = []
     for _ in range(40):
         k = p.choose(100)
@@ -89,7 +130,7 @@ def test_dynamic_k_switches_a_useless_draft_off_and_probes_now_and_then():
 
 
 def test_dynamic_k_respects_limit_and_resets():
-    p = DynamicK(BUCKETS, c=0.05, v=V, alpha0=0.95)
+    p = One(dynamic(0.05, alpha0=0.95))
     assert p.choose(100) == 8 and p.choose(5) == 4 and p.choose(0) == 0
     for _ in range(5):
         p.update(8, 0)
@@ -106,12 +147,12 @@ def test_dynamic_k_respects_limit_and_resets():
 
 
 def test_dynamic_k_alpha_is_the_pooled_geometric_estimate():
-    p = DynamicK(BUCKETS, c=0.1, v=V, alpha0=0.5, decay=1.0, prior_weight=0.0 + 1e-12)
+    p = One(dynamic(0.1, alpha0=0.5, decay=1.0, prior_weight=0.0 + 1e-12))
     for k, n in [(4, 4), (4, 2), (2, 0)]:  # 6 accepted, 2 rejections
         p.update(k, n)
     assert p.alpha == pytest.approx(6 / 8)
     with pytest.raises(mindspec.MindspecError):
-        DynamicK((1, 16), c=0.1, v=V)  # no cost for bucket 16
+        DynamicK((1, 16), {1: (0.1, V)})  # no cost for bucket 16
 
 
 def test_stop_early():
@@ -122,23 +163,27 @@ def test_stop_early():
 def pipe(tiny_target, tiny_draft_ckpt, tmp_path_factory):
     path = str(tmp_path_factory.mktemp("pdraft") / "d.onnx")
     export_draft(tiny_draft_ckpt[0], path)
-    return mindspec.load(target=tiny_target[0], draft=path, k=4, max_seq=128)
+    return mindspec.load(target=tiny_target[0], draft=path, k=4, max_seq=128, buckets=(1, 2, 4), max_batch=2,
+                         batch_buckets=(1, 2))
 
 
 def test_measure_costs_and_cache(pipe, tmp_path, monkeypatch):
     monkeypatch.setenv("MINDSPEC_HOME", str(tmp_path))
     stale = {"fp|/nonexistent/gone.onnx|1|2|s128|CPU": {"c": 0.1, "v": {"1": 1.0}}}
     (tmp_path / "costs.json").write_text(json.dumps(stale))
-    c, v = measure_costs(pipe, reps=3)
-    assert 0 < c < 50 and set(v) == set(pipe.target.buckets)
-    assert all(0 < x < 50 and math.isfinite(x) for x in v.values())
-    assert pipe.target.pos == 0 and pipe.proposer.session.pos == 0
+    costs = measure_costs(pipe, (1, 2), reps=3)
+    assert set(costs) == {1, 2}
+    for c, v in costs.values():
+        assert 0 < c < 50 and set(v) == {0} | set(pipe.target.k_buckets)
+        assert all(0 < x < 50 and math.isfinite(x) for x in v.values())
+    assert costs[1][1][0] == 1.0  # batch 1's decode is the unit
+    assert list(pipe.proposer.session.pos) == [0, 0]
     saved = json.loads((tmp_path / "costs.json").read_text())
-    assert len(saved) == 1  # the entry of a draft file that no longer exists was dropped
-    (entry,) = saved.values()
-    entry["c"] = 123.0  # a cached value is returned without measuring again
+    assert len(saved) == 2  # one entry per batch size; the entry of a draft file that is gone was dropped
+    for entry in saved.values():
+        entry["c"] = 123.0  # a cached value is returned without measuring again
     (tmp_path / "costs.json").write_text(json.dumps(saved))
-    assert measure_costs(pipe)[0] == 123.0
+    assert measure_costs(pipe, (2,))[2][0] == 123.0
     # the pipeline still generates correctly afterwards
     a = pipe.generate(prompt_ids=[5, 6, 7], max_new_tokens=10, speculate=False)
     b = pipe.generate(prompt_ids=[5, 6, 7], max_new_tokens=10, k=2)
@@ -147,6 +192,6 @@ def test_measure_costs_and_cache(pipe, tmp_path, monkeypatch):
 
 def test_measured_verify_costs_are_at_least_decode_and_monotone(pipe, tmp_path, monkeypatch):
     monkeypatch.setenv("MINDSPEC_HOME", str(tmp_path))
-    _, v = measure_costs(pipe, reps=1, cache=False)
-    ks = sorted(v)
-    assert v[ks[0]] >= 1.0 and all(v[a] <= v[b] for a, b in zip(ks, ks[1:]))
+    for _, v in measure_costs(pipe, (1, 2), reps=1, cache=False).values():
+        ks = sorted(v)
+        assert ks[0] == 0 and all(v[a] <= v[b] for a, b in zip(ks, ks[1:]))

@@ -6,7 +6,7 @@ import os
 
 import numpy as np
 import pytest
-from scipy.stats import chisquare
+from scipy.stats import chisquare, kstest
 
 from mindspec.acceptance import speculative_accept
 from mindspec.checkpoint import Checkpoint, write_checkpoint
@@ -50,7 +50,10 @@ def test_top_k_keeps_ties_and_top_p_keeps_the_smallest_set():
 @pytest.mark.parametrize("kw", [dict(temperature=-1), dict(temperature=float("nan")), dict(top_k=-1),
                                 dict(top_k=2.5), dict(top_p=0), dict(top_p=1.5), dict(repetition_penalty=0),
                                 dict(draft_temperature=-0.1), dict(seed=-1), dict(seed="x"),
-                                dict(temperature=True)])
+                                dict(temperature=True),
+                                # values that pass a sign check but overflow or vanish in the float32 graph
+                                dict(temperature=1e39), dict(repetition_penalty=1e-46), dict(top_k=2 ** 63),
+                                dict(top_p=float("inf")), dict(seed=2 ** 64)])
 def test_bad_sampling_params_raise_one_line(kw):
     with pytest.raises(MindspecError) as e:
         SamplingParams(**kw)
@@ -62,9 +65,20 @@ def test_sampling_params_draft_and_flags():
     assert p.for_draft().temperature == 1.1 and p.for_draft().top_p == 0.9
     assert SamplingParams(0.7).for_draft().temperature == 0.7
     assert p.truncates and not SamplingParams(1.0).truncates and SamplingParams(0.0).greedy
-    assert p.rng().random() == SamplingParams(seed=3).rng().random()
+    assert SamplingParams(0.0).plain_greedy and not SamplingParams(0.0, repetition_penalty=1.2).plain_greedy
     tok, q = draft_token(np.log([0.1, 0.6, 0.3]), SamplingParams(1.0, draft_temperature=0.0), [], 0.99)
     assert tok == 1 and q.tolist() == [0, 1, 0]  # a greedy draft: one-hot q, still lossless
+
+
+def test_uniforms_are_keyed_by_seed_position_and_stream():
+    from mindspec.sampling import ACCEPT, DRAFT, SAMPLE, uniforms
+    a = uniforms(7, 10, 6, SAMPLE)
+    assert a.dtype == np.float32 and ((0 <= a) & (a < 1)).all()
+    assert (uniforms(7, 12, 3, SAMPLE) == a[2:5]).all()  # however the steps are cut
+    assert not np.isin(uniforms(8, 10, 6, SAMPLE), a).any()  # another seed
+    assert not np.isin(uniforms(7, 10, 6, ACCEPT), a).any() and not np.isin(uniforms(7, 10, 6, DRAFT), a).any()
+    many = np.concatenate([uniforms(s, 0, 50, SAMPLE) for s in range(40)])
+    assert abs(many.mean() - 0.5) < 0.02 and kstest(many, "uniform").pvalue > 1e-3
 
 
 def test_sample_inverse_cdf_never_draws_a_zero_probability_token():
@@ -168,41 +182,36 @@ def logit_tables(pair):
 
 
 class Batch:
-    """The fused sampling graphs called directly over B rows (one independent sample per row): the
-    same cells TargetModel uses, on a decoder with a batch dimension, so thousands of samples cost a
-    few graph calls."""
+    """The fused sampling step called directly over B rows (one independent sample per row, each in
+    its own cache slot, each with its own sampling parameters): the cell TargetModel uses, so
+    thousands of samples cost a few graph calls."""
 
     def __init__(self, ckpt, rows):
-        from mindspec.graphs.llama import LlamaDecoder
-        self.decoder = LlamaDecoder(ckpt.config, ckpt.get, max_seq=32, batch=rows)
-        self.B, self.cells = rows, {}
+        from mindspec.graphs.llama import LlamaDecoder, SampleStep
+        self.decoder = LlamaDecoder(ckpt.config, ckpt.get, max_seq=32, slots=rows)
+        self.B, self.cell = rows, SampleStep(self.decoder, cap=CAP)
+        self.cell.set_train(False)
 
-    def _cell(self, cls, **flags):
-        key = (cls, tuple(sorted(flags.items())))
-        if key not in self.cells:
-            self.cells[key] = cls(self.decoder, cap=CAP, **flags)
-            self.cells[key].set_train(False)
-        return self.cells[key]
-
-    @staticmethod
-    def _inputs(params, seen):
+    def verify(self, ids, start, q, u, params, seen=None):
+        """ids [B, K+1], q [B, K, V], u [B, K+1] (the last column: the sample uniform), params: one
+        SamplingParams or a list, row r taking params[r % len] -> (n_accepted [B], next_token [B])."""
         from mindspore import Tensor
-        from mindspec.graphs.sampling import scalars
-        return scalars(params) + (Tensor(np.asarray(seen, np.float32)),)
-
-    def verify(self, ids, start, q, u, params, seen=None, **flags):
-        """ids [B, K+1], q [B, K, V], u [B, K+1] -> (n_accepted [B], next_token [B])."""
-        from mindspore import Tensor
-        from mindspec.graphs.sampling import SamplingVerify
-        seen = np.zeros((self.B, V)) if seen is None else seen
-        n, nxt, _ = self._cell(SamplingVerify, **flags)(
-            Tensor(np.asarray(ids, np.int32)), Tensor(np.int32(start)), Tensor(np.asarray(q, np.float32)),
-            Tensor(np.asarray(u, np.float32)), *self._inputs(params, seen))
+        B, K = self.B, len(ids[0]) - 1
+        ps = params if isinstance(params, list) else [params]
+        row = [ps[r % len(ps)] for r in range(B)]
+        f32 = lambda a: Tensor(np.ascontiguousarray(a, np.float32))  # noqa: E731
+        i32 = lambda a: Tensor(np.ascontiguousarray(a, np.int32))  # noqa: E731
+        u = np.asarray(u, np.float32)
+        n, nxt = self.cell(i32(ids), i32(np.arange(B)), i32(np.full(B, start)), i32(np.full(B, K)), f32(q),
+                           f32(u[:, :K]), f32(np.repeat(u[:, K:], K + 1, 1)),
+                           f32([p.temperature for p in row]), i32([p.top_k for p in row]),
+                           f32([p.top_p for p in row]), f32([p.repetition_penalty for p in row]),
+                           f32(np.zeros((B, V)) if seen is None else seen))
         return n.asnumpy(), nxt.asnumpy()
 
     def fill(self, ids):
-        """Write ids [B, T] into the cache at positions 0..T-1 (two at a time, through the plain K=1
-        verify graph; a padded last slot is overwritten by the next call)."""
+        """Write ids [B, T] into the cache at positions 0..T-1 (two at a time, through the K=1 step;
+        a padded last position is overwritten by the next call)."""
         ids = np.concatenate([ids, np.zeros((self.B, len(ids[0]) % 2), int)], 1)
         q, u = np.full((self.B, 1, V), 1.0 / V), np.full((self.B, 2), 0.5)
         for c in range(0, ids.shape[1], 2):
@@ -221,13 +230,15 @@ def batch(pair):
 
 # ---- the fused graph equals the pure function ----------------------------------------------------
 
-GRAPH_CASES = [  # (K, variant flags, params): fast top-k path when top_k <= CAP, else the full sort
-    (1, {}, [SamplingParams(1.0), SamplingParams(0.6)]),
-    (2, dict(truncate=True), [SamplingParams(0.8, top_k=3, top_p=0.9), SamplingParams(0.8, top_k=6, top_p=0.9),
-                              SamplingParams(1.3, top_p=0.6), SamplingParams(1.0, top_k=2)]),
-    (2, dict(truncate=True, penalize=True), [SamplingParams(1.2, top_k=3, top_p=0.8, repetition_penalty=1.5),
-                                             SamplingParams(0.9, top_p=0.7, repetition_penalty=0.7),
-                                             SamplingParams(0.0, repetition_penalty=1.5)]),  # greedy + penalty
+GRAPH_CASES = [  # (K, params of the rows, in turn): one graph, any mix of rows; fast top-k path when
+    # top_k <= CAP, else the full sort
+    (1, [SamplingParams(1.0), SamplingParams(0.6), SamplingParams(0.0)]),
+    (2, [SamplingParams(0.8, top_k=3, top_p=0.9), SamplingParams(0.8, top_k=6, top_p=0.9),
+         SamplingParams(1.3, top_p=0.6), SamplingParams(1.0, top_k=2), SamplingParams(0.0)]),
+    (2, [SamplingParams(1.2, top_k=3, top_p=0.8, repetition_penalty=1.5),
+         SamplingParams(0.9, top_p=0.7, repetition_penalty=0.7),
+         SamplingParams(0.0, repetition_penalty=1.5),  # greedy + penalty
+         SamplingParams(1.0, top_p=1e-30), SamplingParams(1.0, top_k=2 ** 31 - 1)]),  # extremes stay sane
 ]
 CHECKED = 24  # rows per call compared with the pure function (the numpy reference is the slow part)
 
@@ -236,25 +247,24 @@ def test_fused_verify_graph_equals_pure_function(pair, batch):
     ckpt = pair[0]
     rng = np.random.default_rng(7)
     outcomes = set()
-    for k, flags, param_list in GRAPH_CASES:
-        for params in param_list:
-            prefix = rng.integers(0, V, (ROWS, 5))  # [B, 5]: the last one is fed with the drafts
-            batch.fill(prefix[:, :-1])
-            dp = SamplingParams(float(rng.uniform(0.5, 2.0)), params.top_k, params.top_p)
-            q = dp.process(rng.normal(0, 2, (ROWS, k, V))).astype(np.float32)  # [B, K, V]
-            drafts = sample(q, rng.random((ROWS, k)))  # [B, K]
-            drafts[3::4, -1] = q[3::4, -1].argmin(-1)  # robustness: a draft q gives (next to) no mass
-            u = rng.random((ROWS, k + 1), dtype=np.float32)
-            seen = np.zeros((ROWS, V))
-            np.put_along_axis(seen, prefix, 1, 1)
-            n, nxt = batch.verify(np.concatenate([prefix[:, -1:], drafts], 1), 4, q, u, params, seen, **flags)
-            for r in range(CHECKED):
-                seq = list(prefix[r]) + list(drafts[r])
-                logits = reference_logits(ckpt.config, ckpt.get, seq)[4:]  # [K+1, V]
-                p = np.stack([params.process(logits[i], seq[:5 + i]) for i in range(k + 1)])
-                want = speculative_accept(p, q[r], drafts[r], u[r, :k], u[r, k])
-                assert (n[r], nxt[r]) == want, (params, r, seq)
-                outcomes.add(n[r] == k)
+    for k, param_list in GRAPH_CASES:
+        prefix = rng.integers(0, V, (ROWS, 5))  # [B, 5]: the last one is fed with the drafts
+        batch.fill(prefix[:, :-1])
+        q = SamplingParams(float(rng.uniform(0.5, 2.0))).process(rng.normal(0, 2, (ROWS, k, V))).astype(np.float32)
+        drafts = sample(q, rng.random((ROWS, k)))  # [B, K]
+        drafts[3::4, -1] = q[3::4, -1].argmin(-1)  # robustness: a draft q gives (next to) no mass
+        u = rng.random((ROWS, k + 1), dtype=np.float32)
+        seen = np.zeros((ROWS, V))
+        np.put_along_axis(seen, prefix, 1, 1)
+        n, nxt = batch.verify(np.concatenate([prefix[:, -1:], drafts], 1), 4, q, u, param_list, seen)
+        for r in range(CHECKED):
+            params = param_list[r % len(param_list)]
+            seq = list(prefix[r]) + list(drafts[r])
+            logits = reference_logits(ckpt.config, ckpt.get, seq)[4:]  # [K+1, V]
+            p = np.stack([params.process(logits[i], seq[:5 + i]) for i in range(k + 1)])
+            want = speculative_accept(p, q[r], drafts[r], u[r, :k], u[r, k])
+            assert (n[r], nxt[r]) == want, (params, r, seq)
+            outcomes.add(n[r] == k)
     assert outcomes == {True, False}  # both the recovered and the bonus path were compared
 
 
@@ -308,11 +318,10 @@ def _pure_verify(P, recover_from_p=False):
     return verify
 
 
-def _graph_verify(batch, params, flags):
+def _graph_verify(batch, params):
     def verify(ctx, drafts, q, u):
         last = ctx[:, -1:] if ctx.shape[1] else np.full((len(ctx), 1), CONTEXT[-1])
-        return batch.verify(np.concatenate([last, drafts], 1), len(CONTEXT) - 1 + ctx.shape[1], q, u, params,
-                            **flags)
+        return batch.verify(np.concatenate([last, drafts], 1), len(CONTEXT) - 1 + ctx.shape[1], q, u, params)
     return verify
 
 
@@ -329,15 +338,15 @@ def _chi2_pvalue(pairs, P):
     return chisquare(obs[keep], exp[keep]).pvalue
 
 
-STAT_CASES = {  # name: (params, (K of the first step, K of the second), graph variant flags)
-    "t1": (SamplingParams(1.0), (1, 1), {}),
-    "top_p+draft_t": (SamplingParams(1.0, top_p=0.8, draft_temperature=1.5), (2, 1), dict(truncate=True)),
+STAT_CASES = {  # name: (params, (K of the first step, K of the second))
+    "t1": (SamplingParams(1.0), (1, 1)),
+    "top_p+draft_t": (SamplingParams(1.0, top_p=0.8, draft_temperature=1.5), (2, 1)),
 }
 
 
 @pytest.mark.parametrize("name", list(STAT_CASES))
 def test_speculative_sampling_is_lossless_and_the_test_has_teeth(logit_tables, name):
-    params, ks, _ = STAT_CASES[name]
+    params, ks = STAT_CASES[name]
     P, Q = _tables(logit_tables, params)
     U = np.random.default_rng(1).random((20000, 2 * sum(ks) + 2), dtype=np.float32)
     assert _chi2_pvalue(_two_tokens(Q, ks, U, _pure_verify(P)), P) > 1e-3
@@ -346,24 +355,32 @@ def test_speculative_sampling_is_lossless_and_the_test_has_teeth(logit_tables, n
 
 @pytest.mark.parametrize("name", list(STAT_CASES))
 def test_fused_graph_is_lossless(logit_tables, batch, name):
-    params, ks, flags = STAT_CASES[name]
+    params, ks = STAT_CASES[name]
     P, Q = _tables(logit_tables, params)
     ks = (ks[0], ks[0])  # the graph scores its own rows: no table depth limit, and no second K to compile
     batch.fill(np.tile(CONTEXT[:-1], (ROWS, 1)))
     U = np.random.default_rng(2).random((ROWS, 2 * sum(ks) + 2), dtype=np.float32)
-    assert _chi2_pvalue(_two_tokens(Q, ks, U, _graph_verify(batch, params, flags)), P) > 1e-3
+    assert _chi2_pvalue(_two_tokens(Q, ks, U, _graph_verify(batch, params)), P) > 1e-3
 
 
-# ---- TargetModel's host side: prefill_sample, verify_sample, decode_sample ------------------------
+# ---- TargetModel's host side: prefill and step with per-row sampling -----------------------------
 
 @pytest.fixture(scope="module")
 def target(pair):
     from mindspec.graphs.runner import TargetModel, init_mindspore
     init_mindspore()
-    return TargetModel(pair[0], max_seq=32, buckets=(1, 2))
+    return TargetModel(pair[0], max_seq=32, k_buckets=(1, 2), batch_buckets=(2,), max_batch=2)
 
 
-def test_target_model_sampling_methods_match_the_pure_functions(pair, target):
+def _rows(params_list, u_acc, u_smp, q=None, seen=None):
+    from mindspec.graphs.runner import RowSampling
+    return RowSampling(np.array([p.temperature for p in params_list]), np.array([p.top_k for p in params_list]),
+                       np.array([p.top_p for p in params_list]),
+                       np.array([p.repetition_penalty for p in params_list]), np.asarray(u_acc), np.asarray(u_smp),
+                       seen=seen, q=q)
+
+
+def test_target_model_sampling_matches_the_pure_functions(pair, target):
     ckpt, m = pair[0], target
     rng = np.random.default_rng(11)
     ref = lambda seq: reference_logits(ckpt.config, ckpt.get, seq)[-1]  # noqa: E731
@@ -371,21 +388,17 @@ def test_target_model_sampling_methods_match_the_pure_functions(pair, target):
         params = SamplingParams(float(rng.uniform(0.5, 1.5)))
         prefix = [int(x) for x in rng.integers(0, V, int(rng.integers(2, 7)))]
         u = rng.random(5, dtype=np.float32)
-        m.rollback(0)
-        first = m.prefill_sample(prefix, params, u[0])
-        assert first == sample(params.process(ref(prefix)), u[0]) and m.pos == len(prefix)
+        first = m.prefill(0, 0, prefix, _rows([params], [[0.5]], [[u[0]]]))
+        assert first == sample(params.process(ref(prefix)), u[0])
         seq = prefix + [first]
         q = params.for_draft().process(rng.normal(0, 2, V))[None].astype(np.float32)  # [1, V]
         drafts = [sample(q[0], float(rng.random()))]
         p = np.stack([params.process(ref(seq)), params.process(ref(seq + drafts))])
-        n, nxt = m.verify_sample(first, drafts, q, u[1:3], params)
-        assert (n, nxt) == speculative_accept(p, q, drafts, u[1:2], u[2]) and m.pos == len(seq) + n
-        seq += drafts[:n] + [nxt]
-        assert m.decode_sample(nxt, params, u[3]) == sample(params.process(ref(seq)), u[3])
-    outs = set()
-    for _ in range(3):  # fixed uniforms: the same result every time
-        m.rollback(len(CONTEXT) - 1)
-        outs.add(m.verify_sample(CONTEXT[-1], [4], np.full((1, V), 1 / V, np.float32), [0.3, 0.42], params))
-    assert len(outs) == 1
-    with pytest.raises(ValueError):
-        m.verify_sample(CONTEXT[-1], [4], np.full((1, V), 1 / V), [0.3, 0.4], SamplingParams(repetition_penalty=1.2))
+        # the other row is a greedy row beside it, in the same call
+        n, nxt = m.step([[first] + drafts, [first, 3]], [0, 1], [len(seq) - 1, 0], [1, 1],
+                        _rows([params, SamplingParams(0.0)], [[u[1]], [0.5]], [[u[2], u[2]], [0.5, 0.5]],
+                              q=np.stack([q, np.full((1, V), 1 / V)])))
+        assert (int(n[0]), int(nxt[0])) == speculative_accept(p, q, drafts, u[1:2], u[2])
+        seq += drafts[:n[0]] + [int(nxt[0])]
+        n, nxt = m.step([[seq[-1]]], [0], [len(seq) - 1], [0], _rows([params], [[0.5]], [[u[3]]]))
+        assert int(nxt[0]) == sample(params.process(ref(seq)), u[3])

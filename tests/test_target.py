@@ -1,11 +1,11 @@
-"""The MindSpore target graph against the numpy reference, and the fused greedy verify step
-against the pure acceptance function."""
+"""The MindSpore target graphs against the numpy reference, and the fused greedy step (per-row
+positions, slots, valid-draft counts, padding rows) against the pure acceptance function."""
 import numpy as np
 import pytest
 
 from mindspec.acceptance import greedy_accept
 from mindspec.checkpoint import Checkpoint
-from mindspec.graphs.runner import TargetModel, init_mindspore
+from mindspec.graphs.runner import RowSampling, TargetModel, init_mindspore
 from mindspec.reference import reference_logits
 
 from conftest import make_tiny_checkpoint
@@ -15,56 +15,81 @@ from conftest import make_tiny_checkpoint
 def target(tiny_target):
     init_mindspore()
     ckpt = Checkpoint(tiny_target[0])
-    return ckpt, TargetModel(ckpt, max_seq=64)
+    return ckpt, TargetModel(ckpt, max_seq=64, k_buckets=(1, 2, 4, 8), batch_buckets=(1, 4), max_batch=4)
 
 
-def test_logits_match_reference_across_chunks_and_rollback(target):
+def _ref(ckpt, seq):
+    return reference_logits(ckpt.config, ckpt.get, seq)
+
+
+def test_logits_match_reference_per_slot_and_after_rollback(target):
     ckpt, m = target
     rng = np.random.default_rng(0)
     seq = [int(x) for x in rng.integers(3, 300, 40)]
-    m.rollback(0)
-    got = np.concatenate([m.logits(seq[:33]), m.logits(seq[33:34]), m.logits(seq[34:40])])
-    ref = reference_logits(ckpt.config, ckpt.get, seq)
-    assert np.abs(got - ref).max() < 1e-4
-    # reject the last 5 positions (rollback = move the integer), feed other tokens
-    m.rollback(35)
+    other = [int(x) for x in rng.integers(3, 300, 9)]
+    got = np.concatenate([m.logits(0, 0, seq[:33]), m.logits(0, 33, seq[33:34])])
+    m.logits(1, 0, other)  # another slot between the calls changes nothing in slot 0
+    got = np.concatenate([got, m.logits(0, 34, seq[34:40])])
+    assert np.abs(got - _ref(ckpt, seq)).max() < 1e-4
+    # reject the last 5 positions (rollback = feed at an earlier position), feed other tokens
     alt = [7, 8, 9, 10, 11, 12]
-    got2 = m.logits(alt)
-    ref2 = reference_logits(ckpt.config, ckpt.get, seq[:35] + alt)[35:]
-    assert np.abs(got2 - ref2).max() < 1e-4
+    assert np.abs(m.logits(0, 35, alt) - _ref(ckpt, seq[:35] + alt)[35:]).max() < 1e-4
+    assert np.abs(m.logits(1, 9, [5]) - _ref(ckpt, other + [5])[-1:]).max() < 1e-4
 
 
-def test_prefill_pads_to_chunk_and_returns_reference_argmax(target):
+def test_prefill_chunks_return_the_reference_argmax(target):
     ckpt, m = target
     seq = list(range(5, 5 + 37))  # 37 tokens: a full chunk plus a padded one
-    m.rollback(0)
-    assert m.prefill(seq) == int(reference_logits(ckpt.config, ckpt.get, seq)[-1].argmax())
-    assert m.pos == 37
+    m.prefill(2, 0, seq[:32], RowSampling.greedy(1))
+    assert m.prefill(2, 32, seq[32:], RowSampling.greedy(1)) == int(_ref(ckpt, seq)[-1].argmax())
+
+
+def _drafts(ckpt, prefix, k, rng, corrupt):
+    """The target's own greedy continuation, corrupted at a random position when `corrupt`."""
+    drafts, seq = [], list(prefix)
+    for _ in range(k):
+        t = int(_ref(ckpt, seq)[-1].argmax())
+        drafts.append(t)
+        seq.append(t)
+    if corrupt:
+        j = int(rng.integers(0, k))
+        drafts[j] = (drafts[j] + 1) % 300
+    return drafts
 
 
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
-def test_fused_greedy_verify_equals_pure_function(target, k):
+def test_fused_greedy_step_equals_pure_function(target, k):
     ckpt, m = target
     rng = np.random.default_rng(k)
-    for case in range(6):
+    for case in range(4):
         prefix = [int(x) for x in rng.integers(3, 300, 6)]
-        ref_next = reference_logits(ckpt.config, ckpt.get, prefix)[-1].argmax()
-        # draft: the target's own greedy continuation, corrupted at a random position (or not)
-        drafts, seq = [], list(prefix)
-        for _ in range(k):
-            t = int(reference_logits(ckpt.config, ckpt.get, seq)[-1].argmax())
-            drafts.append(t)
-            seq.append(t)
-        if case % 3:
-            j = int(rng.integers(0, k))
-            drafts[j] = (drafts[j] + 1) % 300
-        amax = reference_logits(ckpt.config, ckpt.get, prefix + drafts)[len(prefix) - 1:].argmax(-1)
-        m.rollback(0)
-        m.prefill(prefix[:-1])
-        n, nxt = m.verify(prefix[-1], drafts)
-        assert (n, nxt) == greedy_accept(amax, drafts)
-        assert m.pos == len(prefix) + n
-        assert drafts[0] != ref_next or n >= 1
+        drafts = _drafts(ckpt, prefix, k, rng, corrupt=case % 2)
+        amax = _ref(ckpt, prefix + drafts)[len(prefix) - 1:].argmax(-1)
+        m.logits(0, 0, prefix[:-1])
+        n, nxt = m.step([[prefix[-1]] + drafts], [0], [len(prefix) - 1], [k])
+        assert (int(n[0]), int(nxt[0])) == greedy_accept(amax, drafts)
+
+
+def test_rows_with_own_positions_slots_and_valid_counts(target):
+    """Three rows in a bucket of four (one padding row): each at its own position in its own slot,
+    each with its own number of valid drafts; then each cache is still exact."""
+    ckpt, m = target
+    rng = np.random.default_rng(5)
+    prefixes = [[int(x) for x in rng.integers(3, 300, n)] for n in (4, 9, 2)]
+    slots, n_valid = [3, 0, 1], [4, 2, 0]
+    rows = []
+    for slot, prefix, nv in zip(slots, prefixes, n_valid):
+        m.logits(slot, 0, prefix[:-1])
+        rows.append([prefix[-1]] + _drafts(ckpt, prefix, 4, rng, corrupt=slot == 0))
+    n, nxt = m.step(rows, slots, [len(p) - 1 for p in prefixes], n_valid)
+    for i, (prefix, nv) in enumerate(zip(prefixes, n_valid)):
+        drafts = rows[i][1:]
+        amax = _ref(ckpt, prefix + drafts)[len(prefix) - 1:].argmax(-1)
+        assert (int(n[i]), int(nxt[i])) == greedy_accept(amax, drafts, nv)
+        assert n[i] <= nv
+        seq = prefix + drafts[:n[i]] + [int(nxt[i])]
+        got = m.logits(slots[i], len(seq) - 1, seq[-1:])
+        assert np.abs(got - _ref(ckpt, seq)[-1:]).max() < 1e-4
 
 
 def test_greedy_accept_pure_function():
@@ -72,33 +97,33 @@ def test_greedy_accept_pure_function():
     assert greedy_accept([5, 6, 7], [4, 6]) == (0, 5)  # first-token mismatch: recovered token
     assert greedy_accept([5, 6, 7], [5, 9]) == (1, 6)
     assert greedy_accept([5], []) == (0, 5)  # empty draft: plain decode
+    assert greedy_accept([5, 6, 7], [5, 6], n_valid=1) == (1, 6)  # capped: the bonus after the valid draft
+    assert greedy_accept([5, 6, 7], [5, 6], n_valid=0) == (0, 5)  # a row with no valid draft decodes
 
 
 def test_tied_embeddings_and_odd_head_dim(tmp_path):
     d, _ = make_tiny_checkpoint(tmp_path / "t", tie=True, head_dim=24, heads=3, kv_heads=1, seed=3)
     ckpt = Checkpoint(d)
-    m = TargetModel(ckpt, max_seq=32)
+    m = TargetModel(ckpt, max_seq=32, k_buckets=(1,))
     seq = [5, 9, 13, 200, 17]
-    assert np.abs(m.logits(seq) - reference_logits(ckpt.config, ckpt.get, seq)).max() < 1e-4
+    assert np.abs(m.logits(0, 0, seq) - _ref(ckpt, seq)).max() < 1e-4
 
 
-def test_logits_after_verify_steps_with_rejections(target):
-    """Several fused verify steps (some drafts rejected), then the cache must still be exact."""
+def test_logits_after_steps_with_rejections(target):
+    """Several fused steps (some drafts rejected), then the cache must still be exact."""
     ckpt, m = target
     rng = np.random.default_rng(7)
     seq = [int(x) for x in rng.integers(3, 300, 5)]
-    m.rollback(0)
-    seq.append(m.prefill(seq))
+    seq.append(m.prefill(1, 0, seq, RowSampling.greedy(1)))
     rejected = 0
     for step in range(6):
         drafts = [int(x) for x in rng.integers(3, 300, 4)]
-        ref = reference_logits(ckpt.config, ckpt.get, seq + drafts)[len(seq) - 1:].argmax(-1)
+        ref = _ref(ckpt, seq + drafts)[len(seq) - 1:].argmax(-1)
         if step % 2:  # make some drafts right, so accepted prefixes occur too
-            drafts[:2] = [int(ref[0]), int(reference_logits(ckpt.config, ckpt.get, seq + [int(ref[0])])[-1].argmax())]
-        n, nxt = m.verify(seq[-1], drafts)
-        rejected += n < 4
-        seq += drafts[:n] + [nxt]
-        assert m.pos == len(seq) - 1
+            drafts[:2] = [int(ref[0]), int(_ref(ckpt, seq + [int(ref[0])])[-1].argmax())]
+        n, nxt = m.step([[seq[-1]] + drafts], [1], [len(seq) - 1], [4])
+        rejected += n[0] < 4
+        seq += drafts[:n[0]] + [int(nxt[0])]
     assert rejected >= 3
-    got = m.logits(seq[-1:])
-    assert np.abs(got - reference_logits(ckpt.config, ckpt.get, seq)[-1:]).max() < 1e-4
+    got = m.logits(1, len(seq) - 1, seq[-1:])
+    assert np.abs(got - _ref(ckpt, seq)[-1:]).max() < 1e-4

@@ -1,0 +1,193 @@
+"""The engine: continuous batching of speculative decoding over KV-cache slots.
+
+add(request) queues a request; step() runs one prompt chunk (of at most one admitted request, so a
+long prompt never stalls the running rows for more than a chunk) and then one draft + one verify
+call over every running row; abort(id) ends a request at the next step. The front ends (generate,
+serve, batch) only add, read and abort requests: this is the one loop they share.
+
+Rows: the active requests in order; row i uses row i of the draft's cache (rows stay contiguous: a
+leaving row is replaced by the last one) and its own target cache slot. Ragged acceptance is just
+different position moves per row.
+"""
+import time
+from collections import deque
+
+import numpy as np
+
+from .policy import fit
+from .sampling import ACCEPT, SAMPLE, uniforms
+from .sequence import FINISHED, PREFILL, RUNNING, WAITING
+from .spec import PREFILL_CHUNK
+
+
+class Engine:
+    def __init__(self, target, proposer, spec, dynamic=None):
+        """target: graphs.runner.TargetModel; proposer: DraftProposer or None (target only); spec:
+        SpecConfig; dynamic: policy.DynamicK for requests with k="auto" (None: measured later)."""
+        self.target, self.proposer, self.spec, self.dynamic = target, proposer, spec, dynamic
+        self.waiting, self.rows = deque(), []
+        self.free_slots = list(range(target.max_batch))[::-1]
+
+    @property
+    def has_work(self):
+        return bool(self.waiting or self.rows)
+
+    def add(self, req):
+        req.state, req.added = WAITING, time.perf_counter()
+        self.waiting.append(req)
+
+    def abort(self, req_id):
+        """End a request at the next step (a client went away); unknown or finished ids are ignored."""
+        for r in list(self.waiting) + self.rows:
+            if r.id == req_id:
+                r.cancelled = True
+
+    def step(self):
+        """One engine step. Returns [(request, text)] for every request that committed tokens or ended
+        (text: what can be streamed now; request.done tells whether it ended)."""
+        events = {}
+        self._reap(events)
+        self._admit()
+        pre = next((r for r in self.rows if r.state == PREFILL), None)
+        if pre is not None:
+            self._guard([pre], events, lambda: self._prefill_chunk(pre, events))
+        running = [r for r in self.rows if r.state == RUNNING]
+        if running:
+            self._guard(running, events, lambda: self._decode(running, events))
+        self._release()
+        return list(events.items())
+
+    # ---- scheduling
+
+    def _reap(self, events):
+        for r in [r for r in self.waiting if r.cancelled]:
+            self.waiting.remove(r)
+            events[r] = r.finish("abort")
+        for r in self.rows:
+            if r.cancelled and r.state != FINISHED:
+                events[r] = r.finish("abort")
+        self._release()
+
+    def _admit(self):
+        """One request at a time enters prefill, when a slot is free."""
+        if self.waiting and self.free_slots and not any(r.state == PREFILL for r in self.rows):
+            r = self.waiting.popleft()
+            r.slot, r.row, r.pos, r.state = self.free_slots.pop(), len(self.rows), 0, PREFILL
+            r.stats.queue_s = time.perf_counter() - r.added
+            r.started = time.perf_counter()
+            if r.k == "auto" and self.dynamic is not None:
+                r.policy = self.dynamic.start()
+            self.rows.append(r)
+
+    def _release(self):
+        """Free the slots of finished rows; the last row moves into each freed row."""
+        for r in sorted((r for r in self.rows if r.state == FINISHED), key=lambda r: -r.row):
+            last = len(self.rows) - 1
+            if self.proposer is not None:
+                self.proposer.release(r.row, last)
+            moved = self.rows.pop()
+            if moved is not r:
+                self.rows[r.row], moved.row = moved, r.row
+            self.free_slots.append(r.slot)
+            r.stats.wall_s = time.perf_counter() - r.started
+
+    def _guard(self, reqs, events, fn):
+        """A failing call (a graph error) ends the requests it carried, with the error; the engine
+        and the other requests go on."""
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - reported to those requests' callers
+            for r in reqs:
+                r.error = e
+                events[r] = events.get(r, "") + r.finish("error")
+
+    # ---- the work of a step
+
+    def _prefill_chunk(self, r, events):
+        t0 = time.perf_counter()
+        chunk = r.prompt_ids[r.pos:r.pos + PREFILL_CHUNK]
+        tok = self.target.prefill(r.slot, r.pos, chunk, self._sampling([r], 0, prefill=True))
+        if self.proposer is not None and r.speculate:
+            self.proposer.prefill(r.row, chunk)
+        r.pos += len(chunk)
+        r.stats.prefill_s += time.perf_counter() - t0
+        if r.pos == len(r.prompt_ids):  # the last chunk: its token is the first one generated
+            r.state = RUNNING
+            r.stats.target_calls += 1
+            events[r] = events.get(r, "") + r.commit([tok])
+
+    def _decode(self, running, events):
+        """One draft + verify call over the running rows (K = 0: a plain decode call)."""
+        t0 = time.perf_counter()
+        caps = [self.target.max_seq - r.pos - 1 for r in running]  # drafts that still fit the cache
+        n_valid = self._choose(running, caps)
+        K = max(n_valid)
+        drafts = np.zeros((len(running), K), np.int64)
+        q = None
+        need_q = any(not r.params.plain_greedy for r in running)
+        if K:
+            who = [None] * len(self.rows)
+            for r, n in zip(running, n_valid):
+                who[r.row] = r if n else None
+            drafting = [r for r in running if who[r.row] is not None]
+            d, dq, confident = self.proposer.get_candidates(who, K, need_q)
+            q = np.zeros((len(running), K, self.proposer.vocab_size), np.float32) if need_q else None
+            for j, r in enumerate(drafting):
+                i = running.index(r)
+                drafts[i] = d[j]
+                n_valid[i] = min(n_valid[i], int(confident[j]))
+                if need_q:
+                    q[i] = dq[j]
+        t1 = time.perf_counter()
+        ids = np.concatenate([np.array([[r.seq[-1]] for r in running]), drafts], 1)  # [n, K+1]
+        s = self._sampling(running, K, q=q) if need_q else None
+        acc, nxt = self.target.step(ids, [r.slot for r in running], [r.pos for r in running], n_valid, s)
+        t2 = time.perf_counter()
+        for i, r in enumerate(running):
+            n = int(acc[i])
+            r.pos += 1 + n
+            r.stats.target_calls += 1
+            r.stats.record(n_valid[i], n)
+            r.stats.draft_s += t1 - t0
+            r.stats.verify_s += t2 - t1
+            if r.policy is not None:
+                self.dynamic.update(r.policy, n_valid[i], n)
+            events[r] = events.get(r, "") + r.commit([int(t) for t in drafts[i, :n]] + [int(nxt[i])])
+            if self.proposer is not None and r.speculate:
+                self.proposer.update_candidate_strategy(r.row, r)
+            if not r.done and r.pos >= self.target.max_seq:
+                events[r] += r.finish("length")  # the cache is full
+
+    def _choose(self, running, caps):
+        """Each row's valid drafts this step: fixed-K rows their K, auto rows the K the dynamic policy
+        picks for the whole batch, target-only rows 0; each capped to the largest bucket that fits."""
+        if self.proposer is None:
+            return [0] * len(running)
+        buckets = self.target.k_buckets
+        auto = [(r, c) for r, c in zip(running, caps) if r.speculate and r.k == "auto"]
+        k_auto = 0
+        if auto:
+            B = self.spec.batch_bucket(len(running))
+            k_auto = self.dynamic.choose([r.policy for r, _ in auto], [c for _, c in auto], B)
+        want = [0 if not r.speculate else (k_auto if r.k == "auto" else r.k) for r in running]
+        return [fit(buckets, min(w, c)) for w, c in zip(want, caps)]
+
+    def _sampling(self, rows, K, q=None, prefill=False):
+        """RowSampling for rows at a step of K drafts (prefill: the first token after the prompt).
+        Uniforms are keyed by each row's seed and the sequence positions they decide."""
+        from mindspec.graphs.runner import RowSampling
+        p = [r.params for r in rows]
+        seeds = [x.seed or 0 for x in p]  # plain greedy rows draw nothing that matters
+        start = [len(r.prompt_ids) if prefill else len(r.seq) for r in rows]
+        seen = None
+        if any(x.repetition_penalty != 1.0 for x in p):
+            seen = np.zeros((len(rows), self.target.cfg.vocab_size), np.float32)
+            for i, r in enumerate(rows):
+                seen[i, r.seq] = 1.0
+        return RowSampling(
+            temperature=np.array([x.temperature for x in p], np.float32),
+            top_k=np.array([x.top_k for x in p], np.int64), top_p=np.array([x.top_p for x in p], np.float32),
+            penalty=np.array([x.repetition_penalty for x in p], np.float32),
+            u_acc=np.stack([uniforms(sd, st, max(K, 1), ACCEPT) for sd, st in zip(seeds, start)]),
+            u_smp=np.stack([uniforms(sd, st, K + 1, SAMPLE) for sd, st in zip(seeds, start)]),
+            seen=seen, q=q)

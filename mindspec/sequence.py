@@ -1,0 +1,129 @@
+"""A Request: one sequence's ids, parameters, limits, stop rules, position and stats (as vLLM's
+Request). The engine owns the slots and graphs; everything about one sequence lives here."""
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from .sampling import SamplingParams
+from .tokenizer import StreamDecoder
+
+WAITING, PREFILL, RUNNING, FINISHED = "waiting", "prefill", "running", "finished"
+_ids = itertools.count()
+
+
+@dataclass
+class Stats:
+    new_tokens: int = 0
+    target_calls: int = 0  # steps this request took part in; its prefill counts as one
+    drafted: int = 0
+    accepted: int = 0
+    accepted_at: list = field(default_factory=list)  # [i] = steps whose draft i was accepted
+    k_used: dict = field(default_factory=dict)  # K -> steps after prefill (0: plain decode)
+    prefill_s: float = 0.0
+    draft_s: float = 0.0  # time of the steps this request took part in (shared with their other rows)
+    verify_s: float = 0.0
+    wall_s: float = 0.0  # from its first prefill chunk to its last token, after the graphs are compiled
+    compile_s: float = 0.0  # graph compilation (or compile-cache loading) this request waited for
+    queue_s: float = 0.0  # waiting for a free slot
+
+    def record(self, k, n_accepted):
+        self.drafted += k
+        self.accepted += n_accepted
+        self.k_used[k] = self.k_used.get(k, 0) + 1
+        self.accepted_at += [0] * (k - len(self.accepted_at))
+        for i in range(n_accepted):
+            self.accepted_at[i] += 1
+
+    def as_dict(self):
+        return {"new_tokens": self.new_tokens, "target_calls": self.target_calls,
+                "drafted": self.drafted, "accepted": self.accepted,
+                "acceptance_rate": self.accepted / self.drafted if self.drafted else None,
+                "tokens_per_target_call": self.new_tokens / max(self.target_calls, 1),
+                "accepted_at": self.accepted_at, "k_used": {str(k): v for k, v in sorted(self.k_used.items())},
+                "prefill_s": round(self.prefill_s, 4), "draft_s": round(self.draft_s, 4),
+                "verify_s": round(self.verify_s, 4),
+                "other_s": round(max(self.wall_s - self.prefill_s - self.draft_s - self.verify_s, 0.0), 4),
+                "wall_s": round(self.wall_s, 4), "compile_s": round(self.compile_s, 4),
+                "queue_s": round(self.queue_s, 4),
+                "tokens_per_s": self.new_tokens / self.wall_s if self.wall_s else None}
+
+
+@dataclass
+class Result:
+    token_ids: list
+    text: str
+    stats: dict
+    finish_reason: str  # "stop" (EOS, stop string or stop token), "length", "abort" or "error"
+    error: str = None  # what failed, with finish_reason "error"
+
+
+class Request:
+    """prompt_ids [n]; params: SamplingParams (its seed set); max_new_tokens; stop: strings; eos: token
+    ids that end the sequence; k: a K bucket, "auto" or None (the engine's); speculate: False runs
+    the target alone. `pos` = positions of the target cache this request has filled: after prefill
+    the cache holds seq[:-1] (the last token is fed next step), so a rejected draft is rolled back by
+    moving this integer."""
+
+    def __init__(self, prompt_ids, params: SamplingParams, max_new_tokens, stop=(), eos=(), k=None,
+                 speculate=True, tokenizer=None, draft_min_conf=None, request_id=None):
+        self.id = next(_ids) if request_id is None else request_id
+        self.prompt_ids, self.params = list(prompt_ids), params
+        self.max_new_tokens, self.k, self.speculate = max_new_tokens, k, speculate
+        self.stops, self.eos, self.draft_min_conf = [s for s in (stop or []) if s], frozenset(eos), draft_min_conf
+        self.output = []  # generated ids
+        self.state, self.finish_reason, self.cancelled, self.error = WAITING, None, False, None
+        self.pos = 0
+        self.slot = self.row = None  # the engine's: target cache slot, draft row
+        self.policy = None  # the engine's per-request acceptance estimate (dynamic K)
+        self.stats = Stats()
+        self.added = self.started = time.perf_counter()
+        self._stream = StreamDecoder(tokenizer) if tokenizer else None
+        self.text, self._shown, self._cut = "", 0, False
+        self._hold = max((len(s) for s in self.stops), default=1) - 1  # never stream a half-seen stop string
+
+    @property
+    def seq(self):
+        return self.prompt_ids + self.output
+
+    @property
+    def done(self):
+        return self.state == FINISHED
+
+    def commit(self, tokens):
+        """Append the tokens a step committed (1..K+1), stopping at EOS, a stop string or
+        max_new_tokens (the last step may overshoot: the surplus is dropped). Returns the text that
+        can be streamed now."""
+        for tok in tokens[:self.max_new_tokens - len(self.output)]:
+            self.output.append(int(tok))
+            if tok in self.eos:
+                return self.finish("stop")
+            if self._stream is not None:
+                self.text += self._stream.push([int(tok)])
+                hit = min((i for i in (self.text.find(s) for s in self.stops) if i >= 0), default=-1)
+                if hit >= 0:
+                    self.text, self._cut = self.text[:hit], True
+                    return self.finish("stop")
+        if len(self.output) >= self.max_new_tokens:
+            return self.finish("length")
+        return self._delta(self._hold)
+
+    def finish(self, reason):
+        """End the request (reason "stop", "length", "abort" or "error"); returns the text not yet streamed."""
+        if self.state != FINISHED:
+            self.state, self.finish_reason = FINISHED, reason
+            if self._stream is not None and not self._cut:
+                self.text += self._stream.flush()
+        return self._delta(0)
+
+    def _delta(self, hold):
+        end = len(self.text) - hold
+        if end <= self._shown:
+            return ""
+        out, self._shown = self.text[self._shown:end], end
+        return out
+
+    def result(self):
+        self.stats.new_tokens = len(self.output)
+        return Result(list(self.output), self.text, self.stats.as_dict(), self.finish_reason or "length",
+                      None if self.error is None else f"{type(self.error).__name__}: {self.error}")
+

@@ -1,0 +1,79 @@
+"""The speculative-decoding settings in one place (as vLLM's SpeculativeConfig): K buckets, batch
+buckets, fixed or dynamic K, the cache sizing rule, quantization modes, the device. Importing it
+loads no framework, so bad input is refused before MindSpore or onnxruntime start."""
+import os
+from dataclasses import dataclass
+
+from .errors import MindspecError
+
+K_BUCKETS = (1, 2, 4, 8)  # draft lengths with their own compiled verify graph
+BATCH_BUCKETS = (1, 2, 4, 8)  # rows per compiled call; a step pads its rows up to the next bucket
+PREFILL_CHUNK = 32  # prompts go through one compiled [1, 32] graph, chunk by chunk
+SEQ_ROUND = 256  # an auto-sized cache grows in steps of this (each size is a new set of graphs)
+QUANTIZE_MODES = (None, "int8", "q8", "q4")
+
+
+def round_up(n, m):
+    return (n + m - 1) // m * m
+
+
+def cann_present():
+    """The CANN toolkit is installed (not just compiled into the onnxruntime-cann wheel)."""
+    return bool(os.environ.get("ASCEND_HOME_PATH") or os.environ.get("ASCEND_TOOLKIT_HOME")
+                or os.path.isdir("/usr/local/Ascend"))
+
+
+def detect_device(device=None):
+    """"Ascend" or "CPU": the one rule target and draft share."""
+    if device:
+        return {"cpu": "CPU", "ascend": "Ascend", "npu": "Ascend"}.get(str(device).lower(), device)
+    return "Ascend" if os.environ.get("ASCEND_HOME_PATH") else "CPU"
+
+
+def _is_int(v):
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """k: a K bucket (fixed K) or "auto" (dynamic K per step). k_buckets / batch_buckets: the compiled
+    shapes; max_batch: rows running at once (KV-cache slots)."""
+    k: object = "auto"
+    k_buckets: tuple = K_BUCKETS
+    batch_buckets: tuple = BATCH_BUCKETS
+    max_batch: int = 1
+
+    def __post_init__(self):
+        ks = tuple(sorted(set(self.k_buckets)))
+        if not ks or not all(_is_int(b) and b >= 1 for b in ks):
+            raise MindspecError(f"K buckets must be integers >= 1, got {self.k_buckets!r}")
+        if not (_is_int(self.max_batch) and self.max_batch >= 1):
+            raise MindspecError(f"max_batch must be an integer >= 1, got {self.max_batch!r}")
+        self.check_k(self.k, ks)
+        bs = sorted({b for b in self.batch_buckets if _is_int(b) and 1 <= b < self.max_batch} | {self.max_batch})
+        object.__setattr__(self, "k_buckets", tuple(sorted(set(ks) | ({self.k} - {"auto"}))))
+        object.__setattr__(self, "batch_buckets", tuple(bs))
+
+    @staticmethod
+    def check_k(k, buckets):
+        """k must be "auto" or a compiled bucket."""
+        if k == "auto":
+            return k
+        if not _is_int(k) or not 1 <= k <= max(buckets):
+            raise MindspecError(f"-k must be between 1 and the largest K bucket {max(buckets)} (or auto), got {k!r}")
+        return k
+
+    def k_for_request(self, k):
+        """A request's own k (None: the pipeline's) checked against the compiled buckets."""
+        k = self.k if k is None else k
+        if k != "auto" and (not _is_int(k) or k not in self.k_buckets):
+            raise MindspecError(f"K={k!r} is not a compiled bucket {list(self.k_buckets)}")
+        return k
+
+    def batch_bucket(self, n):
+        """The smallest compiled batch size that holds n rows."""
+        return next(b for b in self.batch_buckets if b >= n)
+
+    def seq_for(self, tokens, limit):
+        """Cache length for `tokens` positions: rounded up to SEQ_ROUND, at most `limit`."""
+        return min(round_up(tokens + max(self.k_buckets) + 1, SEQ_ROUND), limit)

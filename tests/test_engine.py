@@ -1,0 +1,145 @@
+"""The batched engine: every row of a continuous batch gives exactly what it gives alone (greedy:
+the target-only tokens; seeded sampling: the same text), sampling stays lossless beside other rows,
+aborts and failures end only their own rows, and library use works from any entry point."""
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from scipy.stats import chisquare
+
+import mindspec
+from mindspec.checkpoint import Checkpoint
+from mindspec.export import export_draft
+from mindspec.reference import reference_logits
+from mindspec.sequence import FINISHED
+
+PROMPTS = [[5, 6, 7], [100, 3, 250, 17, 9], [42], list(range(10, 50)), [300, 301, 302, 7, 7, 7, 7],
+           [9, 8, 7, 6, 5, 4, 3], [200, 100], [60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70]]
+MAX_NEW = [30, 12, 25, 7, 19, 30, 3, 22]  # rows finish at different steps; the later ones join mid-way
+
+
+@pytest.fixture(scope="module")
+def draft(tiny_draft_ckpt, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("edraft") / "noisy.onnx")
+    export_draft(tiny_draft_ckpt[0], path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def pipe(tiny_target, draft):
+    return mindspec.load(target=tiny_target[0], draft=draft, k=4, max_seq=128, max_batch=4, batch_buckets=(1, 2, 4))
+
+
+@pytest.fixture(scope="module")
+def alone(pipe):
+    """Each prompt run by itself, target only: what every row of a batch must reproduce."""
+    return [pipe.generate(prompt_ids=p, max_new_tokens=n, speculate=False).token_ids
+            for p, n in zip(PROMPTS, MAX_NEW)]
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_every_row_of_a_continuous_batch_equals_the_target_alone(pipe, alone, k):
+    res = pipe.generate_many([dict(prompt_ids=p, max_new_tokens=n, k=k) for p, n in zip(PROMPTS, MAX_NEW)])
+    assert [r.token_ids for r in res] == alone
+    drafted = sum(r.stats["drafted"] for r in res)
+    accepted = sum(r.stats["accepted"] for r in res)
+    assert 0.1 < accepted / drafted < 0.9  # the draft disagrees often, or this proves nothing
+    assert all(r.stats["queue_s"] >= 0 for r in res) and max(r.stats["queue_s"] for r in res) > 0
+
+
+def test_dynamic_k_and_target_only_rows_in_one_batch(pipe, alone):
+    pipe.costs, pipe.engine.dynamic = {b: (0.1, {0: 1.0, 1: 1.1, 2: 1.15, 4: 1.25, 8: 1.5}) for b in (1, 2, 4)}, None
+    kws = [dict(prompt_ids=p, max_new_tokens=n, k="auto" if i % 3 else 2, speculate=i % 4 != 1)
+           for i, (p, n) in enumerate(zip(PROMPTS, MAX_NEW))]
+    res = pipe.generate_many(kws)
+    assert [r.token_ids for r in res] == alone
+    assert res[1].stats["drafted"] == 0 and res[0].stats["drafted"] > 0
+
+
+def test_seeded_sampling_rows_give_the_same_text_alone_and_in_a_batch(pipe, alone):
+    """Greedy rows stay exact beside sampling rows; a seeded sampling row gives, token for token, what it
+    gives alone (fixed K: each row draws its uniforms by position from its own seed)."""
+    kws = [dict(prompt_ids=p, max_new_tokens=n, k=2) for p, n in zip(PROMPTS, MAX_NEW)]
+    for i in (1, 2, 5, 6):
+        kws[i].update(temperature=1.5, top_p=0.9, seed=100 + i, draft_temperature=1.7)
+    kws[5].update(repetition_penalty=1.3, top_k=40)
+    res = pipe.generate_many(kws)
+    for i, r in enumerate(res):
+        if "seed" in kws[i]:
+            assert r.token_ids == pipe.generate(**kws[i]).token_ids, i
+        else:
+            assert r.token_ids == alone[i], i
+    assert res[2].token_ids != alone[2]  # really sampled
+
+
+def test_second_token_is_lossless_beside_other_rows(pipe, tiny_target):
+    """The second token of a sampled row (the first one decided by accept/reject) follows the
+    target's exact marginal while greedy rows run in the same steps."""
+    T, prompt, n = 3.0, [5, 6, 7], 480
+    ck = Checkpoint(tiny_target[0])
+    soft = lambda x: np.exp(x / T - (x / T).max()) / np.exp(x / T - (x / T).max()).sum()  # noqa: E731
+    p1 = soft(reference_logits(ck.config, ck.get, prompt)[-1]).astype(np.float64)
+    p2 = sum(p1[a] * soft(reference_logits(ck.config, ck.get, prompt + [int(a)])[-1]) for a in np.flatnonzero(p1 > 1e-9))
+    kws = []
+    for s in range(n):
+        kws.append(dict(prompt_ids=prompt, max_new_tokens=2, temperature=T, seed=5000 + s, k=2))
+        if s % 8 == 0:
+            kws.append(dict(prompt_ids=PROMPTS[s % 8], max_new_tokens=6))
+    res = pipe.generate_many(kws)
+    seen = np.bincount([r.token_ids[1] for r, kw in zip(res, kws) if "seed" in kw], minlength=len(p2)).astype(float)
+    big = p2 * n >= 5
+    obs, exp = np.append(seen[big], seen[~big].sum()), np.append(p2[big], p2[~big].sum())
+    assert chisquare(obs, exp / exp.sum() * obs.sum()).pvalue > 1e-3
+
+
+def test_abort_ends_only_that_row(pipe, alone):
+    eng = pipe.engine
+    pipe.prepare([], max_batch=4)
+    reqs = [pipe.request(prompt_ids=p, max_new_tokens=n, k=4) for p, n in zip(PROMPTS[:3], MAX_NEW[:3])]
+    waiting = pipe.request(prompt_ids=[7, 8], max_new_tokens=5)
+    for r in reqs + [waiting]:
+        eng.add(r)
+    eng.abort(waiting.id)  # still queued
+    for _ in range(3):
+        eng.step()
+    eng.abort(reqs[0].id)  # running
+    while eng.has_work:
+        eng.step()
+    assert reqs[0].finish_reason == "abort" and waiting.finish_reason == "abort"
+    assert reqs[0].output == alone[0][:len(reqs[0].output)] and len(reqs[0].output) < MAX_NEW[0]
+    assert [r.output for r in reqs[1:]] == alone[1:3]
+    assert sorted(eng.free_slots) == [0, 1, 2, 3] and not eng.rows
+
+
+def test_a_failing_step_ends_its_rows_and_the_engine_goes_on(pipe, alone, monkeypatch):
+    calls = {"n": 0}
+    real = pipe.target.step
+
+    def flaky(*a, **kw):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("simulated graph failure")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(pipe.target, "step", flaky)
+    res = pipe.generate_many([dict(prompt_ids=p, max_new_tokens=n, k=2) for p, n in zip(PROMPTS[:2], MAX_NEW[:2])])
+    assert res[0].finish_reason == "error" and "simulated graph failure" in res[0].error
+    monkeypatch.setattr(pipe.target, "step", real)
+    res = pipe.generate_many([dict(prompt_ids=p, max_new_tokens=n, k=2) for p, n in zip(PROMPTS[:2], MAX_NEW[:2])])
+    assert [r.token_ids for r in res] == alone[:2]
+    assert all(r.state == FINISHED for r in pipe.engine.rows) and not pipe.engine.rows
+
+
+@pytest.mark.parametrize("how", ["-c", "stdin"])
+def test_library_use_from_python_c_and_stdin(tiny_target, draft, how, tmp_path):
+    """MindSpore's compile cache opens sys.argv[0] as the entry script: `python -c` and `python -` must
+    still generate (sampling included)."""
+    code = (f"import mindspec; p = mindspec.load(target={tiny_target[0]!r}, draft={draft!r}, k=2, max_seq=64); "
+            "print(p.generate(prompt_ids=[5, 6], max_new_tokens=4, temperature=0.8, seed=1).token_ids)")
+    env = {"MINDSPEC_HOME": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    args = [sys.executable, "-c", code] if how == "-c" else [sys.executable, "-"]
+    out = subprocess.run(args, input=None if how == "-c" else code, capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert len(eval(out.stdout.strip().splitlines()[-1])) == 4
