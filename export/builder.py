@@ -1,11 +1,14 @@
 """Build a Llama decoder ONNX graph straight from numpy weights (no torch).
 
-Interface (batch 1; P = cached positions, T = new tokens, positions P..P+T-1):
-  inputs   input_ids [1, T] int64, past_key_i / past_value_i [1, P, KV, D] float32
-  outputs  logits [1, T, V], new_key_i / new_value_i [1, T, KV, D] (keys after RoPE)
-The [1, P, KV, D] layout lets the caller pass a contiguous slice buf[:, :P] of a preallocated
-[1, S, KV, D] cache, so rollback is moving P. RoPE tables are computed in-graph from the
-positions, so no maximum length is baked in.
+Interface (draft format 2; B rows, T new tokens per row, S = cache buffer length):
+  inputs   input_ids [B, T] int64, positions [B] int64 (cached length of each row = absolute
+           position of input_ids[b, 0]), last [B] int64 (the token of each row whose logits are
+           returned), past_key_i / past_value_i [B, KV, S, D] float32
+  outputs  logits [B, V] (after token last[b]), new_key_i / new_value_i [B, KV, T, D] (keys after RoPE)
+The past inputs are a static preallocated cache: the caller passes the whole buffer (no per-call
+shape change, no copy) and only slots s < positions[b] count; the rest is masked, whatever (finite)
+values it holds. Query t of row b sees those slots and new keys t' <= t, so right-padded rows are exact for
+their real tokens. RoPE tables are computed in-graph from the positions: no maximum length baked in.
 """
 import os
 
@@ -16,6 +19,7 @@ from onnx import TensorProto, helper, numpy_helper
 OPSET = 17
 IR_VERSION = 8  # what opset 17 needs; newer IRs are refused by older runtimes
 _PROTO_LIMIT = 1_800_000_000  # protobuf cannot serialize 2 GB; keep a margin
+NEG = -1e9  # finite mask value: no score row is ever all -inf (NaN softmax)
 
 
 class _Graph:
@@ -37,6 +41,17 @@ class _Graph:
         self.nodes.append(helper.make_node(op_type, list(inputs), outs, name=f"{op_type}_{self._n}", **attrs))
         return outs[0] if len(outs) == 1 else outs
 
+    def i64(self, v):
+        return self.const(v, dtype=np.int64)
+
+    def dim(self, name, axis):
+        """Dimension `axis` of tensor `name` as an int64 scalar."""
+        return self.op("Gather", [self.op("Shape", [name]), self.i64(axis)], axis=0)
+
+    def arange(self, n):
+        """[n] int64: 0..n-1 for an int64 scalar n."""
+        return self.op("Range", [self.i64(0), n, self.i64(1)])
+
 
 def _rms_norm(g, x, w, eps):
     # Pow/ReduceMean/Add/Sqrt/Div/Mul: the pattern ORT fuses into SimplifiedLayerNormalization
@@ -45,10 +60,68 @@ def _rms_norm(g, x, w, eps):
     return g.op("Mul", [g.op("Div", [x, den]), g.const(w.astype(np.float32))])
 
 
-def _rope(g, x, cos, sin_signed, swap, out=None):
-    """HF rotate-half on x [1, T, N, D]: x*cos + [x2, x1]*[-sin, sin]; one Gather swaps the halves."""
-    return g.op("Add", [g.op("Mul", [x, cos]), g.op("Mul", [g.op("Gather", [x, swap], axis=-1), sin_signed])],
-                out=out)
+def _rope(g, x, cos, sin_signed, swap):
+    """HF rotate-half on x [B, T, N, D]: x*cos + [x2, x1]*[-sin, sin]; one Gather swaps the halves."""
+    return g.op("Add", [g.op("Mul", [x, cos]), g.op("Mul", [g.op("Gather", [x, swap], axis=-1), sin_signed])])
+
+
+def _rope_tables(g, cfg, t):
+    """cos, signed sin [B, T, 1, D] of positions[b] + t for t [T]. Angles in float64 reduced mod 2*pi
+    before the float32 Cos/Sin (ORT has no double Cos), so RoPE stays exact to ~1e-7 at any position."""
+    D = cfg.head_dim
+    pos = g.op("Add", [g.op("Unsqueeze", ["positions", g.i64([1])]), t])                # [B, T]
+    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, D, 2, dtype=np.float64) / D))
+    ang = g.op("Mul", [g.op("Unsqueeze", [g.op("Cast", [pos], to=TensorProto.DOUBLE), g.i64([2])]),
+                       g.const(np.concatenate([inv_freq, inv_freq]))])                   # [B, T, D] float64
+    ang = g.op("Cast", [g.op("Mod", [ang, g.const(2 * np.pi)], fmod=1)], to=TensorProto.FLOAT)
+    cos = g.op("Unsqueeze", [g.op("Cos", [ang]), g.i64([2])])                          # [B, T, 1, D]
+    sin = g.op("Mul", [g.op("Unsqueeze", [g.op("Sin", [ang]), g.i64([2])]),
+                       g.const(np.repeat([-1.0, 1.0], D // 2).astype(np.float32))])    # [B, T, 1, D], [-sin, sin]
+    return cos, sin
+
+
+def _mask(g, G, S, t):
+    """Additive mask [B, 1, G*T, S+T] over the joint scores (past slots, then new keys); row g*T+t
+    of the grouped queries is query t. It hides slot s >= positions[b] and new key t' > t. NEG, not
+    -inf: stale K/V (or zeros) beyond positions[b] are finite, their weight comes out exactly 0."""
+    neg, zero = g.const(NEG, dtype=np.float32), g.const(0.0, dtype=np.float32)
+    one = g.i64([1])
+    past = g.op("GreaterOrEqual", [g.op("Unsqueeze", [g.arange(S), g.i64([0])]),
+                                   g.op("Unsqueeze", ["positions", g.i64([1])])])        # [B, S]
+    past = g.op("Unsqueeze", [g.op("Where", [past, neg, zero]), g.i64([1, 2])])         # [B, 1, 1, S]
+    rows = g.op("Tile", [t, g.i64([G])])                                                 # [G*T]: t of row g*T+t
+    new = g.op("Greater", [g.op("Unsqueeze", [t, g.i64([0])]), g.op("Unsqueeze", [rows, g.i64([1])])])
+    new = g.op("Where", [new, neg, zero])                                                # [G*T, T]
+    GT, B = g.op("Shape", [rows]), g.op("Shape", ["positions"])                          # [1], [1]
+    past = g.op("Expand", [past, g.op("Concat", [one, one, GT, one], axis=0)])          # [B, 1, G*T, S]
+    new = g.op("Expand", [new, g.op("Concat", [B, one, one, one], axis=0)])             # [B, 1, G*T, T]
+    return g.op("Concat", [past, new], axis=-1)                                          # [B, 1, G*T, S+T]
+
+
+def _attention(g, i, q, k, v, mask, ST, dims):
+    """GQA over the past buffer and the new keys, one joint softmax; returns [B, T, H*D]."""
+    H, KV, D = dims
+    G = H // KV
+    # GQA without repeating K/V: the G query heads of a KV head become G*T rows of one matmul
+    qg = g.op("Reshape", [g.op("Transpose", [g.op("Reshape", [q, g.i64([0, 0, KV, G, D])])],
+                               perm=[0, 2, 3, 1, 4]), g.i64([0, KV, -1, D])])           # [B, KV, G*T, D]
+    # past scores straight off the buffer (ORT folds the Transpose into the MatMul): never copied;
+    # only the small score tensors are concatenated
+    sp = g.op("MatMul", [qg, g.op("Transpose", [f"past_key_{i}"], perm=[0, 1, 3, 2])])   # [B, KV, G*T, S]
+    sn = g.op("MatMul", [qg, g.op("Transpose", [k], perm=[0, 1, 3, 2])])                # [B, KV, G*T, T]
+    s = g.op("Add", [g.op("Concat", [sp, sn], axis=-1), mask])                          # [B, KV, G*T, S+T]
+    pp, pn = g.op("Split", [g.op("Softmax", [s], axis=-1), ST], n_out=2, axis=-1)      # [.., S], [.., T]
+    a = g.op("Add", [g.op("MatMul", [pp, f"past_value_{i}"]), g.op("MatMul", [pn, v])])  # [B, KV, G*T, D]
+    a = g.op("Transpose", [g.op("Reshape", [a, g.i64([0, KV, G, -1, D])])], perm=[0, 3, 1, 2, 4])  # [B, T, KV, G, D]
+    return g.op("Reshape", [a, g.i64([0, 0, H * D])])                                  # [B, T, H*D]
+
+
+def _last_rows(g, x, T, d):
+    """x [B, T, d] -> [B, d] at token last[b] of each row: the head then runs on B rows, not B*T.
+    A flat Gather (b*T + last[b]) rather than GatherND: every provider has it."""
+    base = g.op("Mul", [g.arange(g.dim("input_ids", 0)), T])                           # [B]: b*T
+    flat = g.op("Reshape", [x, g.i64([-1, d])])                                        # [B*T, d]
+    return g.op("Gather", [flat, g.op("Add", [base, "last"])], axis=0)                 # [B, d]
 
 
 def build_decoder(ckpt, n_layers=None):
@@ -56,70 +129,49 @@ def build_decoder(ckpt, n_layers=None):
     cfg = ckpt.config
     L = cfg.num_hidden_layers if n_layers is None else int(n_layers)
     H, KV, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    G, half = H // KV, D // 2
     g = _Graph()
-    i64 = lambda v: g.const(v, dtype=np.int64)  # noqa: E731
-
-    # positions P..P+T-1; angles in float64 reduced mod 2*pi before the float32 Cos/Sin (ORT has
-    # no double Cos), so RoPE stays exact to ~1e-7 at any position
-    P = g.op("Gather", [g.op("Shape", ["past_key_0"]), i64(1)], axis=0)        # scalar
-    T = g.op("Gather", [g.op("Shape", ["input_ids"]), i64(1)], axis=0)         # scalar
-    PT = g.op("Add", [P, T])
-    pos = g.op("Range", [P, PT, i64(1)])                                       # [T]
-    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, D, 2, dtype=np.float64) / D))
-    ang = g.op("Mul", [g.op("Unsqueeze", [g.op("Cast", [pos], to=TensorProto.DOUBLE), i64([1])]),
-                       g.const(np.concatenate([inv_freq, inv_freq])[None, :])])  # [T, D] float64
-    ang = g.op("Cast", [g.op("Mod", [ang, g.const(2 * np.pi)], fmod=1)], to=TensorProto.FLOAT)
-    cos = g.op("Reshape", [g.op("Cos", [ang]), i64([1, -1, 1, D])])          # [1, T, 1, D]
-    sin = g.op("Mul", [g.op("Reshape", [g.op("Sin", [ang]), i64([1, -1, 1, D])]),
-                       g.const(np.repeat([-1.0, 1.0], half).astype(np.float32))])  # [1, T, 1, D], [-sin, sin]
-    swap = i64(np.concatenate([np.arange(half, D), np.arange(half)]))           # [D]: halves swapped
-    # causal mask over past+new: key s is visible to query t iff s <= P + t
-    keys = g.op("Range", [i64(0), PT, i64(1)])                                 # [P+T]
-    hidden = g.op("Greater", [g.op("Unsqueeze", [keys, i64([0])]), g.op("Unsqueeze", [pos, i64([1])])])
-    mask = g.op("Where", [hidden, g.const(-np.inf, dtype=np.float32), g.const(0.0, dtype=np.float32)])  # [T, P+T]
-    mask = g.op("Tile", [mask, i64([G, 1])])                                   # [G*T, P+T], row g*T+t
+    S, T = g.dim("past_key_0", 2), g.dim("input_ids", 1)                               # scalars
+    t = g.arange(T)                                                                     # [T]
+    cos, sin = _rope_tables(g, cfg, t)
+    swap = g.i64(np.concatenate([np.arange(D // 2, D), np.arange(D // 2)]))             # [D]: halves swapped
+    mask = _mask(g, H // KV, S, t)                                                      # [B, 1, G*T, S+T]
+    ST = g.op("Concat", [g.op("Unsqueeze", [n, g.i64([0])]) for n in (S, T)], axis=0)  # [2]: split of the scores
 
     x = g.op("Gather", [g.const(ckpt.get("model.embed_tokens.weight"), "embed_tokens"), "input_ids"], axis=0)
-    eps, inter = cfg.rms_norm_eps, cfg.intermediate_size
+    eps, inter = cfg.rms_norm_eps, cfg.intermediate_size                                # x [B, T, d]
     for i in range(L):
         w = lambda n: ckpt.get(f"model.layers.{i}.{n}.weight")  # noqa: E731
         h = _rms_norm(g, x, w("input_layernorm"), eps)
         # one fused QKV matmul; 1/sqrt(D) folded into Wq (RoPE is linear, q is not an output)
         wqkv = np.concatenate([w("self_attn.q_proj") / np.sqrt(D), w("self_attn.k_proj"), w("self_attn.v_proj")]).T
         qkv = g.op("MatMul", [h, g.const(np.ascontiguousarray(wqkv, np.float32), f"l{i}.qkv")])
-        qkv = g.op("Reshape", [qkv, i64([1, -1, H + 2 * KV, D])])             # [1, T, H+2KV, D]
-        qk, v = g.op("Split", [qkv, i64([H + KV, KV])], out=[f"qk{i}", f"new_value_{i}"], axis=2)  # v [1, T, KV, D]
-        qk = _rope(g, qk, cos, sin, swap)                                       # q and k rotated together
-        q, k = g.op("Split", [qk, i64([H, KV])], out=[f"q{i}", f"new_key_{i}"], axis=2)  # k [1, T, KV, D]
-        k_all = g.op("Concat", [f"past_key_{i}", k], axis=1)                    # [1, P+T, KV, D]
-        v_all = g.op("Concat", [f"past_value_{i}", v], axis=1)
-        # GQA without repeating K/V: the G query heads of a KV head become G*T rows of one matmul
-        qg = g.op("Reshape", [g.op("Transpose", [g.op("Reshape", [q, i64([1, -1, KV, G, D])])],
-                                   perm=[0, 2, 3, 1, 4]), i64([1, KV, -1, D])])  # [1, KV, G*T, D]
-        s = g.op("MatMul", [qg, g.op("Transpose", [k_all], perm=[0, 2, 3, 1])])  # [1, KV, G*T, P+T]
-        s = g.op("Add", [s, mask])
-        v_t = g.op("Transpose", [v_all], perm=[0, 2, 1, 3])                     # [1, KV, P+T, D]
-        a = g.op("MatMul", [g.op("Softmax", [s], axis=-1), v_t])                # [1, KV, G*T, D]
-        a = g.op("Reshape", [g.op("Transpose", [g.op("Reshape", [a, i64([1, KV, G, -1, D])])], perm=[0, 3, 1, 2, 4]),
-                             i64([1, -1, H * D])])                              # [1, T, H*D]
+        qkv = g.op("Reshape", [qkv, g.i64([0, 0, H + 2 * KV, D])])                     # [B, T, H+2KV, D]
+        qk, v = g.op("Split", [qkv, g.i64([H + KV, KV])], n_out=2, axis=2)            # v [B, T, KV, D]
+        qk = _rope(g, qk, cos, sin, swap)                                               # q and k rotated together
+        q, k = g.op("Split", [qk, g.i64([H, KV])], n_out=2, axis=2)                    # q [B, T, H, D]
+        k = g.op("Transpose", [k], perm=[0, 2, 1, 3], out=f"new_key_{i}")              # [B, KV, T, D]
+        v = g.op("Transpose", [v], perm=[0, 2, 1, 3], out=f"new_value_{i}")            # [B, KV, T, D]
+        a = _attention(g, i, q, k, v, mask, ST, (H, KV, D))                           # [B, T, H*D]
         x = g.op("Add", [x, g.op("MatMul", [a, g.const(np.ascontiguousarray(w("self_attn.o_proj").T), f"l{i}.o")])])
         h = _rms_norm(g, x, w("post_attention_layernorm"), eps)
         wgu = np.ascontiguousarray(np.concatenate([w("mlp.gate_proj"), w("mlp.up_proj")]).T)
-        gu = g.op("MatMul", [h, g.const(wgu, f"l{i}.gate_up")])                # [1, T, 2I]
-        gate, up = g.op("Split", [gu, i64([inter, inter])], n_out=2, axis=-1)
+        gu = g.op("MatMul", [h, g.const(wgu, f"l{i}.gate_up")])                        # [B, T, 2I]
+        gate, up = g.op("Split", [gu, g.i64([inter, inter])], n_out=2, axis=-1)
         act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])
         x = g.op("Add", [x, g.op("MatMul", [act, g.const(np.ascontiguousarray(w("mlp.down_proj").T), f"l{i}.down")])])
+    x = _last_rows(g, x, T, cfg.hidden_size)                                            # [B, d]
     x = _rms_norm(g, x, ckpt.get("model.norm.weight"), eps)
-    head = np.ascontiguousarray(ckpt.get("lm_head.weight").T)                   # [d, V]
-    g.op("MatMul", [x, g.const(head, "lm_head")], out="logits")
+    head = np.ascontiguousarray(ckpt.get("lm_head.weight").T)                           # [d, V]
+    g.op("MatMul", [x, g.const(head, "lm_head")], out="logits")                        # [B, V]
 
-    f32 = TensorProto.FLOAT
-    inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, "T"])]
-    outs = [helper.make_tensor_value_info("logits", f32, [1, "T", cfg.vocab_size])]
+    f32, i64 = TensorProto.FLOAT, TensorProto.INT64
+    inputs = [helper.make_tensor_value_info("input_ids", i64, ["B", "T"]),
+              helper.make_tensor_value_info("positions", i64, ["B"]),
+              helper.make_tensor_value_info("last", i64, ["B"])]
+    outs = [helper.make_tensor_value_info("logits", f32, ["B", cfg.vocab_size])]
     for i in range(L):
-        inputs += [helper.make_tensor_value_info(f"past_{n}_{i}", f32, [1, "P", KV, D]) for n in ("key", "value")]
-        outs += [helper.make_tensor_value_info(f"new_{n}_{i}", f32, [1, "T", KV, D]) for n in ("key", "value")]
+        inputs += [helper.make_tensor_value_info(f"past_{n}_{i}", f32, ["B", KV, "S", D]) for n in ("key", "value")]
+        outs += [helper.make_tensor_value_info(f"new_{n}_{i}", f32, ["B", KV, "T", D]) for n in ("key", "value")]
     graph = helper.make_graph(g.nodes, "mindspec_draft", inputs, outs, initializer=g.inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)],
                               producer_name="mindspec", ir_version=IR_VERSION)

@@ -9,7 +9,7 @@ import os
 
 from mindspec.errors import MindspecError
 
-FORMAT, VERSION = "mindspec-draft", 1
+FORMAT, VERSION = "mindspec-draft", 2  # 2: batched inputs and a static [B, KV, S, D] cache (builder.py)
 INT_KEYS = ("vocab_size", "num_layers", "source_layers", "num_key_value_heads", "head_dim",
             "hidden_size", "max_seq", "onnx_bytes")
 
@@ -71,6 +71,10 @@ def read_manifest(onnx_path):
             m = json.load(f)
     except (OSError, ValueError) as e:
         raise MindspecError(f"garbled draft manifest {mpath} ({e})") from None
+    old = m.get("version") if isinstance(m, dict) and m.get("format") == FORMAT else None
+    if isinstance(old, int) and not isinstance(old, bool) and 1 <= old < VERSION:
+        raise MindspecError(f"draft {onnx_path} was exported by an older mindspec (draft format {old}; this "
+                            f"version reads {VERSION}): re-export it with `mindspec export`")
     if not isinstance(m, dict) or m.get("format") != FORMAT or m.get("version") != VERSION:
         raise MindspecError(f"{mpath} is not a {FORMAT} version {VERSION} manifest")
     bad = [k for k in INT_KEYS if not isinstance(m.get(k), int) or isinstance(m.get(k), bool) or m[k] < 0]

@@ -1,4 +1,4 @@
-"""Run an exported draft: provider choice, session options, and a KV cache moved by an integer."""
+"""Run an exported draft: provider choice, session options, and a batched static KV cache moved by integers."""
 import os
 
 import numpy as np
@@ -22,7 +22,7 @@ def providers(device=None):
             or "CANNExecutionProvider" not in ort.get_available_providers():
         return ["CPUExecutionProvider"]
     dev = int(device) if device is not None and str(device).isdigit() else int(os.environ.get("ASCEND_DEVICE_ID", 0))
-    # enable_cann_graph off: P and T change every call, a whole-graph build per shape would recompile
+    # enable_cann_graph off: B and T change from call to call, a whole-graph build per shape would recompile
     return [("CANNExecutionProvider", {"device_id": dev, "arena_extend_strategy": "kNextPowerOfTwo",
                                        "enable_cann_graph": False}), "CPUExecutionProvider"]
 
@@ -41,16 +41,25 @@ def make_session_options(threads=None):
     return so
 
 
-class DraftSession:
-    """An exported draft with a preallocated KV cache of max_seq positions per layer."""
+ATTEND_STEP = 128  # the fed cache length grows in steps of this (one ORT shape per step)
 
-    def __init__(self, onnx_path, max_seq=None, threads=None, device=None):
+
+class DraftSession:
+    """An exported draft with a static KV cache of max_batch rows x max_seq positions per layer.
+
+    Row r holds one sequence; pos[r] positions of it are cached. Slots past pos[r] are stale (a
+    rollback is moving pos) and masked by the graph, so nothing ever needs clearing."""
+
+    def __init__(self, onnx_path, max_seq=None, max_batch=1, threads=None, device=None):
         import onnxruntime as ort
         self.manifest = m = read_manifest(onnx_path)
         self.max_seq = int(max_seq or m["max_seq"])
         if not 1 <= self.max_seq <= m["max_seq"]:
             raise MindspecError(f"max_seq {self.max_seq} is outside 1..{m['max_seq']} (the draft was exported "
                                 f"for {m['max_seq']} positions)")
+        if isinstance(max_batch, bool) or not isinstance(max_batch, (int, np.integer)) or max_batch < 1:
+            raise ValueError(f"max_batch must be a positive integer, got {max_batch!r}")
+        self.max_batch = int(max_batch)
         try:
             self.session = ort.InferenceSession(onnx_path, make_session_options(threads), providers=providers(device))
         except Exception as e:  # noqa: BLE001 - ORT raises its own exception types
@@ -58,35 +67,96 @@ class DraftSession:
         L, KV, D = m["num_layers"], m["num_key_value_heads"], m["head_dim"]
         self.vocab_size = m["vocab_size"]
         # np.zeros pages are only touched when written, so a long max_seq costs address space only
-        self.keys = [np.zeros((1, self.max_seq, KV, D), np.float32) for _ in range(L)]    # [1, S, KV, D]
-        self.values = [np.zeros((1, self.max_seq, KV, D), np.float32) for _ in range(L)]  # [1, S, KV, D]
+        shape = (self.max_batch, KV, self.max_seq, D)
+        self.keys = [np.zeros(shape, np.float32) for _ in range(L)]                      # [R, KV, S, D]
+        self.values = [np.zeros(shape, np.float32) for _ in range(L)]                    # [R, KV, S, D]
         self.output_names = ["logits"] + [f"new_{n}_{i}" for i in range(L) for n in ("key", "value")]
-        self.pos = 0
+        self.pos = np.zeros(self.max_batch, np.int64)                                    # [R] cached length
 
-    def forward(self, ids):
-        """Feed tokens at positions pos..pos+T-1; returns logits [T, V] and advances pos by T."""
-        T, P = len(ids), self.pos
-        if T == 0:
+    def _row(self, row):
+        if not 0 <= row < self.max_batch:
+            raise ValueError(f"row {row} outside 0..{self.max_batch - 1}")
+        return int(row)
+
+    def _check(self, tokens, start):
+        """Lengths [B] of the rows' new tokens; raises on a bad batch before anything runs."""
+        B = len(tokens)
+        if B == 0:
+            raise ValueError("forward needs at least one row")
+        if start < 0 or start + B > self.max_batch:
+            raise ValueError(f"rows {start}..{start + B - 1} outside 0..{self.max_batch - 1}")
+        n = np.array([len(t) for t in tokens], np.int64)                                # [B]
+        if not n.any():
             raise ValueError("forward needs at least one token")
-        if P + T > self.max_seq:
-            raise MindspecError(f"draft cache full: {P} cached + {T} new tokens exceed max_seq {self.max_seq}")
-        ids = np.asarray(ids, dtype=np.int64).reshape(1, T)                             # [1, T]
-        if ids.min() < 0 or ids.max() >= self.vocab_size:
+        P = self.pos[start:start + B]
+        for b in np.flatnonzero(P + n > self.max_seq):
+            raise MindspecError(f"draft cache full: row {start + b}: {P[b]} cached + {n[b]} new tokens "
+                                f"exceed max_seq {self.max_seq}")
+        flat = [x for t in tokens for x in t]
+        if flat and (min(flat) < 0 or max(flat) >= self.vocab_size):
             raise MindspecError(f"token id out of the draft's vocabulary (0..{self.vocab_size - 1})")
-        feed = {"input_ids": ids}
+        return n
+
+    def forward(self, tokens, start=0):
+        """Row start+b gets tokens[b] at positions pos..pos+len-1 (an empty list: the row sits this
+        call out, its logits row is garbage). Returns logits [B, V] after each row's last token."""
+        n = self._check(tokens, start)
+        B, T = len(tokens), int(n.max())
+        ids = np.zeros((B, T), np.int64)                                                # [B, T], right-padded
+        for b, t in enumerate(tokens):
+            ids[b, :len(t)] = t
+        rows = slice(start, start + B)
+        feed = {"input_ids": ids, "positions": self.pos[rows].copy(), "last": np.maximum(n - 1, 0)}
+        # attention reads every fed slot: when the rows use less than half the cache, a copy of the used
+        # prefix (in steps of ATTEND_STEP) is cheaper than reading the whole buffer (measured: B=8 at
+        # S=1032, ~35 vs ~71 ms per call)
+        used = -(-max(int(self.pos[rows].max()), 1) // ATTEND_STEP) * ATTEND_STEP
+        cut = used * 2 <= self.max_seq
         for i, (k, v) in enumerate(zip(self.keys, self.values)):
-            feed[f"past_key_{i}"], feed[f"past_value_{i}"] = k[:, :P], v[:, :P]          # [1, P, KV, D] views
+            if cut:
+                k, v = np.ascontiguousarray(k[rows, :, :used]), np.ascontiguousarray(v[rows, :, :used])
+            else:
+                k, v = k[rows], v[rows]                                                 # [B, KV, S, D] views
+            feed[f"past_key_{i}"], feed[f"past_value_{i}"] = k, v
         out = self.session.run(self.output_names, feed)
-        for i, (k, v) in enumerate(zip(self.keys, self.values)):
-            k[:, P:P + T], v[:, P:P + T] = out[1 + 2 * i], out[2 + 2 * i]                # [1, T, KV, D]
-        self.pos = P + T
-        return out[0][0]                                                                 # [T, V]
+        self._write(out[1:], start, n)
+        return out[0]                                                                   # [B, V]
 
-    def rollback(self, pos):
-        """Forget everything from position `pos` on (stale slots are overwritten later)."""
-        if not 0 <= pos <= self.pos:
-            raise ValueError(f"rollback to {pos} outside 0..{self.pos}")
-        self.pos = int(pos)
+    def _write(self, new, start, n):
+        """Store the valid new K/V (new[2i], new[2i+1]: [B, KV, T, D]) behind each row's cache."""
+        B = len(n)
+        if B <= 4:  # plain slices per row: ~0.6 us each against ~2.5 us for a fancy-indexed copy
+            for b in np.flatnonzero(n):
+                r, p, m = start + b, int(self.pos[start + b]), int(n[b])
+                for i, (k, v) in enumerate(zip(self.keys, self.values)):
+                    k[r, :, p:p + m], v[r, :, p:p + m] = new[2 * i][b, :, :m], new[2 * i + 1][b, :, :m]
+        else:  # one fancy-indexed copy per tensor: (row, slot) <- (b, t) for every valid token
+            b = np.repeat(np.arange(B), n)                                              # [N]
+            t = np.arange(len(b)) - np.repeat(np.cumsum(n) - n, n)                      # [N]: 0..n_b-1
+            row, slot = start + b, self.pos[start + b] + t
+            for i, (k, v) in enumerate(zip(self.keys, self.values)):
+                k[row, :, slot], v[row, :, slot] = new[2 * i][b, :, t], new[2 * i + 1][b, :, t]  # [N, KV, D]
+        self.pos[start:start + B] += n
 
-    def reset(self):
-        self.pos = 0
+    def rollback(self, row, pos):
+        """Forget row's positions from `pos` on (stale slots are masked, and overwritten later)."""
+        row = self._row(row)
+        if not 0 <= pos <= self.pos[row]:
+            raise ValueError(f"rollback of row {row} to {pos} outside 0..{self.pos[row]}")
+        self.pos[row] = int(pos)
+
+    def reset(self, row=None):
+        """Empty one row (all rows when None)."""
+        if row is None:
+            self.pos[:] = 0
+        else:
+            self.pos[self._row(row)] = 0
+
+    def move(self, src, dst):
+        """Copy row src's cached positions into row dst (keeps the running rows contiguous)."""
+        src, dst = self._row(src), self._row(dst)
+        p = int(self.pos[src])
+        if src != dst:
+            for k, v in zip(self.keys, self.values):
+                k[dst, :, :p], v[dst, :, :p] = k[src, :, :p], v[src, :, :p]            # [KV, p, D]
+        self.pos[dst] = p

