@@ -1,154 +1,555 @@
-"""`mindspec batch`: an offline job over a JSONL file, one pipeline, one request at a time.
+"""`mindspec batch`: an offline job over a JSONL file (format, resume rules, exit codes: docs/batch.md).
 
-Each input line is a request as `mindspec serve` parses it (mindspec.request): {"id"?, "prompt" |
-"messages" | "prompt_ids", sampling fields...}; the command line's flags are the defaults. Each
-result is appended to the output as soon as it is done and flushed, so an interrupted job loses
-nothing; a re-run skips the ids already in the output (ids default to the line number). A bad
-line becomes {"id", "error"} and the job goes on. Exit 0 when every line is done (now or before),
-1 when some lines failed (their error records are in the output), 2 when the input or output
-file is unusable (nothing is generated then).
+Each input line is a request as `mindspec serve` parses it (mindspec.request); the command line's flags
+are the defaults. Every result is appended to the output as one record as soon as it is finished, in
+whatever order lines finish: nothing here assumes input order (records carry their id). A record
+starts with {"mindspec_batch": 1, "job": JOB, "id": ...}: JOB fingerprints what makes the results
+valid, so a re-run can tell its own finished work from anything else. The output is locked for the
+whole job. `generate_records` is the one place that drives the pipeline.
 """
+import codecs
+import fcntl
+import hashlib
 import json
 import os
+import shutil
+import signal
+import stat
 import sys
+import tempfile
+import threading
+import time
 import traceback
+from typing import NamedTuple
 
 from .errors import MindspecError
-from .request import FIELDS, parse, run
+from .request import FIELDS, make, parse
+
+MARKER, VERSION = "mindspec_batch", 1  # the first key of every record, so a torn record is still ours
+HEAD = b'{"' + MARKER.encode() + b'": 1, '
+PROGRESS_ENV, PROGRESS_S = "MINDSPEC_PROGRESS_S", 30.0  # seconds between progress lines off a terminal
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Item(NamedTuple):
+    """One input line to run: its 1-based line number, id, and parsed `run` keywords (None if the
+    line is bad) or the error to record."""
+    line: int
+    rid: object
+    kw: object
+    err: object = None
 
 
 def _key(rid):
     return json.dumps(rid)  # 1 and "1" are different ids
 
 
-def _read_input(path):
-    try:
-        with open(path, encoding="utf-8") as f:
-            return f.read().splitlines()
-    except OSError as e:
-        raise MindspecError(f"cannot read input {path}: {e.strerror}") from None
-    except UnicodeDecodeError:
-        raise MindspecError(f"input {path} is not UTF-8 text") from None
+# ---- input ----
 
-
-def _done_ids(path):
-    """Ids already in the output. A last line without its newline that starts like our records is an
-    interrupted write: it is cut off (and redone) unless it is a whole record. Anything else in the
-    file means it is not ours: refuse to append to it."""
+def _read_lines(path):
+    """[(line number, text)] of the non-blank lines. Lines end at "\\n" only (a trailing "\\r" is
+    dropped): str.splitlines would also split inside JSON strings at a raw U+2028, U+0085, ..."""
     try:
         with open(path, "rb") as f:
             data = f.read()
-    except FileNotFoundError:
-        return set()
     except OSError as e:
-        raise MindspecError(f"cannot read output {path}: {e.strerror}") from None
-    lines = data.split(b"\n")  # the last item is b"" or an unfinished line
-    ids, whole = set(), len(lines) - 1
-    for n, line in enumerate(lines, 1):
+        raise MindspecError(f"cannot read input {path}: {e.strerror}") from None
+    data = data[len(codecs.BOM_UTF8):] if data.startswith(codecs.BOM_UTF8) else data
+    out = []
+    for n, raw in enumerate(data.split(b"\n"), 1):
         try:
-            ids.add(_key(json.loads(line)["id"]))
-        except (ValueError, KeyError, TypeError):
-            if n > whole and line.startswith(b'{"id": '):
-                with open(path, "r+b") as f:
-                    f.truncate(len(data) - len(line))
-            elif line.strip():
-                raise MindspecError(f"{path}:{n} is not a mindspec batch record; not appending to that file") \
-                    from None
-        else:
-            if n > whole:
-                with open(path, "ab") as f:
-                    f.write(b"\n")
-    return ids
+            text = raw.removesuffix(b"\r").decode("utf-8")
+        except UnicodeDecodeError:
+            raise MindspecError(f"input {path} line {n} is not UTF-8 text") from None
+        if text.strip():
+            out.append((n, text))
+    return out
 
 
-def _requests(lines, defaults, done, input_path):
-    """(id, parsed keywords or None, error or None) per line still to do; and how many were skipped."""
-    todo, skipped, line_of = [], 0, {}
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        rid, kw, err = n, None, None
-        try:
-            row = json.loads(line)
-        except ValueError as e:
-            row, err = None, f"line {n}: not valid JSON: {e}"
-        if row is not None and not isinstance(row, dict):
-            err = f"line {n}: not a JSON object"
-        elif row is not None:
-            rid = row.get("id", n)
-            if isinstance(rid, bool) or not isinstance(rid, (str, int)):
-                rid, err = n, f"line {n}: id must be a string or an integer, got {row['id']!r}"
-            elif unknown := sorted(set(row) - FIELDS - {"id"}):
-                err = f"line {n}: unknown field(s) {', '.join(unknown)}"
-        if _key(rid) in line_of:  # before any work: skipping one of them would lose a prompt silently
+def _row(n, text):
+    """(id, request dict, None) of one input line, or (id, None, error)."""
+    try:
+        row = json.loads(text)
+    except ValueError as e:
+        return n, None, f"line {n}: not valid JSON: {e}"
+    if not isinstance(row, dict):
+        return n, None, f"line {n}: not a JSON object"
+    rid = row.get("id", n)
+    if isinstance(rid, bool) or not isinstance(rid, (str, int)):
+        return n, None, f"line {n}: id must be a string or an integer, got {row['id']!r}"
+    if unknown := sorted(set(row) - FIELDS - {"id"}):
+        return rid, None, f"line {n}: unknown field(s) {', '.join(unknown)}"
+    return rid, {k: v for k, v in row.items() if k != "id"}, None
+
+
+def _rows(lines, input_path):
+    """[Item] with the request dict (not yet parsed) in kw. An id used twice stops the job before it
+    starts: skipping one of them would lose a prompt silently."""
+    items, line_of = [], {}
+    for n, text in lines:
+        rid, req, err = _row(n, text)
+        if _key(rid) in line_of:
             raise MindspecError(f"{input_path}:{n}: id {rid!r} is already line {line_of[_key(rid)]}'s; ids must be "
                                 f"unique (a line without \"id\" has its line number)")
         line_of[_key(rid)] = n
-        if _key(rid) in done:
-            skipped += 1
-            continue
-        if err is None:
-            try:
-                kw = parse({k: v for k, v in row.items() if k != "id"}, defaults)
-            except MindspecError as e:
-                err = f"line {n}: {e}"
-        todo.append((rid, kw, err))
-    return todo, skipped
+        items.append(Item(n, rid, req, err))
+    return items
 
 
-def _record(pipe, rid, kw):
+def _parse(item, defaults):
+    if item.err is not None:
+        return item
     try:
-        ids, res = run(pipe, kw)
+        return item._replace(kw=parse(item.kw, defaults))
     except MindspecError as e:
-        return {"id": rid, "error": str(e)}, None
-    except Exception as e:  # a bug or a runtime failure: record it, keep going
-        traceback.print_exc()
-        return {"id": rid, "error": f"internal error: {type(e).__name__}: {e}"}, None
-    rec = {"id": rid, "text": res.text, "token_ids": res.token_ids, "finish_reason": res.finish_reason,
-           "prompt_tokens": len(ids), "stats": res.stats}
-    if kw.get("seed") is not None:
-        rec["seed"] = kw["seed"]
-    return rec, res.stats
+        return item._replace(kw=None, err=f"line {item.line}: {e}")
 
+
+# ---- the job's identity ----
+
+def job_id(defaults, model=None):
+    """A short hash of what makes a result valid: the target model (its checkpoint fingerprint; None =
+    the embedded default, fixed by its pinned package) and the request defaults (sampling flags,
+    --chat). Not the draft, K, --max-seq or --tp: they change speed, not the output's distribution."""
+    if model is not None:
+        from .checkpoint import Checkpoint
+        model = Checkpoint(model).fingerprint()
+    blob = json.dumps({"model": model, "defaults": defaults}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+# ---- output ----
+
+def _ours(line):
+    """The record a whole output line holds, or None if it is not a mindspec batch record."""
+    try:
+        rec = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(rec, dict) or rec.get(MARKER) != VERSION or not isinstance(rec.get("job"), str):
+        return None
+    rid = rec.get("id")
+    return rec if isinstance(rid, (str, int)) and not isinstance(rid, bool) else None
+
+
+def _torn(tail):
+    """A last line without its newline that starts like our records: a write cut short."""
+    return HEAD.startswith(tail[:len(HEAD)])
+
+
+def _scan(data, path, job):
+    """(ids with a result, {id: error messages}, bytes to keep) of an output file's content. Refuses a
+    file holding anything but this job's records; duplicates are fine (the first result wins)."""
+    lines = data.split(b"\n")
+    tail = lines.pop()  # b"" when the file ends with a newline
+    done, errors = set(), {}
+    for n, line in enumerate(lines, 1):
+        rec = _ours(line)
+        if rec is None:
+            raise MindspecError(f"{path}:{n} is not a mindspec batch record; not writing to that file")
+        if rec["job"] != job:
+            raise MindspecError(f"{path} holds the results of another job (line {n}: job {rec['job']}, this job is "
+                                f"{job}: another target model or other request defaults); give another --output")
+        if "error" in rec:
+            errors.setdefault(_key(rec["id"]), set()).add(rec["error"])
+        else:
+            done.add(_key(rec["id"]))
+    if tail and not _torn(tail):
+        raise MindspecError(f"{path}:{len(lines) + 1} is not a mindspec batch record; not writing to that file")
+    return done, errors, len(data) - len(tail)
+
+
+def _lock_holder(fd):
+    """The pid holding an flock on fd's file (from Linux's /proc/locks), or None."""
+    st = os.fstat(fd)
+    want = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    try:
+        with open("/proc/locks", encoding="ascii") as f:
+            for line in f:
+                p = line.split()
+                if len(p) > 5 and p[1] == "FLOCK" and p[5] == want:
+                    return int(p[4])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _dump(rec):
+    try:
+        return (json.dumps(rec, ensure_ascii=False) + "\n").encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate (from a request's JSON) has no UTF-8: escape it
+        return (json.dumps(rec) + "\n").encode("ascii")
+
+
+class Output:
+    """The output file, locked (flock) from opening to close: its records are read once (a torn last
+    record is cut), then each result is appended with one write. path=None: a rank that writes nothing."""
+
+    def __init__(self, path, job, input_path):
+        self.path, self.job, self.fd, self.created, self.wrote = path, job, None, False, False
+        self.done, self.errors = set(), {}
+        if path is None:
+            return
+        self._open()
+        try:
+            self._check_not_input(input_path)
+            self.size = 0
+            if stat.S_ISREG(os.fstat(self.fd).st_mode):  # not /dev/null or a pipe: nothing to lock or resume
+                self._lock()
+                self.size = self._read()
+        except BaseException:
+            os.close(self.fd)
+            raise
+
+    def _open(self):
+        flags = os.O_RDWR | os.O_APPEND | os.O_CLOEXEC  # never O_TRUNC: a foreign file stays untouched
+        try:
+            try:
+                self.fd, self.created = os.open(self.path, flags | os.O_CREAT | os.O_EXCL, 0o666), True
+            except FileExistsError:
+                self.fd = os.open(self.path, flags)
+        except OSError as e:
+            raise MindspecError(f"cannot write output {self.path}: {e.strerror}") from None
+
+    def _check_not_input(self, input_path):
+        st, inp = os.fstat(self.fd), os.stat(input_path)
+        if (st.st_dev, st.st_ino) == (inp.st_dev, inp.st_ino):  # also through a symlink or a hard link
+            raise MindspecError(f"--input and --output are the same file ({self.path}); give another --output")
+
+    def _lock(self):
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pid = _lock_holder(self.fd)
+            raise MindspecError(f"output {self.path} is in use by another job{f' (pid {pid})' if pid else ''}; "
+                                f"wait for it to end or give another --output") from None
+
+    def _read(self):
+        try:
+            with open(self.fd, "rb", closefd=False) as f:
+                data = f.read()
+        except OSError as e:
+            raise MindspecError(f"cannot read output {self.path}: {e.strerror}") from None
+        self.done, self.errors, keep = _scan(data, self.path, self.job)
+        if keep < len(data):
+            self._truncate(keep)
+        return keep
+
+    def _truncate(self, size):
+        try:
+            os.ftruncate(self.fd, size)
+        except OSError as e:
+            raise MindspecError(f"cannot write output {self.path}: {e.strerror}") from None
+
+    def put(self, item, body):
+        """Append the record of `item` with `body` ({"text", ...} or {"error"}); an error already recorded
+        for that id in those words is not written again."""
+        if self.fd is None or body.get("error") in self.errors.get(_key(item.rid), ()):
+            return
+        data = _dump({MARKER: VERSION, "job": self.job, "id": item.rid, **body})
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self.fd, view):]
+        except OSError as e:
+            try:
+                os.ftruncate(self.fd, self.size)  # no torn record (truncating needs no free space)
+            except OSError:
+                pass  # the next run cuts it
+            raise MindspecError(f"cannot write output {self.path}: {e.strerror or os.strerror(e.errno)}") from None
+        self.size += len(data)
+        self.wrote = True
+
+    def close(self, failed=False):
+        """Release the lock; a file this run created and left empty is removed when the job failed."""
+        if self.fd is None:
+            return
+        if failed and self.created and not self.wrote:
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass
+        os.close(self.fd)
+        self.fd = None
+
+
+# ---- generation: the one place that drives the pipeline ----
+
+def _body(item, r):
+    """The record body of a finished engine Request: {"text", "token_ids", ...} or {"error"}."""
+    if r.error is not None:
+        return {"error": f"line {item.line}: internal error: {type(r.error).__name__}: {r.error}"}
+    res = r.result()
+    body = {"text": res.text, "token_ids": res.token_ids, "finish_reason": res.finish_reason,
+            "prompt_tokens": len(r.prompt_ids), "stats": res.stats}
+    if item.kw.get("seed") is not None:
+        body["seed"] = item.kw["seed"]
+    return body
+
+
+def generate_records(pipe, items, check=lambda: None, max_batch=1):
+    """Run every parsed item on the loaded pipeline, up to max_batch at once (the rest join as rows
+    finish); yield (item, record body) as each one finishes, in any order. The job is read first and
+    the cache sized once for its longest line. `check()` raises KeyboardInterrupt once a stop was
+    asked: it runs between engine steps, never inside MindSpore."""
+    reqs = {}
+    for item in items:
+        try:
+            reqs[make(pipe, item.kw)] = item
+        except MindspecError as e:
+            yield item, {"error": f"line {item.line}: {e}"}
+    if not reqs:
+        return
+    check()
+    compile_s = pipe.target.compile_s if pipe.target else 0.0
+    pipe.prepare(list(reqs), max_batch)
+    next(iter(reqs)).stats.compile_s = pipe.target.compile_s - compile_s  # the job's one warm-up, counted once
+    for r in reqs:
+        pipe.engine.add(r)
+    while pipe.engine.has_work:
+        check()
+        for r, _ in pipe.engine.step():
+            if r.done:
+                yield reqs[r], _body(reqs[r], r)
+
+
+# ---- bookkeeping ----
+
+class Tally:
+    """Where every input id stands in the whole output (earlier runs and this one) and this run's
+    counts and generation stats."""
+
+    def __init__(self, items, done, errors):
+        self.state = {_key(i.rid): "done" if _key(i.rid) in done else "failed" if _key(i.rid) in errors else None
+                      for i in items}
+        self.skipped = sum(s == "done" for s in self.state.values())
+        self.now_done = self.now_failed = self.tokens = self.calls = self.drafted = self.accepted = 0
+        self.compile_s, self.t0, self.t1 = 0.0, None, None
+
+    def start(self):
+        self.t0 = time.monotonic()
+
+    def add(self, item, body):
+        ok = "error" not in body
+        self.state[_key(item.rid)] = "done" if ok else "failed"
+        self.now_done += ok
+        self.now_failed += not ok
+        if ok:
+            s = body["stats"]
+            self.tokens += s["new_tokens"]
+            self.calls += s["target_calls"]
+            self.drafted += s["drafted"]
+            self.accepted += s["accepted"]
+            self.compile_s += s.get("compile_s", 0.0)
+
+    def count(self, what):
+        return sum(s == what for s in self.state.values())
+
+    def seconds(self):
+        """Generation wall time so far, graph compilation excluded."""
+        if self.t0 is None:
+            return 0.0
+        return max((self.t1 or time.monotonic()) - self.t0 - self.compile_s, 0.0)
+
+    def rates(self):
+        wall = self.seconds()
+        return (self.tokens / wall if wall and self.tokens else None), \
+            (self.accepted / self.drafted if self.drafted else None)
+
+    def exit_code(self):
+        return 1 if self.count("failed") else 0
+
+    def summary(self, path):
+        speed, acc = self.rates()
+        n, done, failed = len(self.state), self.count("done"), self.count("failed")
+        return (f"mindspec batch: {n} lines: {done} done, {failed} failed, {n - done - failed} left -> {path}; "
+                f"this run: {self.now_done} done, {self.now_failed} failed, {self.skipped} skipped; "
+                f"{self.tokens} tokens in {self.seconds():.2f} s = "
+                f"{f'{speed:.1f}' if speed is not None else '-'} tok/s; "
+                f"{f'acceptance {acc:.2f}' if acc is not None else 'no drafts'}; "
+                f"{f'{self.tokens / self.calls:.2f}' if self.calls else '-'} tokens per target call")
+
+
+def _interval():
+    try:
+        return max(float(os.environ.get(PROGRESS_ENV, PROGRESS_S)), 0.0)
+    except ValueError:
+        return PROGRESS_S
+
+
+def _eta(seconds):
+    m, s = divmod(int(seconds), 60)
+    return f"{m // 60}h{m % 60:02d}m" if m >= 60 else f"{m}m{s:02d}s"
+
+
+class Progress:
+    """A tqdm bar (lines, tokens/s, acceptance, ETA) when stderr is a terminal; else one line every
+    PROGRESS_S seconds ($MINDSPEC_PROGRESS_S)."""
+
+    def __init__(self, tally):
+        self.tally, self.bar, self.every = tally, None, _interval()
+        self.due = time.monotonic() + self.every
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+            self.bar = tqdm(total=len(tally.state), initial=tally.skipped, unit="line", file=sys.stderr,
+                            dynamic_ncols=True, desc="mindspec batch")
+
+    def update(self):
+        speed, acc = self.tally.rates()
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"{speed or 0:.1f} tok/s, acceptance {acc if acc is not None else 0:.2f}",
+                                     refresh=False)
+            self.bar.update(1)
+        elif time.monotonic() >= self.due:
+            self.due = time.monotonic() + self.every
+            print(self._line(speed, acc), file=sys.stderr, flush=True)
+
+    def _line(self, speed, acc):
+        t = self.tally
+        n, done, failed, now = len(t.state), t.count("done"), t.count("failed"), t.now_done + t.now_failed
+        left = n - done - failed
+        eta = _eta(left * (time.monotonic() - t.t0) / now) if now and left else "-"
+        return (f"mindspec batch: {done + failed}/{n} lines ({failed} failed), "
+                f"{f'{speed:.1f}' if speed is not None else '-'} tok/s, "
+                f"acceptance {f'{acc:.2f}' if acc is not None else '-'}, ETA {eta}")
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+# ---- signals and MindSpore's droppings ----
+
+class Signals:
+    """While the job runs, SIGINT/SIGTERM are only recorded; `check()` turns one into KeyboardInterrupt
+    at a safe point (after loading, between records, between decoding steps). Raised inside MindSpore
+    instead, a KeyboardInterrupt breaks its import half-way (the interpreter then aborts at exit:
+    `Fatal Python error: PyThreadState_Get`), is swallowed by its graph compiler (the job runs on), or
+    aborts a compile, which writes rank_0/om/analyze_fail.ir. (MindSpore's own SIGINT handler, set on
+    every graph run, sends the process SIGTERM.) A second signal stops at once through `hard_stop`."""
+
+    def __init__(self, active, hard_stop):
+        self.active = active and threading.current_thread() is threading.main_thread()
+        self.hard_stop, self.got, self.old = hard_stop, None, {}
+
+    def __enter__(self):
+        if self.active:
+            self.old = {s: signal.signal(s, self._record) for s in SIGNALS}
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)  # if the command line held them back until now
+        return self
+
+    def _record(self, sig, frame):
+        if self.got is not None:
+            self.hard_stop()
+        self.got = sig
+
+    def check(self):
+        if self.got is not None:
+            raise KeyboardInterrupt
+
+    def __exit__(self, *exc):
+        for s, h in self.old.items():
+            signal.signal(s, h)
+
+
+class OmDir:
+    """MindSpore writes rank_N/om/analyze_fail.ir into the current directory when a compile fails:
+    point it ($MS_OM_PATH) at a temporary directory, removed at the end unless something was written
+    there (an error record then names the file). A user's own MS_OM_PATH is left alone."""
+
+    def __enter__(self):
+        self.path = None
+        if "MS_OM_PATH" not in os.environ:
+            self.path = os.environ["MS_OM_PATH"] = tempfile.mkdtemp(prefix="mindspec-om-")
+        return self
+
+    def __exit__(self, *exc):
+        self.remove()
+
+    def remove(self):
+        if self.path is not None:
+            os.environ.pop("MS_OM_PATH", None)
+            if not any(files for _, _, files in os.walk(self.path)):
+                shutil.rmtree(self.path, ignore_errors=True)
+            self.path = None
+
+
+# ---- the job ----
 
 def _rank0():
     from .tp import is_rank0
     return is_rank0()
 
 
-def run_batch(load, defaults, input_path, output_path, share=None):
-    """share (mindspec.tp.share, under tensor parallelism): rank 0 alone reads and writes the output and
+class _Job:
+    """One run: setup (read, lock, load), then the generation phase, which ends with the summary."""
+
+    def __init__(self, output_path):
+        self.path, self.tally, self.out, self.bar, self.begun = output_path, None, None, None, False
+        self.om = OmDir()
+
+    def say(self, line):
+        os.write(2, (line + "\n").encode("utf-8", "replace"))  # also from a signal handler
+
+    def hard_stop(self):
+        """A second signal: no waiting for a safe point. Records are whole (one write each)."""
+        if self.bar is not None and self.bar.bar is not None:
+            self.say("")
+        if self.tally is not None:
+            self.say(self.tally.summary(self.path))
+        if self.out is not None:
+            self.out.close(failed=True)
+        self.om.remove()
+        os._exit(130)
+
+    def run(self, load, items, sig, max_batch=1):
+        """Load the model if a line needs it (a model that fails to load: the job never began), then
+        write the bad lines' errors and run the rest."""
+        todo = [i for i in items if i.err is None]
+        pipe = load() if todo else None
+        self.begun = True
+        sig.check()
+        self.tally.start()
+        self.bar = Progress(self.tally)
+        try:
+            for item in (i for i in items if i.err is not None):
+                self.finish(item, {"error": item.err})
+            for item, body in generate_records(pipe, todo, sig.check, max_batch):
+                self.finish(item, body)
+        finally:
+            self.tally.t1 = time.monotonic()
+            self.bar.close()
+
+    def finish(self, item, body):
+        self.out.put(item, body)
+        self.tally.add(item, body)
+        if self.bar is not None:
+            self.bar.update()
+
+
+def run_batch(load, defaults, input_path, output_path, share=None, model=None, max_batch=1):
+    """Run a batch job; returns the exit code (0 all done, 1 some lines failed; MindspecError = 2,
+    KeyboardInterrupt = 130, both with the summary once the job has begun). `model` is the target
+    checkpoint directory (None: the embedded default), part of the job's fingerprint.
+    share (mindspec.tp.share, under tensor parallelism): rank 0 alone reads and writes the output and
     hands the finished ids to the other ranks, which run the same job in lock step and write nothing."""
+    job = _Job(output_path)
     writer = share is None or _rank0()
-    done = _done_ids(output_path) if writer else None
-    done = share(done) if share else done  # before rank 0 writes anything
-    todo, skipped = _requests(_read_input(input_path), defaults, done, input_path)
-    try:
-        out = open(output_path if writer else os.devnull, "a", encoding="utf-8")
-    except OSError as e:
-        raise MindspecError(f"cannot write output {output_path}: {e.strerror}") from None
-    pipe = load() if any(kw is not None for _, kw, _ in todo) else None
-    done = failed = tokens = calls = drafted = accepted = 0
-    wall = 0.0
-    try:
-        with out:
-            for rid, kw, err in todo:
-                rec, stats = ({"id": rid, "error": err}, None) if err else _record(pipe, rid, kw)
-                out.write(json.dumps(rec, ensure_ascii=False) + "\n")
-                out.flush()
-                if stats is None:
-                    failed += 1
-                    continue
-                done += 1
-                tokens += stats["new_tokens"]
-                calls += stats["target_calls"]
-                drafted += stats["drafted"]
-                accepted += stats["accepted"]
-                wall += stats["wall_s"]
-    finally:  # also when interrupted: what is written is kept, and said
-        acc = f"acceptance {accepted / drafted:.2f}" if drafted else "no drafts"
-        speed = f"{tokens / wall:.1f} tok/s" if wall else "- tok/s"
-        per_call = f"{tokens / calls:.2f}" if calls else "-"
-        print(f"mindspec batch: {done} done, {skipped} skipped, {failed} failed -> {output_path}; {tokens} tokens "
-              f"in {wall:.2f} s = {speed}; {acc}; {per_call} tokens per target call", file=sys.stderr)
-    return 1 if failed else 0
+    with Signals(share is None, job.hard_stop) as sig, job.om:
+        rows = _rows(_read_lines(input_path), input_path)
+        job.out = Output(output_path if writer else None, job_id(defaults, model), input_path)
+        ok = False
+        try:
+            done = share(job.out.done) if share else job.out.done  # before rank 0 writes anything
+            job.tally = Tally(rows, done, job.out.errors)
+            job.run(load, [_parse(i, defaults) for i in rows if _key(i.rid) not in done], sig, max_batch)
+            ok = True
+        except KeyboardInterrupt:
+            job.begun = True  # also while loading
+            raise
+        finally:
+            if job.begun and job.tally is not None:
+                print(job.tally.summary(output_path), file=sys.stderr, flush=True)
+            job.out.close(failed=not ok)
+    return job.tally.exit_code()
