@@ -4,7 +4,14 @@ import os
 os.environ.setdefault("GLOG_v", "3")  # MindSpore's C++ logging: errors only
 
 from .errors import MindspecError  # noqa: E402
-from .pipeline import Pipeline, Result, load  # noqa: E402
+
+
+def __getattr__(name):  # the pipeline (numpy...) on first use: the CLI reaches main() in ~40 ms
+    if name in ("load", "Pipeline", "Result"):
+        from . import pipeline
+        return getattr(pipeline, name)
+    raise AttributeError(f"module 'mindspec' has no attribute {name!r}")
+
 
 __all__ = ["load", "Pipeline", "Result", "MindspecError"]
 __version__ = "0.1.0"

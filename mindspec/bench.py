@@ -51,18 +51,27 @@ def load_prompts(spec):
 
 
 class Tally:
-    """Sums over the prompts of one (prompt set, mode, K) row."""
+    """Sums over the prompts of one (prompt set, batch size, mode, K) row."""
 
     def __init__(self, **row):
         self.row, self.ids = row, []
         self.new_tokens = self.wall_s = self.target_calls = self.drafted = self.accepted = 0
         self.draft_s = self.verify_s = 0.0
-        self.k_used = {}
+        self.k_used, self.latency = {}, []
+
+    def add_batch(self, results, wall):
+        """The results of requests that ran together, the batch's wall time."""
+        for r in results:
+            self.add(r.token_ids, dict(r.stats, wall_s=0.0))
+            self.latency.append(r.stats["queue_s"] + r.stats["wall_s"])
+        self.wall_s += wall
 
     def add(self, ids, stats):
         self.ids.append(ids)
         self.new_tokens += len(ids)
         self.wall_s += stats["wall_s"]
+        if "queue_s" not in stats:
+            self.latency.append(stats["wall_s"])
         self.target_calls += stats.get("target_calls") or 0
         self.drafted += stats.get("drafted") or 0
         self.accepted += stats.get("accepted") or 0
@@ -78,6 +87,7 @@ class Tally:
                  acceptance_rate=self.accepted / self.drafted if self.drafted else None,
                  tokens_per_target_call=self.new_tokens / self.target_calls if self.target_calls else None,
                  identical_to_target_only=base is not None and self.ids == base.ids,
+                 mean_latency_s=round(sum(self.latency) / len(self.latency), 4) if self.latency else None,
                  speedup=tps / base.result(None)["tokens_per_s"] if base and tps and base.wall_s else None)
         if self.k_used:
             r["k_used"] = {str(k): n for k, n in sorted(self.k_used.items())}
@@ -160,20 +170,12 @@ class HF:
 
 # -- the benchmark ---------------------------------------------------------------------------------
 
-def _try_dynamic(pipe, ids):
-    """Warm up k='auto'; None if the pipeline does not have dynamic K (yet), else the reason."""
-    try:
-        pipe.generate(prompt_ids=ids, max_new_tokens=WARMUP_TOKENS, k="auto")
-        return None
-    except (ValueError, TypeError, MindspecError) as e:
-        return f"pipe.generate(k='auto') is not available: {e}"
-
-
 def run(target=None, draft=None, prompts="story,chat,code", max_new_tokens=128, ks=(1, 2, 4, 8),
-        hf=True, hf_assistants=None, repeat=1, log=sys.stderr):
-    """Run every mode on every prompt; returns the bench.json dict."""
+        hf=True, hf_assistants=None, repeat=1, batch_sizes=(1,), log=sys.stderr):
+    """Run every mode on every prompt (batch 1) or on batches of B requests at once (B > 1: the set's
+    prompts cycled to B rows, through generate_many); returns the bench.json dict."""
     import mindspec
-    from .pipeline import SEQ_ROUND, _round_up
+    from .spec import SEQ_ROUND, round_up
     from .tokenizer import Tokenizer
     if target is None:
         from .default import default_pair
@@ -182,6 +184,9 @@ def run(target=None, draft=None, prompts="story,chat,code", max_new_tokens=128, 
     ks = sorted(set(int(k) for k in ks))
     if not ks or ks[0] < 1:
         raise MindspecError(f"--ks must be positive K buckets, got {ks}")
+    sizes = sorted(set(int(b) for b in batch_sizes))
+    if not sizes or sizes[0] < 1:
+        raise MindspecError(f"--batch-sizes must be positive, got {sizes}")
     sets = load_prompts(prompts)
     tok = Tokenizer(target)
 
@@ -190,29 +195,23 @@ def run(target=None, draft=None, prompts="story,chat,code", max_new_tokens=128, 
     enc = {name: [encode(p, c) for p, c in rows] for name, rows in sets.items()}  # set -> [[ids]]
     longest = max((ids for rows in enc.values() for ids in rows), key=len)
     # one cache size for every prompt, so no mode ever recompiles mid-bench
-    max_seq = _round_up(len(longest) + max_new_tokens + ks[-1] + 1, SEQ_ROUND)
-    pipe = mindspec.load(target=target, draft=draft or False, k=ks[-1], max_seq=max_seq,
-                         buckets=tuple(ks))
+    max_seq = round_up(len(longest) + max_new_tokens + ks[-1] + 1, SEQ_ROUND)
+    pipe = mindspec.load(target=target, draft=draft or False, k=ks[-1], max_seq=max_seq, buckets=tuple(ks),
+                         max_batch=sizes[-1], batch_buckets=tuple(sizes))
     notes, costs = [], None
     modes = [("target-only", 0, dict(speculate=False))]
     if pipe.proposer is None:
         notes.append("no draft: speculative modes skipped")
     else:
-        modes += [("fixed-k", k, dict(k=k)) for k in ks]
+        modes += [("fixed-k", k, dict(k=k)) for k in ks] + [("dynamic-k", "auto", dict(k="auto"))]
     t0 = time.perf_counter()
-    for _, _, kw in modes:  # compile every graph and warm ORT before anything is timed
-        pipe.generate(prompt_ids=longest, max_new_tokens=WARMUP_TOKENS, **kw)
+    for B in sizes:  # compile every graph, measure the costs and warm ORT before anything is timed
+        for _, _, kw in modes:
+            pipe.generate_many([dict(prompt_ids=longest, max_new_tokens=WARMUP_TOKENS, **kw)] * B, max_batch=B)
     if pipe.proposer is not None:
-        why = _try_dynamic(pipe, longest)
-        if why:
-            notes.append(f"dynamic-k skipped: {why}")
-        else:
-            modes.append(("dynamic-k", "auto", dict(k="auto")))
-        from .policy import measure_costs
-        c, v = measure_costs(pipe)
-        costs = {"c": c, "v": {str(k): x for k, x in v.items()}}
+        costs = {str(B): {"c": c, "v": {str(k): x for k, x in v.items()}} for B, (c, v) in pipe.costs.items()}
     hf_model, hf_modes = None, []
-    if hf and _hf_available():
+    if hf and _hf_available() and 1 in sizes:
         hf_model = HF(target, pipe.eos)
         n_layers = pipe.cfg.num_hidden_layers
         for spec in hf_assistants or [f"layers:{max(1, n_layers // 2)}", "prompt-lookup"]:
@@ -220,42 +219,48 @@ def run(target=None, draft=None, prompts="story,chat,code", max_new_tokens=128, 
         hf_modes.insert(0, ("hf-generate", None, {}))
         for _, _, extra in hf_modes:
             hf_model.generate(longest, WARMUP_TOKENS, extra)
-    elif hf:
+    elif hf and 1 in sizes:
         notes.append("hf-generate / hf-assisted skipped: torch and transformers are not installed "
                      "(pip install -e .[bench])")
     print(f"warm-up and compile: {time.perf_counter() - t0:.1f} s", file=log)
 
-    tallies = {}  # (set, mode, k) -> Tally
+    tallies = {}  # (set, B, mode, k) -> Tally
     for name, rows in enc.items():
-        for _ in range(repeat):
-            for ids in rows:
-                for mode, k, kw in modes:
-                    res = pipe.generate(prompt_ids=ids, max_new_tokens=max_new_tokens, **kw)
-                    tallies.setdefault((name, mode, k), Tally(prompt_set=name, mode=mode, k=k)).add(
-                        res.token_ids, res.stats)
-                for mode, spec, extra in hf_modes:
-                    new, stats = hf_model.generate(ids, max_new_tokens, extra)
-                    row = dict(prompt_set=name, mode=mode, k=None, assistant=spec)
-                    tallies.setdefault((name, mode, spec), Tally(**row)).add(new, stats)
-        print(f"{name}: done", file=log)
+        for B in sizes:
+            batch = [rows[i % len(rows)] for i in range(B)]
+            for _ in range(repeat):
+                for ids in (rows if B == 1 else [None]):
+                    for mode, k, kw in modes:
+                        tally = tallies.setdefault((name, B, mode, k), Tally(prompt_set=name, batch_size=B, mode=mode,
+                                                                             k=k))
+                        t = time.perf_counter()
+                        res = pipe.generate_many([dict(prompt_ids=x, max_new_tokens=max_new_tokens, **kw)
+                                                  for x in ([ids] if B == 1 else batch)], max_batch=B)
+                        tally.add_batch(res, time.perf_counter() - t)
+                    for mode, spec, extra in hf_modes if B == 1 else ():
+                        new, stats = hf_model.generate(ids, max_new_tokens, extra)
+                        row = dict(prompt_set=name, batch_size=1, mode=mode, k=None, assistant=spec)
+                        tallies.setdefault((name, 1, mode, spec), Tally(**row)).add(new, stats)
+            print(f"{name} B={B}: done", file=log)
     runs = []
     for name in enc:
-        base = tallies[(name, "target-only", 0)]
-        runs += [t.result(base) for key, t in tallies.items() if key[0] == name]
+        for B in sizes:
+            base = tallies[(name, B, "target-only", 0)]
+            runs += [t.result(base) for key, t in tallies.items() if key[:2] == (name, B)]
     for r in runs:
         if r["mode"] == "hf-generate":
             r["tokens_per_target_call"] = 1.0
     return {"runs": runs, "notes": notes, "target": os.path.abspath(target),
             "draft": draft and os.path.abspath(draft), "max_new_tokens": max_new_tokens, "ks": ks,
-            "repeat": repeat, "max_seq": max_seq, "costs_vs_decode": costs,
+            "batch_sizes": sizes, "repeat": repeat, "max_seq": max_seq, "costs_vs_decode": costs,
             "prompts": {n: [p for p, _ in rows] for n, rows in sets.items()},
             "hf": hf_model.version if hf_model else None, "cpu_count": os.cpu_count()}
 
 
 def table(result):
     """Markdown table of the runs."""
-    out = ["| prompt set | mode | K | tokens/s | speedup | acceptance | tokens/call | identical |",
-           "|---|---|---|---|---|---|---|---|"]
+    out = ["| prompt set | B | mode | K | tokens/s | speedup | acceptance | tokens/call | latency s | identical |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
 
     def f(x, fmt):
         return "" if x is None else format(x, fmt)
@@ -263,9 +268,10 @@ def table(result):
         k = r.get("assistant") or ("" if r["k"] in (0, None) else r["k"])
         if r["mode"] == "dynamic-k" and "mean_k" in r:
             k = f"auto (mean {r['mean_k']:.1f})"
-        out.append(f"| {r['prompt_set']} | {r['mode']} | {k} | {f(r['tokens_per_s'], '.1f')} | "
-                   f"{f(r['speedup'], '.2f')}{'x' if r['speedup'] else ''} | {f(r['acceptance_rate'], '.2f')} | "
-                   f"{f(r['tokens_per_target_call'], '.2f')} | {'yes' if r['identical_to_target_only'] else 'no'} |")
+        out.append(f"| {r['prompt_set']} | {r.get('batch_size', 1)} | {r['mode']} | {k} | "
+                   f"{f(r['tokens_per_s'], '.1f')} | {f(r['speedup'], '.2f')}{'x' if r['speedup'] else ''} | "
+                   f"{f(r['acceptance_rate'], '.2f')} | {f(r['tokens_per_target_call'], '.2f')} | "
+                   f"{f(r.get('mean_latency_s'), '.2f')} | {'yes' if r['identical_to_target_only'] else 'no'} |")
     return "\n".join(out)
 
 
@@ -306,14 +312,45 @@ def plot(result, path):
     plt.close(fig)
 
 
+def plot_batch(result, path):
+    """Aggregate tokens/s against the batch size: target-only, the best fixed K and dynamic K per set."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.4))
+    sets = list(dict.fromkeys(r["prompt_set"] for r in result["runs"]))
+    sizes = result["batch_sizes"]
+    for i, name in enumerate(sets):
+        rows = [r for r in result["runs"] if r["prompt_set"] == name]
+
+        def line(pick):
+            return [max((r["tokens_per_s"] for r in rows if r["batch_size"] == B and pick(r)), default=None)
+                    for B in sizes]
+        for label, pick, style in (("target-only", lambda r: r["mode"] == "target-only", "--"),
+                                   ("best fixed K", lambda r: r["mode"] == "fixed-k", ":"),
+                                   ("dynamic K", lambda r: r["mode"] == "dynamic-k", "-")):
+            ax.plot(sizes, line(pick), "o" + style, color=f"C{i}", label=f"{name}: {label}")
+    ax.set(xlabel="requests running at once (B)", ylabel="aggregate tokens / s", xticks=sizes,
+           title=f"mindspec bench: {os.path.basename(result['target'])}, {result['max_new_tokens']} new tokens")
+    ax.grid(alpha=0.3)
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def cmd_bench(a):
     ks = [int(k) for k in a.ks.split(",") if k]
     result = run(target=a.target, draft=a.draft, prompts=a.prompts, max_new_tokens=a.max_new_tokens, ks=ks,
-                 hf=not a.no_hf, hf_assistants=a.hf_assistants and a.hf_assistants.split(","), repeat=a.repeat)
+                 hf=not a.no_hf, hf_assistants=a.hf_assistants and a.hf_assistants.split(","), repeat=a.repeat,
+                 batch_sizes=[int(b) for b in a.batch_sizes.split(",") if b])
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "bench.json"), "w") as f:
         json.dump(result, f, indent=1)
     plot(result, os.path.join(a.out, "bench.png"))
+    if len(result["batch_sizes"]) > 1:
+        plot_batch(result, os.path.join(a.out, "bench-batch.png"))
     print(table(result))
     for n in result["notes"]:
         print(f"note: {n}")
@@ -340,6 +377,9 @@ def add_parser(subparsers):
     b.add_argument("--out", default="bench-out", help="directory for bench.json and bench.png")
     b.add_argument("--ks", type=_ks, default="1,2,4,8", help="fixed K buckets to run")
     b.add_argument("--repeat", type=int, default=1, help="rounds over each prompt set")
+    b.add_argument("--batch-sizes", type=_ks, default="1",
+                   help="requests running at once, comma-separated (e.g. 1,2,4,8); B > 1 runs the set's prompts "
+                        "cycled to B rows together")
     b.add_argument("--no-hf", action="store_true", help="skip Hugging Face transformers even if installed")
     b.add_argument("--hf-assistants", default=None,
                    help="HF assistants, comma-separated: layers:N, early-exit:N, prompt-lookup "

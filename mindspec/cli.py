@@ -9,6 +9,9 @@ import sys
 from .errors import MindspecError
 from .request import SEED_ENV
 
+SERVE_MAX_SEQ = 1024  # positions per request a server holds by default (--max-seq)
+MAX_BATCH = 8  # rows per step of serve and batch: on 2 CPU cores 8 rows cost ~1.8x one (docs/design.md)
+
 
 def _ids(text):
     try:
@@ -77,6 +80,11 @@ def _positive(text):
     return n
 
 
+def add_batch_arg(p):
+    p.add_argument("--max-batch", type=_positive, default=MAX_BATCH,
+                   help=f"requests running at once (KV-cache slots); new ones join as rows finish (default {MAX_BATCH})")
+
+
 def add_tp_arg(p):
     p.add_argument("--tp", type=_positive, default=1,
                    help="split the target over N devices (ranks launched with msrun; heads padded as needed)")
@@ -104,7 +112,7 @@ def load_pipeline(a):
     from .plan import parse_size
     mem = parse_size(a.device_mem, "--device-mem") if a.device_mem else None
     return load(target=a.target, draft=False if a.no_speculate else a.draft, k=a.k, max_seq=a.max_seq,
-                device_mem=mem, tp=getattr(a, "tp", 1))
+                device_mem=mem, tp=getattr(a, "tp", 1), max_batch=getattr(a, "max_batch", 1))
 
 
 def sampling_kwargs(a):
@@ -133,13 +141,17 @@ def cmd_generate(a):
 
 
 def cmd_serve(a):
-    from .serve import follow, serve
-    if a.tp > 1:  # rank 0 listens and hands each request to the other ranks, which follow in lock step
+    from .serve import App, follow, prepare, serve
+    if a.max_seq is None:
+        a.max_seq = SERVE_MAX_SEQ  # a server cannot resize its cache while requests run
+    if a.tp > 1:  # rank 0 listens and hands each turn's requests to the other ranks, which follow in lock step
         from .tp import is_rank0
         if not is_rank0():
-            return follow(load_pipeline(a))
+            app = App(sampling_kwargs(a), tp=True, max_batch=a.max_batch)
+            app.pipe = prepare(load_pipeline(a), a.max_batch)
+            return follow(app)
     serve(lambda: load_pipeline(a), sampling_kwargs(a), host=a.host, port=a.port, model_name=a.model_name,
-          tp=a.tp > 1)
+          tp=a.tp > 1, max_batch=a.max_batch)
 
 
 def cmd_batch(a):
@@ -148,7 +160,7 @@ def cmd_batch(a):
     if a.tp > 1:  # every rank runs the job in lock step; rank 0 alone reads and writes the output
         from .tp import share
     return run_batch(lambda: load_pipeline(a), dict(sampling_kwargs(a), chat=a.chat), a.input, a.output,
-                     share=share)
+                     share=share, model=a.target, max_batch=a.max_batch)
 
 
 def parser():
@@ -180,6 +192,7 @@ def parser():
     add_sampling_args(s)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=1025, help="port (default 1025 as MindIE; 0 = pick a free one)")
+    add_batch_arg(s)
     add_tp_arg(s)
     s.add_argument("--model-name", default=None,
                    help="the model's name in requests and /v1/models (default: the target directory's name)")
@@ -190,6 +203,7 @@ def parser():
     add_model_args(b)
     add_sampling_args(b)
     b.add_argument("--chat", action="store_true", help="wrap plain \"prompt\" lines in the chat template")
+    add_batch_arg(b)
     add_tp_arg(b)
     b.set_defaults(func=cmd_batch)
     from . import bench, plan
@@ -202,6 +216,8 @@ def _run(args):
     if args.cmd == "generate" and args.prompt is None and args.prompt_ids is None:
         args.prompt = "Once upon a time"
     try:
+        if args.cmd != "batch":  # batch unblocks them in run_batch, once it can still print its summary
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
         code = args.func(args)
     except MindspecError as e:
         print(f"mindspec: error: {e}", file=sys.stderr)
@@ -212,9 +228,17 @@ def _run(args):
 
 
 def main(argv=None):
+    # no KeyboardInterrupt inside the imports to come (numpy, MindSpore: a half-imported MindSpore crashes
+    # the interpreter at exit): signals wait for _run / run_batch
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = parser().parse_args(argv)
+    try:
+        args = parser().parse_args(argv)
+    except SystemExit:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+        raise
     if getattr(args, "tp", 1) > 1:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})  # msrun and ranks inherit it
         from . import tp
         if not tp.is_worker():  # the user's process: run this same command on N ranks under msrun
             import random

@@ -123,13 +123,23 @@ def _seed():
     return _seeds.randrange(2 ** 31)
 
 
-def run(pipe, kw, on_text=None):
-    """Generate for parsed keywords: (prompt token ids, Result). Chat messages are rendered with the
-    model's template and tokenized exactly as `generate(prompt=..., chat=True)` does."""
+def make(pipe, kw, request_id=None):
+    """The engine Request of parsed keywords. Chat messages are rendered with the model's template and
+    tokenized exactly as `generate(prompt=..., chat=True)` does."""
     kw = dict(kw)
     messages = kw.pop("messages", None)
     prompt, prompt_ids, chat = kw.pop("prompt", None), kw.pop("prompt_ids", None), kw.pop("chat", False)
     if messages is not None:
         prompt, chat = pipe.tokenizer.apply_chat_template(messages), False
-    ids = pipe.encode(prompt, prompt_ids, chat)
-    return ids, pipe.generate(prompt_ids=ids, on_text=on_text, **kw)
+    if kw.get("k") == "auto" and pipe.engine is not None and pipe.engine.dynamic is None and pipe.k != "auto":
+        raise RequestError(f"k=\"auto\" needs the pipeline started with dynamic K (this one runs K={pipe.k})")
+    return pipe.request(prompt, prompt_ids, chat=chat, request_id=request_id, **kw)
+
+
+def run(pipe, kw, on_text=None):
+    """Generate for parsed keywords, alone: (prompt token ids, Result)."""
+    r = make(pipe, kw)
+    pipe.run([r], (lambda _, text: text and on_text(text)) if on_text else None)
+    if r.error is not None:
+        raise r.error
+    return r.prompt_ids, r.result()

@@ -3,16 +3,21 @@
 Endpoints: OpenAI-compatible /v1/chat/completions, /v1/completions, /v1/models; TGI 0.9.4-style
 /generate, /generate_stream and POST /; MindIE's native /infer; MindIE's health probes.
 
-One pipeline, static batch 1: the main thread is the only one that generates (MindSpore and the
-signal handlers live there); HTTP handler threads parse a request, queue it (FIFO) and relay the
-worker's events to their client. A client that goes away cancels its request at the next step;
-SIGINT/SIGTERM fail the queued requests with 503 and stop the server cleanly.
+Continuous batching: the main thread is the only one that touches the engine (MindSpore and the
+signal handlers live there): each turn it takes the requests that arrived and the ones whose client
+went away, then runs one engine step over every running row. HTTP handler threads parse a request,
+hand it over and relay the engine's events to their client. A client that goes away (streamed or
+not) aborts its row at the next step; SIGINT/SIGTERM fail the queued and running requests with 503
+and stop the server cleanly.
 """
+import itertools
 import json
 import os
 import queue
 import re
+import select
 import signal
+import socket
 import sys
 import threading
 import time
@@ -21,81 +26,104 @@ import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from .errors import MindspecError
-from .request import RequestError, parse, run
+from .request import RequestError, make, parse
 from .tp import share
 
-TICK = 0.5  # s: how long the worker waits for a request before checking signals (and, under TP, pinging the ranks)
+TICK = 0.5  # s: how long an idle worker waits for a request before checking signals (and, under TP, pinging)
+WATCH = 0.02  # s: how often a handler waiting for its answer checks that its client is still there
 MAX_BODY = 4 * 2 ** 20  # MindIE's limit on a request's text: 4 MB
 EXTENSIONS = ("top_k", "repetition_penalty", "k", "draft_temperature")  # beyond each API's own fields
-
-
-class _Cancelled(Exception):
-    """The client went away (or the server is stopping): abandon this request at the next step."""
 
 
 class _Job:
     """One request for the worker. events: ("text", delta)*, then ("done", (prompt_ids, Result)) or
     ("error", MindspecError) or ("fail", Exception) or ("unavailable", None)."""
 
-    def __init__(self, kw):
-        self.kw, self.events, self.cancelled = kw, queue.Queue(), threading.Event()
+    def __init__(self, rid, kw):
+        self.id, self.kw, self.events, self.cancelled = rid, kw, queue.Queue(), threading.Event()
 
 
 class App:
     """What the handlers share: the pipeline (once loaded), the request defaults, the job queue."""
 
-    def __init__(self, defaults, model_name=None, tp=False):
-        self.defaults, self.model_name, self.tp = defaults, model_name, tp
+    def __init__(self, defaults, model_name=None, tp=False, max_batch=1):
+        self.defaults, self.model_name, self.tp, self.max_batch = defaults, model_name, tp, max_batch
         self.pipe, self.started = None, int(time.time())
         self.ready, self.stopping = threading.Event(), threading.Event()
-        self.jobs, self.current, self._lock = queue.Queue(), None, threading.Lock()
+        self.jobs, self.live, self._lock, self._ids = queue.Queue(), {}, threading.Lock(), itertools.count()
 
     def submit(self, kw):
-        job = _Job(kw)
         with self._lock:
             if self.stopping.is_set():
                 raise RequestError("the server is shutting down", 503)
+            job = _Job(next(self._ids), kw)
             self.jobs.put(job)
         return job
 
-    def work(self):
-        """The worker loop (main thread): one request at a time, in arrival order. Under tensor
-        parallelism this is rank 0, which hands each request to the other ranks (see follow)."""
-        while True:
-            try:
-                job = self.jobs.get(timeout=TICK)  # a timeout keeps the main thread responsive to signals
-            except queue.Empty:
-                if self.tp:
-                    share(None)  # idle: the other ranks must not wait in a collective for long
-                continue
-            if job.cancelled.is_set():
-                continue
-            if self.tp:
-                share(job.kw)
-            self.current = job
-            try:
-                job.events.put(("done", run(self.pipe, job.kw, lambda delta: self._text(job, delta))))
-            except _Cancelled:
-                pass
-            except MindspecError as e:
-                job.events.put(("error", e))
-            except Exception as e:  # a bug: log it here, answer 500, keep serving
-                traceback.print_exc()
-                job.events.put(("fail", e))
-            self.current = None
+    def _take(self, block):
+        """The new jobs and the ids of live jobs whose client left (waits up to TICK when idle)."""
+        new = []
+        try:
+            new.append(self.jobs.get(timeout=TICK) if block else self.jobs.get_nowait())
+            while True:
+                new.append(self.jobs.get_nowait())
+        except queue.Empty:
+            pass
+        gone = [rid for rid, job in self.live.items() if job.cancelled.is_set()]
+        return [(j.id, j.kw) for j in new if not j.cancelled.is_set()], gone, {j.id: j for j in new}
 
-    def _text(self, job, delta):
-        if job.cancelled.is_set() or self.stopping.is_set():
-            if self.tp:  # the other ranks run this request to its end: so must rank 0, answering nobody
-                return
-            raise _Cancelled
-        job.events.put(("text", delta))
+    def work(self):
+        """The worker loop (main thread). Under tensor parallelism this is rank 0: each turn it hands the
+        new requests and aborts to the other ranks (see follow), which apply them and step in lock step."""
+        eng = self.pipe.engine
+        while True:
+            new, gone, jobs = self._take(block=not eng.has_work)
+            if self.tp:
+                share((new, gone))  # also when idle: the other ranks must not wait in a collective for long
+            for rid, kw in new:
+                self.live[rid] = jobs[rid]
+            self.turn(new, gone, self._events)
+
+    def turn(self, new, gone, on_event):
+        """Apply one turn's new requests and aborts, then run one engine step (every rank runs this)."""
+        eng = self.pipe.engine
+        for rid, kw in new:
+            try:
+                eng.add(make(self.pipe, kw, request_id=rid))
+            except MindspecError as e:
+                on_event(rid, "error", e)
+        for rid in gone:
+            eng.abort(rid)
+        if eng.has_work:
+            for req, text in eng.step():
+                if text:
+                    on_event(req.id, "text", text)
+                if req.done:
+                    on_event(req.id, "end", req)
+
+    def _events(self, rid, kind, val):
+        job = self.live.get(rid)
+        if job is None:
+            return
+        if kind == "text":
+            return job.events.put(("text", val))
+        del self.live[rid]
+        if kind == "error":
+            return job.events.put(("error", val))
+        if val.finish_reason == "error":
+            print(f"mindspec: request {rid} failed: {val.error}", file=sys.stderr)
+            return job.events.put(("fail", val.error))
+        if val.finish_reason == "abort":
+            print(f"mindspec: request {rid} aborted after {len(val.output)} tokens: the client went away",
+                  file=sys.stderr, flush=True)
+        else:
+            job.events.put(("done", (val.prompt_ids, val.result())))
 
     def stop(self):
         """Refuse new requests; the running and queued ones answer 503."""
         with self._lock:
             self.stopping.set()
-            pending = [self.current] if self.current else []
+            pending = list(self.live.values())
             while not self.jobs.empty():
                 pending.append(self.jobs.get_nowait())
         for job in pending:
@@ -249,7 +277,8 @@ class _SSE:
 _PATTERNS = [  # (method, regex, handler name, error family)
     ("GET", r"/health", "get_health", "tgi"),
     ("GET", r"/health/timed(-[0-9]+)?", "get_health_timed", "tgi"),
-    ("GET", r"/v2/health/(live|ready)", "get_health", "tgi"),
+    ("GET", r"/v2/health/live", "get_live", "tgi"),
+    ("GET", r"/v2/health/ready", "get_health", "tgi"),
     ("GET", r"/v2/models/([\w\-.]+)/ready", "get_model_ready", "tgi"),
     ("GET", r"/v1/models", "get_models", "openai"),
     ("GET", r"/v1/models/([\w\-.]+)", "get_model", "openai"),
@@ -362,13 +391,34 @@ class Handler(BaseHTTPRequestHandler):
         if not self.app.ready.is_set():
             raise RequestError("the model is still loading", 503)
 
+    def _client_gone(self):
+        """The client closed its connection (an orderly close reads as b""), so nobody waits for the answer."""
+        try:
+            if not select.select([self.connection], [], [], 0)[0]:
+                return False
+            return self.connection.recv(1, socket.MSG_PEEK) == b""
+        except OSError:
+            return True
+
     def _generate(self, kw, fmt, stream):
-        """Queue the request and relay the worker's events: one JSON body, or SSE events."""
+        """Queue the request and relay the worker's events: one JSON body, or SSE events. A client that
+        leaves (streamed or not) aborts its request."""
         job = self.app.submit(kw)
         sse = _SSE(self) if stream else None
+        checked = time.monotonic()
         try:
             while True:
-                kind, val = job.events.get()
+                try:
+                    kind, val = job.events.get(timeout=WATCH)
+                except queue.Empty:
+                    kind = None
+                if not sse and time.monotonic() - checked >= WATCH:  # a stream notices on its next write
+                    checked = time.monotonic()
+                    if self._client_gone():
+                        job.cancelled.set()
+                        return
+                if kind is None:
+                    continue
                 if kind == "text":
                     for ev in fmt.chunk(val) if sse else ():
                         sse.send(ev)
@@ -391,7 +441,12 @@ class Handler(BaseHTTPRequestHandler):
     # ---- health and models (MindIE: /health, /health/timed, Triton-style /v2/health/*)
 
     def get_health(self, *_):
+        """Ready: the model is loaded and every graph compiled."""
         self._json(200 if self.app.ready.is_set() else 503, None)
+
+    def get_live(self):
+        """Live: the process answers (it may still be loading)."""
+        self._json(200, None)
 
     def get_health_timed(self, _wait=None):
         self._check_ready()
@@ -407,7 +462,7 @@ class Handler(BaseHTTPRequestHandler):
             raise RequestError(f"model {name!r} not found: this server serves {self.app.model_name!r}", 404)
         pipe = self.app.pipe
         return {"id": self.app.model_name, "object": "model", "created": self.app.started, "owned_by": "mindspec",
-                "root": pipe.ckpt.dir, "parent": None, "max_model_len": pipe.fixed_max_seq or pipe.cfg.max_position_embeddings}
+                "root": pipe.model_dir, "parent": None, "max_model_len": pipe.max_seq}
 
     def get_models(self):
         self._check_ready()
@@ -428,7 +483,7 @@ class Handler(BaseHTTPRequestHandler):
             self._model(model)
         for key, off in _UNSUPPORTED.items():
             if body.get(key) not in (None, off):
-                raise RequestError(f"{key}={body[key]!r} is not supported (static batch 1, no logprobs)")
+                raise RequestError(f"{key}={body[key]!r} is not supported (one choice per request, no logprobs)")
         stream = _stream_flag(body)
         flat = {k: body[k] for k in ("max_tokens", "temperature", "top_p", "seed", "stop") + EXTENSIONS if k in body}
         if chat:
@@ -469,7 +524,7 @@ class Handler(BaseHTTPRequestHandler):
             if params.get(key) not in (None, True, False):  # null: the default
                 raise RequestError(f"{key} must be true or false")
         if params.get("best_of") not in (None, 1):
-            raise RequestError("best_of > 1 is not supported (static batch 1)")
+            raise RequestError("best_of > 1 is not supported (one choice per request)")
         fields = ("max_new_tokens", "temperature", "top_p", "seed", "stop", "do_sample") + EXTENSIONS
         kw = parse(dict({k: params[k] for k in fields if k in params}, prompt=inputs), self.app.defaults)
         fmt = _TGI(self.app, kw, native, params.get("details", False), params.get("decoder_input_details", False),
@@ -497,38 +552,39 @@ def _stop_on_signals():
         signal.signal(sig, signal.default_int_handler)
 
 
-def follow(pipe):
-    """Ranks > 0 of a tensor-parallel server: run every request rank 0 shares, in lock step with it
-    (the target's collectives need every rank), and answer nobody. Runs until the job is stopped."""
+def follow(app):
+    """Ranks > 0 of a tensor-parallel server: apply each turn rank 0 shares and step the engine in lock
+    step with it (the target's collectives need every rank); answer nobody. Runs until the job is stopped."""
     while True:
-        kw = share(None)
-        if kw is None:  # rank 0 is idle
-            continue
-        try:
-            run(pipe, kw)
-        except MindspecError:
-            pass  # rank 0 met the same error at the same point and answers the client
-        except Exception:  # noqa: BLE001 - as rank 0 (500 and serve on): one bad request must not end the job
-            traceback.print_exc()
+        new, gone = share(None)
+        app.turn(new, gone, lambda *_: None)
 
 
-def serve(load, defaults, host="127.0.0.1", port=1025, model_name=None, tp=False):
-    """Listen, load the pipeline (health answers 503 meanwhile), then generate until SIGINT/SIGTERM."""
+def prepare(pipe, max_batch):
+    """Compile every graph a request can need and measure the dynamic-K costs, before the server says
+    ready (every tensor-parallel rank runs this)."""
+    pipe.prepare([], max_batch, every_graph=True)
+    return pipe
+
+
+def serve(load, defaults, host="127.0.0.1", port=1025, model_name=None, tp=False, max_batch=1):
+    """Listen, load the pipeline and compile its graphs (/health and /v2/health/ready answer 503
+    meanwhile, /v2/health/live 200), then generate until SIGINT/SIGTERM."""
     try:
         httpd = ThreadingHTTPServer((host, port), Handler)
     except OSError as e:
         raise MindspecError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     httpd.daemon_threads = True
-    httpd.app = app = App(defaults, model_name, tp)
+    httpd.app = app = App(defaults, model_name, tp, max_batch)
     _stop_on_signals()
     threading.Thread(target=httpd.serve_forever, name="http", daemon=True).start()
     try:
-        app.pipe = load()
+        app.pipe = prepare(load(), max_batch)
         _stop_on_signals()  # again, over whatever the frameworks loaded meanwhile installed
-        app.model_name = app.model_name or os.path.basename(os.path.normpath(app.pipe.ckpt.dir))
+        app.model_name = app.model_name or os.path.basename(os.path.normpath(app.pipe.model_dir))
         app.ready.set()
         print(f"mindspec: serving {app.model_name} on http://{host}:{httpd.server_address[1]} "
-              f"(one request at a time)", flush=True)
+              f"(up to {max_batch} requests at once)", flush=True)
         app.work()
     except KeyboardInterrupt:
         pass

@@ -36,7 +36,8 @@ def test_bench_writes_json_png_and_table(pair):
                        '{"prompt": "def f(x):"}\n')
     out = d / "out"
     code, stdout, err = bench("--target", target, "--draft", draft, "--prompts", str(prompts), "--ks", "1,2",
-                              "--max-new-tokens", "6", "--out", str(out), "--no-hf", home=d / "home")
+                              "--max-new-tokens", "6", "--out", str(out), "--no-hf", "--batch-sizes", "1,2",
+                              home=d / "home")
     assert code == 0, err
     res = json.loads((out / "bench.json").read_text())
     runs = res["runs"]
@@ -47,14 +48,19 @@ def test_bench_writes_json_png_and_table(pair):
     mine = [r for r in runs if r["mode"] in ("target-only", "fixed-k", "dynamic-k")]
     assert all(r["identical_to_target_only"] for r in mine)  # greedy speculation changes nothing
     for s in ("story", "chat", "p"):
-        modes = {(r["mode"], r["k"]) for r in runs if r["prompt_set"] == s}
-        assert {("target-only", 0), ("fixed-k", 1), ("fixed-k", 2)} <= modes
-        assert ("dynamic-k", "auto") in modes or any("dynamic-k skipped" in n for n in res["notes"])
+        for B in (1, 2):
+            modes = {(r["mode"], r["k"]) for r in runs if r["prompt_set"] == s and r["batch_size"] == B}
+            assert modes == {("target-only", 0), ("fixed-k", 1), ("fixed-k", 2), ("dynamic-k", "auto")}
+    for r in runs:  # a batch's tokens are all its rows' tokens, over the batch's wall time
+        assert r["tokens_per_s"] == pytest.approx(r["new_tokens"] / r["wall_s"], rel=1e-2)  # wall_s is rounded
+        assert r["mean_latency_s"] > 0
     for r in runs:
         if r["mode"] == "fixed-k":
             assert 0 <= r["acceptance_rate"] <= 1 and 1 <= r["tokens_per_target_call"] <= r["k"] + 1
             assert r["k_used"] and sum(r["k_used"].values()) > 0
-    assert res["costs_vs_decode"]["c"] > 0 and set(res["costs_vs_decode"]["v"]) >= {"1", "2"}
+    assert res["batch_sizes"] == [1, 2] and set(res["costs_vs_decode"]) == {"1", "2"}
+    for cost in res["costs_vs_decode"].values():
+        assert cost["c"] > 0 and set(cost["v"]) >= {"0", "1", "2"}
     assert (d / "home" / "costs.json").exists()  # measured once, cached for the next start
 
     from PIL import Image
@@ -62,9 +68,11 @@ def test_bench_writes_json_png_and_table(pair):
         assert im.format == "PNG" and im.width >= 800 and im.height >= 300, im.size
         px = np.asarray(im.convert("L"), dtype=np.float32)
     assert px.std() > 5 and (px < 128).mean() > 0.005  # drawn on, not a blank canvas
+    with Image.open(out / "bench-batch.png") as im:  # tokens/s against the batch size
+        assert im.format == "PNG" and np.asarray(im.convert("L"), dtype=np.float32).std() > 5
 
     lines = [ln for ln in stdout.splitlines() if ln.startswith("|")]
-    assert lines[0].startswith("| prompt set | mode | K | tokens/s")
+    assert lines[0].startswith("| prompt set | B | mode | K | tokens/s")
     assert len(lines) == 2 + len(runs)
 
 

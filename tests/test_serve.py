@@ -35,7 +35,7 @@ def server(pair):
     """(base URL, process, stderr lines, the thread reading them) of one server for the whole module."""
     target, draft = pair
     p = subprocess.Popen([sys.executable, "-m", "mindspec", "serve", "--target", target, "--draft", draft, "-k", "2",
-                          "--max-seq", str(MAX_SEQ), "--port", "0", "--model-name", "tiny"],
+                          "--max-seq", str(MAX_SEQ), "--port", "0", "--model-name", "tiny", "--max-batch", "2"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines, err = queue.Queue(), []
     threading.Thread(target=lambda: [lines.put(x) for x in p.stdout], daemon=True).start()
@@ -130,6 +130,43 @@ def test_greedy_equals_target_only(server, pipe):
                                                                     speculate=False).text
 
 
+def test_concurrent_clients_each_get_their_own_exact_text(server, pipe):
+    """Six clients at once over a server running two rows at a time: each answer is that prompt's own
+    target-only text, token for token."""
+    base = server[0]
+    prompts = [[5, 6, 7, 8], [100, 3, 250], [42], [9, 8, 7, 6, 5], [200, 100], [60, 61, 62]]
+    out = {}
+
+    def ask(i):
+        c = post(base, "/v1/completions", {"prompt": prompts[i], "max_tokens": N + i})
+        out[i] = c["choices"][0]["text"]
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    for i, ids in enumerate(prompts):
+        assert out[i] == pipe.generate(prompt_ids=ids, max_new_tokens=N + i, speculate=False).text, i
+
+
+def test_a_non_streamed_request_is_aborted_when_its_client_leaves(server):
+    import socket
+    import time
+    base, _, err, _ = server
+    host, port = base.rsplit("/", 1)[1].split(":")
+    body = json.dumps({"prompt": IDS, "max_tokens": MAX_SEQ - len(IDS) - 2, "temperature": 0}).encode()
+    s = socket.create_connection((host, int(port)))
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    s.close()  # the answer would take ~120 steps: the server notices within a few
+    deadline = time.time() + 30
+    while time.time() < deadline and not any("aborted" in line for line in list(err)):
+        time.sleep(0.1)
+    assert any(re.search(r"request \d+ aborted after \d+ tokens: the client went away", line) for line in err), err[-5:]
+    assert post(base, "/v1/completions", {"prompt": IDS, "max_tokens": 2})["choices"][0]["text"] is not None
+
+
 def test_streams_concatenate_to_the_full_text(server):
     base = server[0]
     body = {"prompt": IDS, "max_tokens": N}
@@ -161,8 +198,13 @@ BAD = [  # (path, body or raw bytes, status, words in the message)
     ("/v1/completions", b"[1, 2]", 400, "JSON object"),
     ("/v1/completions", {}, 400, "exactly one of"),
     ("/v1/completions", {"prompt": 5}, 400, "prompt must be"),
-    ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature must be a finite number"),
-    ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature must be >= 0"),
+    ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature must be a number in [0, 100"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature must be a number in [0, 100"),
+    # values that once passed validation and overflowed (or vanished) inside the float32 graph
+    ("/v1/completions", {"prompt": "hi", "temperature": 1e39}, 400, "temperature must be a number in [0, 100"),
+    ("/v1/completions", {"prompt": "hi", "temperature": 0.7, "top_k": 2 ** 63}, 400, "top_k must be an integer"),
+    ("/v1/completions", {"prompt": "hi", "temperature": 0.7, "repetition_penalty": 1e-46}, 400,
+     "repetition_penalty must be a number in [0.01, 100"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens must be an integer >= 1"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens must be an integer"),
     ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "not found"),
@@ -175,7 +217,7 @@ BAD = [  # (path, body or raw bytes, status, words in the message)
     ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "content must be a string"),
     ("/v1/completions", b"x" * (4 * 2 ** 20 + 1), 413, "larger than"),
     ("/generate", {"parameters": {}}, 422, "inputs must be"),
-    ("/generate", {"inputs": "hi", "parameters": {"top_p": 2}}, 422, "top_p must be in (0, 1]"),
+    ("/generate", {"inputs": "hi", "parameters": {"top_p": 2}}, 422, "top_p must be a number in (0, 1]"),
     ("/generate_stream", {"inputs": "hi", "parameters": {"repetition_penalty": 0}}, 422, "repetition_penalty"),
     ("/infer", {"inputs": "hi", "stream": "yes"}, 422, "stream must be"),
     ("/v1/completions", b'{"prompt": "a\\ud800b"}', 400, "not valid Unicode"),  # a lone surrogate
@@ -269,7 +311,7 @@ def test_tensor_parallel_server(pair, pipe):
     import time
     target, draft = pair
     p = subprocess.Popen([sys.executable, "-m", "mindspec", "serve", "--tp", "2", "--target", target, "--draft", draft,
-                          "-k", "2", "--max-seq", str(MAX_SEQ), "--port", "0", "--model-name", "tiny"],
+                          "-k", "2", "--max-seq", str(MAX_SEQ), "--port", "0", "--model-name", "tiny", "--max-batch", "2"],
                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
     try:
         lines = queue.Queue()

@@ -48,7 +48,8 @@ def run_job(target, draft, out):
     Checkpoint.get, Checkpoint.get_slice = counting_get, counting_slice
     t0 = time.perf_counter()
     try:
-        pipe = mindspec.load(target=target, draft=draft, k=4, max_seq=128, buckets=(4,))
+        pipe = mindspec.load(target=target, draft=draft, k=4, max_seq=128, buckets=(4,), max_batch=2,
+                             batch_buckets=(2,))
     finally:
         Checkpoint.get, Checkpoint.get_slice = get, get_slice
     res = {"rank": tp_rank(), "size": tp_size(), "read": read, "target_only": [], "speculative": [],
@@ -59,11 +60,13 @@ def run_job(target, draft, out):
         res["speculative"].append(spec.token_ids)
         res["accepted"] += spec.stats["accepted"]
         res["drafted"] += spec.stats["drafted"]
+    # every rank steps the same continuous batch (two rows at a time, the rest joining as rows finish)
+    res["batched"] = [r.token_ids for r in pipe.generate_many(
+        [dict(prompt_ids=ids, max_new_tokens=NEW_TOKENS) for ids in PROMPTS], max_batch=2)]
     res["generate_s"] = time.perf_counter() - t0 - res["load_s"]
     from mindspec.tp import share
     res["shared"] = share({"from": tp_rank(), "seed": 12345, "costs": [0.31, {"4": 1.25}], "pad": "x" * 300})
-    pipe.target.rollback(0)
-    logits = pipe.target.logits(LOGIT_IDS)  # [T, V]: the gathered vocabulary-parallel logits
+    logits = pipe.target.logits(0, 0, LOGIT_IDS)  # [T, V]: the gathered vocabulary-parallel logits
     with open(f"{out}.rank{tp_rank()}.json", "w") as f:
         json.dump(res, f)
     np.save(f"{out}.rank{tp_rank()}.npy", logits)
@@ -77,7 +80,7 @@ def run_job(target, draft, out):
             f.write(str(time.time()))
         os.kill(os.getpid(), 9)  # this rank dies ...
     elif die:
-        pipe.target.decode(5)  # ... while the others wait for it in the first AllReduce of a target call
+        pipe.target.step([[5]], [0], [0], [0])  # ... while the others wait for it in the first AllReduce of a call
     return res, logits
 
 
@@ -162,6 +165,7 @@ def test_tp_equals_tp1_and_reads_only_its_shard(pair, reference, n):
             f"rank {r} of TP={n} differs from TP=1; if its tokens are garbage (e.g. all 0), a graph compiled for "
             "another TP layout was loaded from the compile cache: its key must include graphs.tp.tp_layout()")
         assert res["speculative"] == ref["speculative"] == ref["target_only"], r
+        assert res["batched"] == ref["batched"] == ref["target_only"], r
         assert np.abs(np.load(root / f"tp{n}.rank{r}.npy") - ref_logits).max() < 1e-4
         assert res["shared"] == dict(ref["shared"], **{"from": 0})  # rank 0's object, on every rank
         # shard-by-shard: whole tensors read are the norm vectors only; the matrices come as slices
