@@ -5,8 +5,9 @@ call feeds ids [B, T], each row at its own position pos[b] of its own slot slots
 with scatter_nd_update and attention runs over the row's whole static cache with a per-row position
 mask (key_pos <= query_pos), so rollback is free: stale positions past a row's position are masked
 and later overwritten. Positions and slots are Tensors, never Python ints (an int recompiles per
-value), so one graph per (B, T) serves every mix of rows. The last slot is scratch: padding rows of
-a batch bucket write there and nothing reads it.
+value), so one graph per (B, T) serves every mix of rows. A batch of as many rows as slots comes in
+slot order and attends to the cache in place; a smaller one gathers its rows' slots. Padding rows
+write into a reserved tail of positions that no real row ever attends to.
 
 On CPU the cost of a small model is dominated by per-kernel dispatch (~20 us a kernel, measured),
 so the weights are pre-folded to need few kernels per layer (see fuse.py).
@@ -58,6 +59,7 @@ class LlamaDecoder(nn.Cell):
         self.head = _param(w["head"], "head", dtype)
         self.w = ParameterTuple([_param(w[f"{n}.{i}"], f"{n}.{i}", dtype)
                                  for i in range(self.L) for n in ("qkv", "o", "gate_up", "down")])
+        self.slots = slots
         shape = (slots, self.KV, max_seq, self.D)  # [slots, KV, S, D]
         self.k_cache = ParameterTuple([_param(np.zeros(shape, np.float32), f"k_cache.{i}", dtype)
                                        for i in range(self.L)])
@@ -138,8 +140,10 @@ class LlamaDecoder(nn.Cell):
             a = a.reshape(B, T, self.N) * cos + a_rot.reshape(B, T, self.N) * sin
             a = a.reshape(B, T, self.H + 2 * self.KV, self.D).transpose(0, 2, 1, 3)
             q, k, v = ops.split(a, (self.H, self.KV, self.KV), 1)  # [B, H|KV|KV, T, D]
-            kc = ops.gather(ops.scatter_nd_update(self.k_cache[i], idx, k), slots, 0)  # [B, KV, S, D]
-            vc = ops.gather(ops.scatter_nd_update(self.v_cache[i], idx, v), slots, 0)
+            kc = ops.scatter_nd_update(self.k_cache[i], idx, k)  # [slots, KV, S, D]
+            vc = ops.scatter_nd_update(self.v_cache[i], idx, v)
+            if B != self.slots:  # a full batch is in slot order (the runner's job): no copy of the cache
+                kc, vc = ops.gather(kc, slots, 0), ops.gather(vc, slots, 0)  # [B, KV, S, D]
             # GQA without copying the cache per head: the G query heads of a KV head become extra rows
             s = self.qk_t(q.reshape(B, self.KV, self.G * T, self.D), kc) + mask  # [B, KV, G*T, S]
             o = ops.matmul(ops.softmax(s, -1), vc)  # [B, KV, G*T, D]

@@ -64,14 +64,6 @@ class RowSampling:
                    np.full((n, max(K, 1)), 0.5, np.float32), np.full((n, K + 1), 0.5, np.float32), q=q)
 
 
-def _pad(a, B, value=0):
-    """a [n, ...] padded with `value` rows to [B, ...]."""
-    a = np.asarray(a)
-    if a.shape[0] == B:
-        return a
-    return np.concatenate([a, np.full((B - a.shape[0],) + a.shape[1:], value, a.dtype)])
-
-
 class TargetModel:
     """Target graphs for `max_batch` slots of `max_seq` committed positions (a multiple of
     PREFILL_CHUNK); `batch_buckets` / `k_buckets` are the compiled (B, K) shapes."""
@@ -81,9 +73,8 @@ class TargetModel:
         self.max_seq = round_up(max_seq, PREFILL_CHUNK)
         self.k_buckets, self.batch_buckets = tuple(sorted(k_buckets)), tuple(sorted(batch_buckets))
         self.max_batch = max_batch
-        self.scratch = max_batch  # the extra slot padding rows write to
         # a verify step writes up to K positions past the last committed one
-        self.decoder = LlamaDecoder(self.cfg, ckpt.get, self.max_seq + max(self.k_buckets), slots=max_batch + 1,
+        self.decoder = LlamaDecoder(self.cfg, ckpt.get, self.max_seq + max(self.k_buckets), slots=max_batch,
                                     dtype=dtype)
         self.cells = {"greedy": GreedyStep(self.decoder), "sample": SampleStep(self.decoder, TOPK_CAP),
                       "prefill": Prefill(self.decoder, TOPK_CAP), "logits": Logits(self.decoder)}
@@ -117,17 +108,16 @@ class TargetModel:
 
     def _seen(self, seen, B):
         if seen is not None:
-            return self._f32(_pad(seen, B))
+            return self._f32(seen)
         if B not in self._no_seen:
             self._no_seen[B] = Tensor(np.zeros((B, self.cfg.vocab_size), np.float32))
         return self._no_seen[B]
 
-    def _params(self, s, B):
-        """The per-row sampling parameter Tensors, padding rows greedy."""
-        V = self.cfg.vocab_size
-        top_k = np.minimum(np.asarray(s.top_k, np.int64), V)  # k >= V means off; keeps int32 in range
-        return (self._f32(_pad(s.temperature, B)), self._i32(_pad(top_k, B)), self._f32(_pad(s.top_p, B, 1)),
-                self._f32(_pad(s.penalty, B, 1)), self._seen(s.seen, B))
+    def _params(self, s):
+        """One row's sampling parameter Tensors (prefill)."""
+        top_k = np.minimum(np.asarray(s.top_k, np.int64), self.cfg.vocab_size)  # k >= V means off
+        return (self._f32(s.temperature), self._i32(top_k), self._f32(s.top_p), self._f32(s.penalty),
+                self._seen(s.seen, 1))
 
     def prefill(self, slot, pos, ids, s):
         """Feed one prompt chunk ids (at most PREFILL_CHUNK) at `pos` of `slot`; return the token
@@ -139,13 +129,14 @@ class TargetModel:
         chunk = np.zeros((1, PREFILL_CHUNK), np.int32)
         chunk[0, :n] = ids
         out = self._run("prefill", (1, PREFILL_CHUNK), self._i32(chunk), self._i32([slot]), self._i32([pos]),
-                        self._i32([n - 1]), self._f32(np.asarray(s.u_smp).reshape(1)), *self._params(s, 1))
+                        self._i32([n - 1]), self._f32(np.asarray(s.u_smp).reshape(1)), *self._params(s))
         return int(out.asnumpy()[0])
 
     def step(self, ids, slots, pos, n_valid, s=None):
         """One decode (K = 0) or verify step over n rows: ids [n, K+1] (last committed token + K drafts),
         slots, pos, n_valid [n]; s: RowSampling, None when every row is plain greedy. Rows are padded
-        to the batch bucket. Returns (n_accepted [n], next [n]) int arrays."""
+        to the batch bucket (a bucket of every slot puts each row at its slot's index). Returns
+        (n_accepted [n], next [n]) int arrays."""
         ids = np.asarray(ids, np.int32)
         n, T = ids.shape
         K = T - 1
@@ -153,17 +144,34 @@ class TargetModel:
         B = next(b for b in self.batch_buckets if b >= n)
         if (np.asarray(pos) + T > self.max_seq + max(self.k_buckets)).any():
             raise MindspecError(f"sequence would exceed the target's max_seq {self.max_seq}")
-        head = (self._i32(_pad(ids, B)), self._i32(_pad(slots, B, self.scratch)), self._i32(_pad(pos, B)),
-                self._i32(_pad(n_valid, B)))
+        at = np.asarray(slots) if B == self.max_batch else np.arange(n)  # where each row sits in the bucket
+
+        def rows(a, fill=0):  # [n, ...] -> [B, ...], padding rows filled
+            a = np.asarray(a)
+            if n == B and B < self.max_batch or n == B == 1:
+                return a
+            out = np.full((B,) + a.shape[1:], fill, a.dtype)
+            out[at] = a
+            return out
+        slot_of = rows(slots)
+        if n < B:  # padding rows write at positions >= max_seq - 1 of a slot no real row of this call uses:
+            # positions that any row writes again before it attends to them
+            unused = np.setdiff1d(np.arange(self.max_batch), slots)
+            slot_of[np.setdiff1d(np.arange(B), at)] = unused if B == self.max_batch else unused[0]
+        head = (self._i32(rows(ids)), self._i32(slot_of), self._i32(rows(pos, self.max_seq - 1)),
+                self._i32(rows(n_valid)))
         if s is None:
             acc, nxt = self._run("greedy", (B, T), *head)
         else:
             V = self.cfg.vocab_size
             q = s.q if K else np.zeros((n, 1, V), np.float32)
             u_acc = s.u_acc if K else np.zeros((n, 1), np.float32)
-            acc, nxt = self._run("sample", (B, T), *head, self._f32(_pad(q, B)), self._f32(_pad(u_acc, B, 0.5)),
-                                 self._f32(_pad(s.u_smp, B, 0.5)), *self._params(s, B))
-        return acc.asnumpy()[:n].astype(np.int64), nxt.asnumpy()[:n].astype(np.int64)
+            top_k = np.minimum(np.asarray(s.top_k, np.int64), V)  # k >= V means off; keeps int32 in range
+            acc, nxt = self._run("sample", (B, T), *head, self._f32(rows(q)), self._f32(rows(u_acc, 0.5)),
+                                 self._f32(rows(s.u_smp, 0.5)), self._f32(rows(s.temperature)),
+                                 self._i32(rows(top_k)), self._f32(rows(s.top_p, 1)), self._f32(rows(s.penalty, 1)),
+                                 self._seen(None if s.seen is None else rows(s.seen), B))
+        return acc.asnumpy()[at].astype(np.int64), nxt.asnumpy()[at].astype(np.int64)
 
     def logits(self, slot, pos, ids):
         """Full logits [T, V] of ids fed at pos of slot (tests and numerical checks)."""
@@ -183,8 +191,8 @@ class TargetModel:
         return names
 
     def warmup(self, names, cache_dir=None):
-        """Compile the graphs `names` (graph_names). They run on the scratch slot, so no request's cache
-        is touched.
+        """Compile the graphs `names` (graph_names). They write into slots 0..B-1: call it while no
+        request runs.
 
         With `cache_dir`, the graphs are saved to / loaded from MindSpore's compile cache, but only
         when they are the first graphs compiled in this process: MindSpore names cached graphs by the
@@ -210,6 +218,6 @@ class TargetModel:
 
     def _compile(self, kind, B, K):
         if kind == "prefill":
-            return self.prefill(self.scratch, 0, [0], RowSampling.greedy(1))
+            return self.prefill(0, 0, [0], RowSampling.greedy(1))
         s = RowSampling.greedy(B, K, self.cfg.vocab_size) if kind == "sample" else None
-        self.step(np.zeros((B, K + 1)), [self.scratch] * B, np.zeros(B), np.zeros(B), s)
+        self.step(np.zeros((B, K + 1)), np.arange(B), np.zeros(B), np.zeros(B), s)
