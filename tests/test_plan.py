@@ -1,4 +1,5 @@
-"""`mindspec plan`: the seed's 8-card example, both KV caches, refusals, the speed estimate, checkpoints."""
+"""`mindspec plan`: the reference deployment (Llama-2-70B at TP=8, a Llama-2-7B draft, 8 x 64 GB Atlas 800I
+A2), both KV caches, refusals, the speed estimate, checkpoints."""
 import argparse
 import json
 import os
@@ -37,7 +38,7 @@ def test_seed_example_memory(capsys):
     assert p["target_gb"] == pytest.approx(140) and p["target_shard_gb"] == pytest.approx(17.5)
     assert p["draft_gb"] == pytest.approx(14)
     assert p["kv_gb"] == pytest.approx(358)                  # 512 - 140 - 14: the draft is counted once
-    # The seed's "504 GB without the draft" is an arithmetic slip: 512 - 140 = 372.
+    # "504 GB without the draft", as the deployment was first described to us, is a slip: 512 - 140 = 372.
     assert p["kv_gb_without_draft"] == pytest.approx(372)
     # Its ~29% cut is what the draft's device loses (32.5 of 46.5 GB free), and a TP group is bound
     # by its fullest device.

@@ -37,24 +37,24 @@ def candidate(target, name):
 
 
 def verify_costs(pipe, reps=15):
-    """Median seconds of decode and verify(K) at ~100 positions of context."""
+    """Median seconds of decode and verify(K) at ~100 positions of context (one row, slot 0)."""
+    from mindspec.graphs.runner import RowSampling
     t = pipe.target
-    t.warmup(pipe.buckets)
-    t.rollback(0)
-    t.prefill(list(range(1000, 1100)))
-    base = t.pos
+    t.warmup(t.graph_names([1], (0,) + t.k_buckets))
+    ctx = list(range(1000, 1100))
+    for c in range(0, len(ctx), 32):
+        t.prefill(0, c, ctx[c:c + 32], RowSampling.greedy(1))
 
     def med(f):
         ts = []
         for _ in range(reps):
-            t.rollback(base)
             s = time.perf_counter()
             f()
             ts.append(time.perf_counter() - s)
         return statistics.median(ts)
-    out = {"decode": med(lambda: t.decode(5))}
-    for k in pipe.buckets:
-        out[f"verify{k}"] = med(lambda: t.verify(5, [6] * k))
+    out = {"decode": med(lambda: t.step([[5]], [0], [len(ctx)], [0]))}
+    for k in t.k_buckets:
+        out[f"verify{k}"] = med(lambda: t.step([[5] + [6] * k], [0], [len(ctx)], [k]))
     return out
 
 

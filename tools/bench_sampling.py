@@ -20,26 +20,29 @@ PROMPTS = {"story": ("Once upon a time, in a small village by the sea,", False),
 
 def fused_vs_python(pipe, k, reps=10):
     """Median ms of one verify step: fused graph (q in, n_accepted/next out) vs logits graph + numpy."""
+    from mindspec.graphs.runner import RowSampling
     t, V = pipe.target, pipe.cfg.vocab_size
     params = SamplingParams(temperature=1.0)
     rng = np.random.default_rng(0)
-    q = np.full((k, V), 1.0 / V, np.float32)
-    t.rollback(0)
-    t.prefill(list(range(1000, 1064)))
-    base = t.pos
-    t.verify_sample(5, [6] * k, q, rng.random(k + 1), params)  # compile
-    t.rollback(base)
-    t.logits([5] + [6] * k)  # compile
+    q = np.full((1, k, V), 1.0 / V, np.float32)
+    ctx = list(range(1000, 1064))
+    for c in range(0, len(ctx), 32):
+        t.prefill(0, c, ctx[c:c + 32], RowSampling.greedy(1))
+
+    def fused_step():
+        s = RowSampling(np.ones(1), np.zeros(1, np.int64), np.ones(1), np.ones(1), rng.random((1, k)),
+                        rng.random((1, k + 1)), q=q)
+        t.step([[5] + [6] * k], [0], [len(ctx)], [k], s)
+    fused_step()  # compile
+    t.logits(0, len(ctx), [5] + [6] * k)  # compile
     fused, python = [], []
     for _ in range(reps):
-        t.rollback(base)
         s = time.perf_counter()
-        t.verify_sample(5, [6] * k, q, rng.random(k + 1), params)
+        fused_step()
         fused.append(time.perf_counter() - s)
-        t.rollback(base)
         s = time.perf_counter()
-        p = params.process(t.logits([5] + [6] * k))  # [K+1, V] back to Python
-        speculative_accept(p, q, np.full(k, 6), rng.random(k), rng.random())
+        p = params.process(t.logits(0, len(ctx), [5] + [6] * k))  # [K+1, V] back to Python
+        speculative_accept(p, q[0], np.full(k, 6), rng.random(k), rng.random())
         python.append(time.perf_counter() - s)
     return 1000 * statistics.median(fused), 1000 * statistics.median(python)
 

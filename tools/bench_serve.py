@@ -1,9 +1,10 @@
-"""What serving over HTTP costs on top of the loop: starts `mindspec serve` on 127.0.0.1 (default
-pair unless --target/--draft), sends the bench prompts to /v1/completions (whole and streamed) and
-reports, per request, the client's tokens/s next to the loop's own (the "mindspec" stats in the
-response), and the time to the first streamed text.
+"""`mindspec serve` under load: starts the server on 127.0.0.1 (default pair unless --target/--draft),
+reports the time from launch to ready, the first request's latency against a later one's, then sends
+the same requests (the bench prompts, whole completions) with 1, 4 and 8 concurrent clients and
+reports aggregate tokens/s and p50/p95 latency for each, plus the time to the first streamed text.
 
-    .venv/bin/python tools/bench_serve.py [--max-new-tokens 64] [--rounds 2] [--target DIR --draft PATH]
+    .venv/bin/python tools/bench_serve.py [--max-new-tokens 64] [--requests 16] [--clients 1,4,8]
+                                          [--max-batch 8] [--target DIR --draft PATH]
 """
 import argparse
 import json
@@ -13,15 +14,17 @@ import subprocess
 import sys
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 from mindspec.bench import PROMPT_SETS
 
 
 def post(url, body):
+    """(response, seconds, seconds to the first streamed text or None)."""
     stream = body.get("stream", False)
     req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
     t0 = time.perf_counter()
-    with urllib.request.urlopen(req, timeout=600) as r:
+    with urllib.request.urlopen(req, timeout=1200) as r:
         if not stream:
             return json.loads(r.read()), time.perf_counter() - t0, None
         first, last = None, None
@@ -34,16 +37,25 @@ def post(url, body):
         return last, time.perf_counter() - t0, first
 
 
+def pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--target")
     ap.add_argument("--draft")
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--clients", default="1,4,8")
+    ap.add_argument("--max-batch", type=int, default=8)
     a = ap.parse_args()
-    cmd = [sys.executable, "-m", "mindspec", "serve", "--port", "0", "--max-seq", "512"]
+    cmd = [sys.executable, "-m", "mindspec", "serve", "--port", "0", "--max-seq", "512",
+           "--max-batch", str(a.max_batch)]
     cmd += ["--target", a.target] if a.target else []
     cmd += ["--draft", a.draft] if a.draft else []
+    t0 = time.perf_counter()
     srv = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     try:
         line = ""
@@ -51,30 +63,31 @@ def main():
             line = srv.stdout.readline()
             if not line:
                 sys.exit("the server did not start (its errors are above)")
+        ready_s = time.perf_counter() - t0
         base = line.split(" on ")[1].split()[0]
-        url = base + "/v1/completions"
-        prompts = [p for rows in PROMPT_SETS.values() for p, chat in rows if not chat]
-        chats = [p for rows in PROMPT_SETS.values() for p, chat in rows if chat]
-        post(url, {"prompt": prompts[0], "max_tokens": 8})  # compile / warm up
-        post(url, {"prompt": prompts[0], "max_tokens": 8, "stream": True})
-        rows = []
-        for _ in range(a.rounds):
-            jobs = [(url, {"prompt": t}) for t in prompts]
-            jobs += [(base + "/v1/chat/completions", {"messages": [{"role": "user", "content": t}]}) for t in chats]
-            for where, body in jobs:
-                body["max_tokens"] = a.max_new_tokens
-                res, wall, _ = post(where, body)
-                _, swall, ttft = post(where, dict(body, stream=True))
-                n = res["usage"]["completion_tokens"]
-                rows.append(dict(tokens=n, client_s=wall, loop_s=res["mindspec"]["wall_s"], stream_s=swall,
-                                 ttft_s=ttft, loop_prefill_s=res["mindspec"]["prefill_s"]))
-        tok = sum(r["tokens"] for r in rows)
-        client, loop = sum(r["client_s"] for r in rows), sum(r["loop_s"] for r in rows)
-        print(f"{len(rows)} requests, {tok} tokens: client {tok / client:.1f} tok/s, loop {tok / loop:.1f} tok/s, "
-              f"HTTP + parsing + queue {1000 * (client - loop) / len(rows):.1f} ms per request; "
-              f"streamed {tok / sum(r['stream_s'] for r in rows):.1f} tok/s, time to first text "
-              f"median {1000 * statistics.median(r['ttft_s'] for r in rows):.0f} ms (loop prefill median "
-              f"{1000 * statistics.median(r['loop_prefill_s'] for r in rows):.0f} ms)")
+        url = base + "/v1/chat/completions"
+        texts = [p for rows in PROMPT_SETS.values() for p, _ in rows]
+        bodies = [{"messages": [{"role": "user", "content": texts[i % len(texts)]}], "max_tokens": a.max_new_tokens}
+                  for i in range(a.requests)]
+        first = post(url, bodies[0])[1]
+        tenth = [post(url, bodies[i % len(bodies)])[1] for i in range(9)][-1]
+        print(f"start to ready {ready_s:.1f} s; first request {first:.2f} s, tenth {tenth:.2f} s")
+        _, _, ttft = post(url, dict(bodies[0], stream=True))
+        print(f"time to first streamed text {1000 * ttft:.0f} ms")
+        results = {}
+        for c in [int(x) for x in a.clients.split(",")]:
+            t = time.perf_counter()
+            with ThreadPoolExecutor(c) as pool:
+                done = list(pool.map(lambda b: post(url, b), bodies))
+            wall = time.perf_counter() - t
+            tokens = sum(r["usage"]["completion_tokens"] for r, _, _ in done)
+            lat = [s for _, s, _ in done]
+            results[c] = tokens / wall
+            print(f"{c} clients: {len(done)} requests, {tokens} tokens in {wall:.1f} s = {tokens / wall:.2f} tok/s; "
+                  f"latency p50 {statistics.median(lat):.2f} s, p95 {pct(lat, 0.95):.2f} s")
+        if 1 in results:
+            print("aggregate tokens/s vs one client at a time: " +
+                  ", ".join(f"{c} clients {v / results[1]:.2f}x" for c, v in results.items() if c != 1))
     finally:
         srv.terminate()
         srv.wait(timeout=60)
