@@ -19,7 +19,6 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
 from typing import NamedTuple
 
 from .errors import MindspecError

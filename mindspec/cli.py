@@ -151,7 +151,7 @@ def cmd_serve(a):
             app.pipe = prepare(load_pipeline(a), a.max_batch)
             return follow(app)
     serve(lambda: load_pipeline(a), sampling_kwargs(a), host=a.host, port=a.port, model_name=a.model_name,
-          tp=a.tp > 1, max_batch=a.max_batch)
+          tp=a.tp > 1, max_batch=a.max_batch, max_queue=a.max_queue)
 
 
 def cmd_batch(a):
@@ -193,6 +193,8 @@ def parser():
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=1025, help="port (default 1025 as MindIE; 0 = pick a free one)")
     add_batch_arg(s)
+    s.add_argument("--max-queue", type=int, default=64,
+                   help="requests that may wait for a row; beyond that a request is answered 429 at once (default 64)")
     add_tp_arg(s)
     s.add_argument("--model-name", default=None,
                    help="the model's name in requests and /v1/models (default: the target directory's name)")

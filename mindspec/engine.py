@@ -143,6 +143,8 @@ class Engine:
         s = self._sampling(running, K, q=q) if need_q else None
         acc, nxt = self.target.step(ids, [r.slot for r in running], [r.pos for r in running], n_valid, s)
         t2 = time.perf_counter()
+        if self.dynamic is not None and any(r.policy is not None for r in running):
+            self.dynamic.observe(self.spec.batch_bucket(len(running)), K, t1 - t0, t2 - t1)
         for i, r in enumerate(running):
             n = int(acc[i])
             r.pos += 1 + n

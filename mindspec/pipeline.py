@@ -174,9 +174,11 @@ class Pipeline:
         if all(b in have for b in sizes) and self.engine.dynamic is not None:
             return
         if not all(b in have for b in sizes):
-            self.costs = {**have, **measure_costs(self, [b for b in sizes if b not in have])}
+            from .policy import Costs
+            new = measure_costs(self, [b for b in sizes if b not in have])
+            self.costs = Costs({**have, **new}, getattr(have, "unit_s", None) or new.unit_s)
         prior = self.engine.dynamic
-        self.engine.dynamic = DynamicK(self.spec.k_buckets, self.costs)
+        self.engine.dynamic = DynamicK(self.spec.k_buckets, self.costs, unit_s=getattr(self.costs, "unit_s", None))
         if prior is not None:
             self.engine.dynamic.seen_acc, self.engine.dynamic.seen_trials = prior.seen_acc, prior.seen_trials
 

@@ -127,8 +127,11 @@ class DynamicK:
 
     MIN_SEEN = 8  # draft tokens judged before past acceptance replaces α0 as the prior
 
-    def __init__(self, buckets, costs, alpha0=0.8, decay=0.7, prior_weight=2.0, probe_every=16):
+    LEARN = 0.2  # weight of one step's in-loop timing in the costs (see observe)
+
+    def __init__(self, buckets, costs, alpha0=0.8, decay=0.7, prior_weight=2.0, probe_every=16, unit_s=None):
         self.buckets = tuple(sorted(b for b in buckets if b > 0))
+        self.unit_s = unit_s  # seconds of one batch-1 decode: turns in-loop timings into cost units
         self.costs = {int(B): (float(c), {int(k): float(x) for k, x in v.items()}) for B, (c, v) in costs.items()}
         for B, (_, v) in self.costs.items():
             missing = [b for b in self.buckets if b not in v]
@@ -153,6 +156,20 @@ class DynamicK:
         self.plain_steps = self.plain_steps + 1 if k == 0 else 0
         return k
 
+    def observe(self, B, k, draft_s, verify_s):
+        """Fold one step's in-loop timings (seconds: its K draft calls, its target call) into the costs
+        of batch B: what the engine really pays there (Python per row, copies, the other thread pool,
+        a busier machine) moves the model, so K follows it — at a large batch the measured verify cost
+        alone said drafting pays when it no longer did."""
+        if not self.unit_s or B not in self.costs:
+            return
+        c, v = self.costs[B]
+        w = self.LEARN
+        if k:
+            c = (1 - w) * c + w * draft_s / k / self.unit_s
+        v = {**v, k: (1 - w) * v[k] + w * verify_s / self.unit_s}
+        self.costs[B] = (c, v)
+
     def update(self, est, k, n_accepted):
         est.update(k, n_accepted, self.prior())
         if k:
@@ -162,9 +179,17 @@ class DynamicK:
 
 # -- cost measurement ------------------------------------------------------------------------------
 
+class Costs(dict):
+    """{B: (c, v)} in units of one batch-1 decode, which took `unit_s` seconds when measured."""
+
+    def __init__(self, entries, unit_s=None):
+        super().__init__(entries)
+        self.unit_s = unit_s
+
+
 def _cost_key(pipe, B):
     st = os.stat(pipe.draft_path)
-    return (f"{pipe.ckpt.fingerprint()}|{os.path.abspath(pipe.draft_path)}|{st.st_size}|{st.st_mtime_ns}|"
+    return (f"{pipe.target.fingerprint}|{os.path.abspath(pipe.draft_path)}|{st.st_size}|{st.st_mtime_ns}|"
             f"s{pipe.target.max_seq}|b{pipe.target.max_batch}|B{B}|{pipe.device}|tp{tp_size()}")
 
 
@@ -215,7 +240,8 @@ def _measure_costs(pipe, batch_sizes, reps=5, cache=True):
     hits = {B: saved.get(_cost_key(pipe, B)) for B in sizes}
     t, s = pipe.target, pipe.proposer.session
     if all(h and all(str(k) in h["v"] for k in (0,) + t.k_buckets) for h in hits.values()):
-        return {B: (h["c"], {int(k): x for k, x in h["v"].items()}) for B, h in hits.items() if B in batch_sizes}
+        return Costs({B: (h["c"], {int(k): x for k, x in h["v"].items()}) for B, h in hits.items()
+                      if B in batch_sizes}, hits[1].get("decode_s"))
     ctx = max(1, min(COST_CONTEXT, t.max_seq - max(t.k_buckets) - 2))
     prompt = [i % t.cfg.vocab_size for i in range(7, 7 + ctx)]  # content does not change the cost
     t.warmup(t.graph_names(sizes, (0,) + t.k_buckets))
@@ -257,4 +283,4 @@ def _measure_costs(pipe, batch_sizes, reps=5, cache=True):
                                        "decode_s": timed[B][0], "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
     if cache and is_rank0():
         _write_costs(entries)
-    return {B: out[B] for B in batch_sizes}
+    return Costs({B: out[B] for B in batch_sizes}, unit)

@@ -46,8 +46,9 @@ class _Job:
 class App:
     """What the handlers share: the pipeline (once loaded), the request defaults, the job queue."""
 
-    def __init__(self, defaults, model_name=None, tp=False, max_batch=1):
+    def __init__(self, defaults, model_name=None, tp=False, max_batch=1, max_queue=64):
         self.defaults, self.model_name, self.tp, self.max_batch = defaults, model_name, tp, max_batch
+        self.max_queue = max_queue  # requests waiting for a row beyond the running ones; more: 429
         self.pipe, self.started = None, int(time.time())
         self.ready, self.stopping = threading.Event(), threading.Event()
         self.jobs, self.live, self._lock, self._ids = queue.Queue(), {}, threading.Lock(), itertools.count()
@@ -56,6 +57,9 @@ class App:
         with self._lock:
             if self.stopping.is_set():
                 raise RequestError("the server is shutting down", 503)
+            if len(self.live) + self.jobs.qsize() >= self.max_batch + self.max_queue:
+                raise RequestError(f"the server is busy: {self.max_batch} requests running and {self.max_queue} "
+                                   "waiting; retry later", 429)
             job = _Job(next(self._ids), kw)
             self.jobs.put(job)
         return job
@@ -567,7 +571,7 @@ def prepare(pipe, max_batch):
     return pipe
 
 
-def serve(load, defaults, host="127.0.0.1", port=1025, model_name=None, tp=False, max_batch=1):
+def serve(load, defaults, host="127.0.0.1", port=1025, model_name=None, tp=False, max_batch=1, max_queue=64):
     """Listen, load the pipeline and compile its graphs (/health and /v2/health/ready answer 503
     meanwhile, /v2/health/live 200), then generate until SIGINT/SIGTERM."""
     try:
@@ -575,7 +579,7 @@ def serve(load, defaults, host="127.0.0.1", port=1025, model_name=None, tp=False
     except OSError as e:
         raise MindspecError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     httpd.daemon_threads = True
-    httpd.app = app = App(defaults, model_name, tp, max_batch)
+    httpd.app = app = App(defaults, model_name, tp, max_batch, max_queue)
     _stop_on_signals()
     threading.Thread(target=httpd.serve_forever, name="http", daemon=True).start()
     try:

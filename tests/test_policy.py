@@ -83,6 +83,18 @@ def test_batch_k_switches_speculation_off_where_verify_stops_paying():
     rows = [p.start() for _ in range(8)]
     assert p.choose(rows[:1], [100], B=1) > 0
     assert p.choose(rows, [100] * 8, B=8) == 0
+    # what the engine really pays moves the model: a verify of 8 rows that costs 3.9 decodes in the loop
+    # (measured alone: 2.6) turns drafting off at a batch where the measured costs still said it pays
+    q = DynamicK(BUCKETS, {8: (0.5, {0: 1.2, 1: 2.0, 2: 2.2, 4: 2.4, 8: 3.5})}, alpha0=0.9, unit_s=0.05)
+    rows = [q.start() for _ in range(8)]
+    assert q.choose(rows, [100] * 8, B=8) > 0
+    for _ in range(10):
+        q.observe(8, 4, draft_s=4 * 0.5 * 0.05, verify_s=3.9 * 0.05)
+        q.observe(8, 2, draft_s=2 * 0.5 * 0.05, verify_s=3.6 * 0.05)
+        q.observe(8, 1, draft_s=0.5 * 0.05, verify_s=3.0 * 0.05)
+        q.observe(8, 8, draft_s=8 * 0.5 * 0.05, verify_s=5.0 * 0.05)
+    assert q.costs[8][1][4] == pytest.approx(3.9, rel=0.15)
+    assert q.choose(rows, [100] * 8, B=8) == 0
     # a batch's K maximises the summed expected tokens over the cost of the step
     alphas, caps = [0.9, 0.2, 0.6], [100, 100, 1]
     c, v = costs[8]

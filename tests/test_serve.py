@@ -35,7 +35,8 @@ def server(pair):
     """(base URL, process, stderr lines, the thread reading them) of one server for the whole module."""
     target, draft = pair
     p = subprocess.Popen([sys.executable, "-m", "mindspec", "serve", "--target", target, "--draft", draft, "-k", "2",
-                          "--max-seq", str(MAX_SEQ), "--port", "0", "--model-name", "tiny", "--max-batch", "2"],
+                          "--max-seq", str(MAX_SEQ), "--port", "0", "--model-name", "tiny", "--max-batch", "2",
+                          "--max-queue", "4"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines, err = queue.Queue(), []
     threading.Thread(target=lambda: [lines.put(x) for x in p.stdout], daemon=True).start()
@@ -148,6 +149,26 @@ def test_concurrent_clients_each_get_their_own_exact_text(server, pipe):
         t.join(300)
     for i, ids in enumerate(prompts):
         assert out[i] == pipe.generate(prompt_ids=ids, max_new_tokens=N + i, speculate=False).text, i
+
+
+def test_a_full_queue_answers_429_at_once(server):
+    """2 rows running + 4 waiting: of 14 requests sent together, the ones beyond get 429 right away
+    (one line of JSON), the others their answers."""
+    base = server[0]
+    got = []
+
+    def ask():
+        got.append(call(base, "/v1/completions", {"prompt": IDS, "max_tokens": MAX_SEQ - len(IDS) - 2}))
+
+    threads = [threading.Thread(target=ask) for _ in range(14)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    codes = sorted(code for code, _ in got)
+    assert codes.count(200) >= 6 and codes.count(429) >= 1 and set(codes) == {200, 429}, codes
+    busy = next(text for code, text in got if code == 429)
+    assert "the server is busy" in json.loads(busy)["error"]["message"] and "\n" not in busy
 
 
 def test_a_non_streamed_request_is_aborted_when_its_client_leaves(server):
@@ -311,7 +332,8 @@ def test_tensor_parallel_server(pair, pipe):
     import time
     target, draft = pair
     p = subprocess.Popen([sys.executable, "-m", "mindspec", "serve", "--tp", "2", "--target", target, "--draft", draft,
-                          "-k", "2", "--max-seq", str(MAX_SEQ), "--port", "0", "--model-name", "tiny", "--max-batch", "2"],
+                          "-k", "2", "--max-seq", str(MAX_SEQ), "--port", "0", "--model-name", "tiny", "--max-batch", "2",
+                          "--max-queue", "4"],
                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
     try:
         lines = queue.Queue()
