@@ -47,6 +47,7 @@ import time
 from .errors import MindspecError
 
 ENV_JOB = "MINDSPEC_TP_JOB"  # the launcher's job directory: rank 0's stdout/stderr/exit code, pids
+ENV_LAUNCHER = "MINDSPEC_TP_LAUNCHER"  # the launcher's pid: ranks (and msrun's scheduler) die with it
 CLUSTER_TIMEOUT = 120  # s: msrun's cluster time-out (ranks that never join / stop answering)
 FAILURE_GRACE = 3  # s: after a rank died msrun kills the others at once, then waits for its scheduler: not for long
 EXIT_GRACE = 1  # s: after every rank recorded its exit code, how long they may take to exit before we stop them
@@ -135,7 +136,8 @@ def launch(argv, n, script=None, timeout=CLUSTER_TIMEOUT, log_dir=None, grace=FA
     bin_dir, msrun = _msrun()
     job = tempfile.mkdtemp(prefix="mindspec-tp-")
     log_dir = log_dir or os.path.join(job, "logs")
-    env = dict(os.environ, PATH=bin_dir + os.pathsep + os.environ.get("PATH", ""), **{ENV_JOB: job})
+    env = dict(os.environ, PATH=bin_dir + os.pathsep + os.environ.get("PATH", ""),
+               **{ENV_JOB: job, ENV_LAUNCHER: str(os.getpid())})
     for k in ("MS_ROLE", "MS_WORKER_NUM", "MS_SCHED_HOST", "MS_SCHED_PORT", "MS_NODE_ID", "RANK_ID"):
         env.pop(k, None)  # never inherit another job's identity
     task = ([script] if script else ["python", "-m", "mindspec"]) + list(argv)
@@ -277,11 +279,51 @@ def share(obj):
     return pickle.loads(got)  # noqa: S301 - bytes from rank 0 of this very job
 
 
+_WATCHER = """
+import os, shutil, signal, sys, time
+launcher, me, job = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+        return True
+    except OSError:
+        return False
+while alive(me):
+    if not alive(launcher):
+        if job:
+            shutil.rmtree(job, ignore_errors=True)
+        try:  # msrun, the process's parent, would wait on for its cluster time-out
+            with open(f"/proc/{me}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{parent}/cmdline", "rb") as f:
+                if b"msrun" in f.read():
+                    os.kill(parent, signal.SIGKILL)
+        except (OSError, ValueError, IndexError):
+            pass
+        os.kill(me, signal.SIGKILL)
+        break
+    time.sleep(0.5)
+"""
+
+
+def _die_with_launcher():
+    """msrun starts each rank in its own session, so a launcher killed with SIGKILL (which cannot clean
+    up) would leave the ranks running, writing output a resumed job writes again. A small watcher
+    process per rank (and per msrun scheduler) ends it, its msrun and the job directory once the
+    launcher is gone: a process, not a thread, since a rank may sit in a collective holding the GIL."""
+    pid = int(os.environ.get(ENV_LAUNCHER) or 0)
+    if pid:
+        subprocess.Popen([sys.executable, "-c", _WATCHER, str(pid), str(os.getpid()), os.environ.get(ENV_JOB, "")],
+                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         start_new_session=True)
+
+
 def init_worker(n=None):
     """In an msrun rank: initialise collectives (the scheduler process exits inside, when the job is
     done), check the group size, and send rank 0's stdout/stderr to the launcher (other ranks' stay in
     their msrun logs). Returns (size, rank)."""
     from mindspec.graphs.tp import init_tp
+    _die_with_launcher()  # before init_tp: msrun's scheduler never returns from it
     size, rank = init_tp()
     if n is not None and size != int(n):
         raise MindspecError(f"--tp {n} but msrun started {size} ranks")

@@ -466,3 +466,48 @@ def test_the_job_fingerprint_covers_the_target_and_the_request_defaults(tiny_tar
     assert _batch(inp, out, model=tiny_target[0]) == 0
     with pytest.raises(MindspecError, match="holds the results of another job"):
         _batch(inp, out, model=tiny_draft_ckpt[0])
+
+
+def _job_processes(marker):
+    """pids of live processes whose command line holds `marker`."""
+    pids = []
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            try:
+                with open(f"/proc/{p}/cmdline", "rb") as f:
+                    if marker.encode() in f.read():
+                        pids.append(int(p))
+            except OSError:
+                pass
+    return pids
+
+
+def test_kill_9_of_a_tensor_parallel_launcher_ends_the_whole_job(setup, tmp_path):
+    """msrun starts every rank in its own session: killing the launcher's process group with SIGKILL
+    must still end the ranks and msrun's scheduler (they watch the launcher), leave no job directory,
+    and a resume then writes every id exactly once."""
+    import signal
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps({"id": i, "prompt_ids": [5 + i, 6, 7], "max_new_tokens": 40}) + "\n"
+                           for i in range(12)))
+    out, tmp = tmp_path / "out.jsonl", tmp_path / "tmp"
+    tmp.mkdir()
+    env = dict(os.environ, TMPDIR=str(tmp), MINDSPEC_PROGRESS_S="3600")
+    p = subprocess.Popen(command(setup, out, inp, ["--tp", "2", "--max-batch", "2", "--max-new-tokens", "40"]),
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and not (out.exists() and records(out)):
+        time.sleep(0.2)
+    assert out.exists() and records(out), "the job never wrote a record"
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait()
+    deadline = time.time() + 30
+    while time.time() < deadline and _job_processes(str(out)):
+        time.sleep(0.5)
+    left = {pid: open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")[:4] for pid in _job_processes(str(out))}
+    assert not left, f"ranks outlived their launcher: {left}"
+    assert not [d for d in os.listdir(tmp) if d.startswith("mindspec-tp-")]
+    code, err = batch(setup, out, inp, extra=["--max-new-tokens", "40", "--max-batch", "2"])  # the same job
+    assert code == 0, err
+    ids = [r["id"] for r in records(out)]
+    assert sorted(ids) == list(range(12)), ids  # every id exactly once
