@@ -80,7 +80,7 @@ DRAFT, ACCEPT, SAMPLE = 0, 1, 2  # the three uniform streams of a position
 def uniforms(seed, start, n, stream):
     """[n] float32 uniforms in [0, 1) for sequence positions start..start+n-1 of one stream (DRAFT:
     the draft's sample, ACCEPT: the accept test of the draft token there, SAMPLE: the target's own
-    token there). Counter-based (Philox keyed by the seed, counter = position): what a position draws
+    token there). Counter-based (Philox keyed by the request's seed, counter = position): what a position draws
     does not depend on how the steps were cut, on K, or on the other rows of a batch; a draw that was
     computed but not used (past a rejection) is independent of everything committed, so using it
     again later is still fresh randomness."""

@@ -81,3 +81,12 @@ def tiny_target(tmp_path_factory):
 def tiny_draft_ckpt(tmp_path_factory, tiny_target):
     """A noisy copy of the tiny target: same vocabulary, disagrees often."""
     return make_tiny_checkpoint(tmp_path_factory.mktemp("draftckpt"), base=tiny_target[1], noise=0.1, seed=1)
+
+
+@pytest.fixture(scope="session")
+def noisy_draft(tiny_draft_ckpt, tmp_path_factory):
+    """The noisy draft checkpoint exported to ONNX (shared by the pipeline and engine tests)."""
+    from mindspec.export import export_draft
+    path = str(tmp_path_factory.mktemp("drafts") / "noisy.onnx")
+    export_draft(tiny_draft_ckpt[0], path)
+    return path

@@ -10,7 +10,6 @@ from scipy.stats import chisquare
 
 import mindspec
 from mindspec.checkpoint import Checkpoint
-from mindspec.export import export_draft
 from mindspec.reference import reference_logits
 from mindspec.sequence import FINISHED
 
@@ -20,10 +19,8 @@ MAX_NEW = [30, 12, 25, 7, 19, 30, 3, 22]  # rows finish at different steps; the 
 
 
 @pytest.fixture(scope="module")
-def draft(tiny_draft_ckpt, tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("edraft") / "noisy.onnx")
-    export_draft(tiny_draft_ckpt[0], path)
-    return path
+def draft(noisy_draft):
+    return noisy_draft
 
 
 @pytest.fixture(scope="module")

@@ -13,13 +13,6 @@ PROMPTS = [[5, 6, 7], [100, 3, 250, 17, 9], [42], list(range(10, 50)), [300, 301
 
 
 @pytest.fixture(scope="module")
-def noisy_draft(tiny_draft_ckpt, tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("drafts") / "noisy.onnx")
-    export_draft(tiny_draft_ckpt[0], path)
-    return path
-
-
-@pytest.fixture(scope="module")
 def self_draft(tiny_target, tmp_path_factory):
     path = str(tmp_path_factory.mktemp("drafts") / "self.onnx")
     export_draft(tiny_target[0], path)
