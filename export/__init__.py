@@ -11,12 +11,16 @@ from .runtime import DraftSession, providers
 
 __all__ = ["export_draft", "DraftSession", "read_manifest", "providers"]
 QUANTIZE_MODES = (None, "int8", "q8", "q4")
+DTYPES = ("float32", "float16")
 
 
-def export_draft(model_dir, out_path, quantize=None, layers=None, max_seq=None):
-    """Export a HF Llama checkpoint as an ONNX draft (+ `<out_path>.json` manifest); returns the manifest."""
+def export_draft(model_dir, out_path, quantize=None, layers=None, max_seq=None, dtype="float32"):
+    """Export a HF Llama checkpoint as an ONNX draft (+ `<out_path>.json` manifest); returns the manifest.
+    dtype: the weights' and KV cache's (float32 or float16)."""
     if quantize not in QUANTIZE_MODES:
         raise MindspecError(f"--quantize must be one of int8, q8, q4 (or none), got {quantize!r}")
+    if dtype not in DTYPES:
+        raise MindspecError(f"--dtype must be one of {', '.join(DTYPES)} for a draft, got {dtype!r}")
     ckpt = Checkpoint(model_dir)
     cfg = ckpt.config
     n = cfg.num_hidden_layers
@@ -32,7 +36,7 @@ def export_draft(model_dir, out_path, quantize=None, layers=None, max_seq=None):
         os.remove(out_path + ".json")  # a half-finished export must not look valid
 
     from .builder import build_decoder, save_model
-    model = build_decoder(ckpt, layers)
+    model = build_decoder(ckpt, layers, dtype)
     tmp = tempfile.mkdtemp(prefix=".export-", dir=out_dir)
     try:
         # same basename in the temp dirs: external weights are referenced as "<basename>.data"
@@ -51,4 +55,4 @@ def export_draft(model_dir, out_path, quantize=None, layers=None, max_seq=None):
                 os.remove(out_path + suffix)  # stale weights of an earlier export
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return write_manifest(out_path, ckpt, layers or n, quantize, max_seq)
+    return write_manifest(out_path, ckpt, layers or n, quantize, max_seq, dtype)

@@ -3,8 +3,11 @@
 Interface (draft format 2; B rows, T new tokens per row, S = cache buffer length):
   inputs   input_ids [B, T] int64, positions [B] int64 (cached length of each row = absolute
            position of input_ids[b, 0]), last [B] int64 (the token of each row whose logits are
-           returned), past_key_i / past_value_i [B, KV, S, D] float32
-  outputs  logits [B, V] (after token last[b]), new_key_i / new_value_i [B, KV, T, D] (keys after RoPE)
+           returned), past_key_i / past_value_i [B, KV, S, D] in the export's dtype
+  outputs  logits [B, V] float32 (after token last[b]), new_key_i / new_value_i [B, KV, T, D] in the
+           export's dtype (keys after RoPE)
+dtype float16: weights, activations and the KV cache in float16; RMSNorm statistics, RoPE angles, the
+attention softmax and the logits in float32 (as the target's graph).
 The past inputs are a static preallocated cache: the caller passes the whole buffer (no per-call
 shape change, no copy) and only slots s < positions[b] count; the rest is masked, whatever (finite)
 values it holds. Query t of row b sees those slots and new keys t' <= t, so right-padded rows are exact for
@@ -20,13 +23,16 @@ OPSET = 17
 IR_VERSION = 8  # what opset 17 needs; newer IRs are refused by older runtimes
 _PROTO_LIMIT = 1_800_000_000  # protobuf cannot serialize 2 GB; keep a margin
 NEG = -1e9  # finite mask value: no score row is ever all -inf (NaN softmax)
+DTYPES = {"float32": (np.float32, TensorProto.FLOAT), "float16": (np.float16, TensorProto.FLOAT16)}
 
 
 class _Graph:
     """Collects nodes and initializers; every helper returns its output name."""
 
-    def __init__(self):
+    def __init__(self, dtype="float32"):
         self.nodes, self.inits, self._n = [], [], 0
+        self.np_dtype, self.onnx_dtype = DTYPES[dtype]
+        self.half = dtype != "float32"
 
     def const(self, value, name=None, dtype=None):
         self._n += 1
@@ -48,6 +54,18 @@ class _Graph:
         """Dimension `axis` of tensor `name` as an int64 scalar."""
         return self.op("Gather", [self.op("Shape", [name]), self.i64(axis)], axis=0)
 
+    def weight(self, value, name):
+        """An initializer in the export's dtype."""
+        return self.const(np.ascontiguousarray(value, self.np_dtype), name)
+
+    def wide(self, x):
+        """x in float32 (a no-op for a float32 export)."""
+        return self.op("Cast", [x], to=TensorProto.FLOAT) if self.half else x
+
+    def narrow(self, x):
+        """x back in the export's dtype."""
+        return self.op("Cast", [x], to=self.onnx_dtype) if self.half else x
+
     def arange(self, n):
         """[n] int64: 0..n-1 for an int64 scalar n."""
         return self.op("Range", [self.i64(0), n, self.i64(1)])
@@ -55,9 +73,10 @@ class _Graph:
 
 def _rms_norm(g, x, w, eps):
     # Pow/ReduceMean/Add/Sqrt/Div/Mul: the pattern ORT fuses into SimplifiedLayerNormalization
+    x = g.wide(x)  # statistics in float32 whatever the dtype
     var = g.op("ReduceMean", [g.op("Pow", [x, g.const(2.0, dtype=np.float32)])], axes=[-1], keepdims=1)
     den = g.op("Sqrt", [g.op("Add", [var, g.const(eps, dtype=np.float32)])])
-    return g.op("Mul", [g.op("Div", [x, den]), g.const(w.astype(np.float32))])
+    return g.narrow(g.op("Mul", [g.op("Div", [x, den]), g.const(w.astype(np.float32))]))
 
 
 def _rope(g, x, cos, sin_signed, swap):
@@ -77,7 +96,7 @@ def _rope_tables(g, cfg, t):
     cos = g.op("Unsqueeze", [g.op("Cos", [ang]), g.i64([2])])                          # [B, T, 1, D]
     sin = g.op("Mul", [g.op("Unsqueeze", [g.op("Sin", [ang]), g.i64([2])]),
                        g.const(np.repeat([-1.0, 1.0], D // 2).astype(np.float32))])    # [B, T, 1, D], [-sin, sin]
-    return cos, sin
+    return g.narrow(cos), g.narrow(sin)
 
 
 def _mask(g, G, S, t):
@@ -109,8 +128,8 @@ def _attention(g, i, q, k, v, mask, ST, dims):
     # only the small score tensors are concatenated
     sp = g.op("MatMul", [qg, g.op("Transpose", [f"past_key_{i}"], perm=[0, 1, 3, 2])])   # [B, KV, G*T, S]
     sn = g.op("MatMul", [qg, g.op("Transpose", [k], perm=[0, 1, 3, 2])])                # [B, KV, G*T, T]
-    s = g.op("Add", [g.op("Concat", [sp, sn], axis=-1), mask])                          # [B, KV, G*T, S+T]
-    pp, pn = g.op("Split", [g.op("Softmax", [s], axis=-1), ST], n_out=2, axis=-1)      # [.., S], [.., T]
+    s = g.op("Add", [g.wide(g.op("Concat", [sp, sn], axis=-1)), mask])                 # [B, KV, G*T, S+T] float32
+    pp, pn = g.op("Split", [g.narrow(g.op("Softmax", [s], axis=-1)), ST], n_out=2, axis=-1)  # [.., S], [.., T]
     a = g.op("Add", [g.op("MatMul", [pp, f"past_value_{i}"]), g.op("MatMul", [pn, v])])  # [B, KV, G*T, D]
     a = g.op("Transpose", [g.op("Reshape", [a, g.i64([0, KV, G, -1, D])])], perm=[0, 3, 1, 2, 4])  # [B, T, KV, G, D]
     return g.op("Reshape", [a, g.i64([0, 0, H * D])])                                  # [B, T, H*D]
@@ -124,12 +143,13 @@ def _last_rows(g, x, T, d):
     return g.op("Gather", [flat, g.op("Add", [base, "last"])], axis=0)                 # [B, d]
 
 
-def build_decoder(ckpt, n_layers=None):
-    """ONNX ModelProto of the first `n_layers` layers (all by default) + final norm + LM head."""
+def build_decoder(ckpt, n_layers=None, dtype="float32"):
+    """ONNX ModelProto of the first `n_layers` layers (all by default) + final norm + LM head, with
+    weights and KV cache in `dtype` (float32 or float16)."""
     cfg = ckpt.config
     L = cfg.num_hidden_layers if n_layers is None else int(n_layers)
     H, KV, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    g = _Graph()
+    g = _Graph(dtype)
     S, T = g.dim("past_key_0", 2), g.dim("input_ids", 1)                               # scalars
     t = g.arange(T)                                                                     # [T]
     cos, sin = _rope_tables(g, cfg, t)
@@ -137,14 +157,14 @@ def build_decoder(ckpt, n_layers=None):
     mask = _mask(g, H // KV, S, t)                                                      # [B, 1, G*T, S+T]
     ST = g.op("Concat", [g.op("Unsqueeze", [n, g.i64([0])]) for n in (S, T)], axis=0)  # [2]: split of the scores
 
-    x = g.op("Gather", [g.const(ckpt.get("model.embed_tokens.weight"), "embed_tokens"), "input_ids"], axis=0)
+    x = g.op("Gather", [g.weight(ckpt.get("model.embed_tokens.weight"), "embed_tokens"), "input_ids"], axis=0)
     eps, inter = cfg.rms_norm_eps, cfg.intermediate_size                                # x [B, T, d]
     for i in range(L):
         w = lambda n: ckpt.get(f"model.layers.{i}.{n}.weight")  # noqa: E731
         h = _rms_norm(g, x, w("input_layernorm"), eps)
         # one fused QKV matmul; 1/sqrt(D) folded into Wq (RoPE is linear, q is not an output)
         wqkv = np.concatenate([w("self_attn.q_proj") / np.sqrt(D), w("self_attn.k_proj"), w("self_attn.v_proj")]).T
-        qkv = g.op("MatMul", [h, g.const(np.ascontiguousarray(wqkv, np.float32), f"l{i}.qkv")])
+        qkv = g.op("MatMul", [h, g.weight(wqkv, f"l{i}.qkv")])
         qkv = g.op("Reshape", [qkv, g.i64([0, 0, H + 2 * KV, D])])                     # [B, T, H+2KV, D]
         qk, v = g.op("Split", [qkv, g.i64([H + KV, KV])], n_out=2, axis=2)            # v [B, T, KV, D]
         qk = _rope(g, qk, cos, sin, swap)                                               # q and k rotated together
@@ -152,26 +172,28 @@ def build_decoder(ckpt, n_layers=None):
         k = g.op("Transpose", [k], perm=[0, 2, 1, 3], out=f"new_key_{i}")              # [B, KV, T, D]
         v = g.op("Transpose", [v], perm=[0, 2, 1, 3], out=f"new_value_{i}")            # [B, KV, T, D]
         a = _attention(g, i, q, k, v, mask, ST, (H, KV, D))                           # [B, T, H*D]
-        x = g.op("Add", [x, g.op("MatMul", [a, g.const(np.ascontiguousarray(w("self_attn.o_proj").T), f"l{i}.o")])])
+        x = g.op("Add", [x, g.op("MatMul", [a, g.weight(w("self_attn.o_proj").T, f"l{i}.o")])])
         h = _rms_norm(g, x, w("post_attention_layernorm"), eps)
-        wgu = np.ascontiguousarray(np.concatenate([w("mlp.gate_proj"), w("mlp.up_proj")]).T)
-        gu = g.op("MatMul", [h, g.const(wgu, f"l{i}.gate_up")])                        # [B, T, 2I]
+        wgu = np.concatenate([w("mlp.gate_proj"), w("mlp.up_proj")]).T
+        gu = g.op("MatMul", [h, g.weight(wgu, f"l{i}.gate_up")])                       # [B, T, 2I]
         gate, up = g.op("Split", [gu, g.i64([inter, inter])], n_out=2, axis=-1)
         act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])
-        x = g.op("Add", [x, g.op("MatMul", [act, g.const(np.ascontiguousarray(w("mlp.down_proj").T), f"l{i}.down")])])
+        x = g.op("Add", [x, g.op("MatMul", [act, g.weight(w("mlp.down_proj").T, f"l{i}.down")])])
     x = _last_rows(g, x, T, cfg.hidden_size)                                            # [B, d]
     x = _rms_norm(g, x, ckpt.get("model.norm.weight"), eps)
-    head = np.ascontiguousarray(ckpt.get("lm_head.weight").T)                           # [d, V]
-    g.op("MatMul", [x, g.const(head, "lm_head")], out="logits")                        # [B, V]
+    logits = g.op("MatMul", [x, g.weight(ckpt.get("lm_head.weight").T, "lm_head")],
+                  out=None if g.half else "logits")                                     # [B, V]
+    if g.half:
+        g.op("Cast", [logits], to=TensorProto.FLOAT, out="logits")
 
-    f32, i64 = TensorProto.FLOAT, TensorProto.INT64
+    f32, i64, kv = TensorProto.FLOAT, TensorProto.INT64, g.onnx_dtype
     inputs = [helper.make_tensor_value_info("input_ids", i64, ["B", "T"]),
               helper.make_tensor_value_info("positions", i64, ["B"]),
               helper.make_tensor_value_info("last", i64, ["B"])]
     outs = [helper.make_tensor_value_info("logits", f32, ["B", cfg.vocab_size])]
     for i in range(L):
-        inputs += [helper.make_tensor_value_info(f"past_{n}_{i}", f32, ["B", KV, "S", D]) for n in ("key", "value")]
-        outs += [helper.make_tensor_value_info(f"new_{n}_{i}", f32, ["B", KV, "T", D]) for n in ("key", "value")]
+        inputs += [helper.make_tensor_value_info(f"past_{n}_{i}", kv, ["B", KV, "S", D]) for n in ("key", "value")]
+        outs += [helper.make_tensor_value_info(f"new_{n}_{i}", kv, ["B", KV, "T", D]) for n in ("key", "value")]
     graph = helper.make_graph(g.nodes, "mindspec_draft", inputs, outs, initializer=g.inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)],
                               producer_name="mindspec", ir_version=IR_VERSION)

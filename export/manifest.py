@@ -34,13 +34,14 @@ def _tokenizer_fingerprint(model_dir):
     return Tokenizer(model_dir).vocab_fingerprint()
 
 
-def write_manifest(onnx_path, ckpt, num_layers, quantize, max_seq):
+def write_manifest(onnx_path, ckpt, num_layers, quantize, max_seq, dtype="float32"):
     cfg = ckpt.config
     m = {"format": FORMAT, "version": VERSION,
          "source": os.path.abspath(ckpt.dir), "source_fingerprint": ckpt.fingerprint(),
          "vocab_size": cfg.vocab_size, "num_layers": int(num_layers), "source_layers": cfg.num_hidden_layers,
          "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
          "hidden_size": cfg.hidden_size, "quantize": quantize, "max_seq": int(max_seq),
+         "dtype": dtype,  # of the weights and the KV cache (the runtime allocates its buffers in it)
          "tokenizer_fingerprint": _tokenizer_fingerprint(ckpt.dir),
          "onnx_bytes": os.path.getsize(onnx_path), "onnx_sha256": _sha256(onnx_path)}
     with open(manifest_path(onnx_path), "w", encoding="utf-8") as f:
@@ -78,8 +79,10 @@ def read_manifest(onnx_path):
     if not isinstance(m, dict) or m.get("format") != FORMAT or m.get("version") != VERSION:
         raise MindspecError(f"{mpath} is not a {FORMAT} version {VERSION} manifest")
     bad = [k for k in INT_KEYS if not isinstance(m.get(k), int) or isinstance(m.get(k), bool) or m[k] < 0]
-    if bad or not isinstance(m.get("onnx_sha256"), str) or m.get("quantize") not in (None, "int8", "q8", "q4"):
-        what = bad[0] if bad else "onnx_sha256/quantize"
+    m.setdefault("dtype", "float32")  # exports before the dtype field were float32
+    if bad or not isinstance(m.get("onnx_sha256"), str) or m.get("quantize") not in (None, "int8", "q8", "q4") \
+            or m["dtype"] not in ("float32", "float16"):
+        what = bad[0] if bad else "onnx_sha256/quantize/dtype"
         raise MindspecError(f"garbled draft manifest {mpath} (bad or missing {what})")
     if os.path.getsize(onnx_path) != m["onnx_bytes"] or _sha256(onnx_path) != m["onnx_sha256"]:
         if not _is_onnx(onnx_path):

@@ -67,9 +67,9 @@ class DraftSession:
         L, KV, D = m["num_layers"], m["num_key_value_heads"], m["head_dim"]
         self.vocab_size = m["vocab_size"]
         # np.zeros pages are only touched when written, so a long max_seq costs address space only
-        shape = (self.max_batch, KV, self.max_seq, D)
-        self.keys = [np.zeros(shape, np.float32) for _ in range(L)]                      # [R, KV, S, D]
-        self.values = [np.zeros(shape, np.float32) for _ in range(L)]                    # [R, KV, S, D]
+        shape, dtype = (self.max_batch, KV, self.max_seq, D), np.dtype(m["dtype"])  # the export's KV dtype
+        self.keys = [np.zeros(shape, dtype) for _ in range(L)]                           # [R, KV, S, D]
+        self.values = [np.zeros(shape, dtype) for _ in range(L)]                         # [R, KV, S, D]
         self.output_names = ["logits"] + [f"new_{n}_{i}" for i in range(L) for n in ("key", "value")]
         self.pos = np.zeros(self.max_batch, np.int64)                                    # [R] cached length
 

@@ -57,16 +57,29 @@ def _pad(w, n, axis=0):
     return np.pad(w, ((0, extra), (0, 0)) if axis == 0 else ((0, 0), (0, extra)))
 
 
-def fused_weights(cfg, get, plan=None, get_slice=None):
-    """The folded weights of one rank (plan: graphs.tp.ShardPlan; None: the whole model)."""
+class _Cast(dict):
+    """A dict that stores every value as a contiguous array of one dtype."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        self.dtype = dtype
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, np.ascontiguousarray(value, dtype=self.dtype))
+
+
+def fused_weights(cfg, get, plan=None, get_slice=None, dtype=np.float32):
+    """The folded weights of one rank (plan: graphs.tp.ShardPlan; None: the whole model), folded in
+    float32 and each stored in `dtype` as soon as it is made (the peak holds one float32 matrix, not all)."""
     plan = plan or shard_plan(cfg)
+    out = _Cast(dtype)
     D = cfg.head_dim
     read = reader(get, get_slice)
     whole = plan.size == 1
     (va, vb), Vl = plan.vocab, plan.vocab_local
     vocab = (lambda n: read(n)) if whole else (lambda n: read(n, 0, va, vb))
-    out = {"embed": _pad(vocab("model.embed_tokens.weight"), Vl),
-           "head": _pad(vocab("lm_head.weight"), Vl) * read("model.norm.weight")[None, :]}
+    out["embed"] = _pad(vocab("model.embed_tokens.weight"), Vl)
+    out["head"] = _pad(vocab("lm_head.weight"), Vl) * read("model.norm.weight")[None, :]
     (ha, hb), (ka, kb) = plan.heads, plan.kv_heads
     q_idx = np.where(plan.q_slots >= 0, plan.q_slots - ha, -1)
     kv_idx = np.where(plan.kv_slots >= 0, plan.kv_slots - ka, -1)
@@ -87,7 +100,7 @@ def fused_weights(cfg, get, plan=None, get_slice=None):
                                               _pad(g("mlp.up_proj", 0, ia, ib), Il)]) * \
             g("post_attention_layernorm")[None, :]
         out[f"down.{i}"] = _pad(g("mlp.down_proj", 1, ia, ib), Il, axis=1)
-    return {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in out.items()}
+    return dict(out)
 
 
 def rope_rows(cfg, max_seq, heads=None, kv_heads=None):

@@ -53,18 +53,17 @@ class LlamaDecoder(nn.Cell):
         self.KV, self.G = plan.kv_local, plan.group_local  # this rank's KV heads, query heads per KV head
         self.H = self.KV * self.G
         self.N = (self.H + 2 * self.KV) * self.D  # width of the fused q|k|v projection
-        self.eps = cfg.rms_norm_eps
-        w = fused_weights(cfg, get, plan, _slicer(get))
+        self.eps, self.dtype = cfg.rms_norm_eps, dtype
+        host = np.float16 if dtype == ms.float16 else np.float32  # numpy has no bfloat16: MindSpore casts
+        w = fused_weights(cfg, get, plan, _slicer(get), host)
         self.embed = _param(w["embed"], "embed", dtype)
         self.head = _param(w["head"], "head", dtype)
         self.w = ParameterTuple([_param(w[f"{n}.{i}"], f"{n}.{i}", dtype)
                                  for i in range(self.L) for n in ("qkv", "o", "gate_up", "down")])
         self.slots = slots
         shape = (slots, self.KV, max_seq, self.D)  # [slots, KV, S, D]
-        self.k_cache = ParameterTuple([_param(np.zeros(shape, np.float32), f"k_cache.{i}", dtype)
-                                       for i in range(self.L)])
-        self.v_cache = ParameterTuple([_param(np.zeros(shape, np.float32), f"v_cache.{i}", dtype)
-                                       for i in range(self.L)])
+        self.k_cache = ParameterTuple([_param(np.zeros(shape, host), f"k_cache.{i}", dtype) for i in range(self.L)])
+        self.v_cache = ParameterTuple([_param(np.zeros(shape, host), f"v_cache.{i}", dtype) for i in range(self.L)])
         cos, sin = rope_rows(cfg, max_seq, self.H, self.KV)
         self.cos, self.sin = Tensor(cos, dtype), Tensor(sin, dtype)  # [S, N]
         self.key_pos = Tensor(np.arange(max_seq, dtype=np.int32))  # [S]
@@ -79,8 +78,15 @@ class LlamaDecoder(nn.Cell):
             # logits columns past this rank's real vocabulary (padding) never win an argmax
             self.vocab_mask = Tensor(np.where(np.arange(self.Vl) < vb - va, 0, NEG).astype(np.float32))
 
+    def f32(self, x):  # statistics, softmax and logits in float32 whatever the weights' dtype
+        return x if self.dtype == ms.float32 else x.astype(ms.float32)
+
+    def narrow(self, x):  # back to the weights' dtype for the next matmul
+        return x if self.dtype == ms.float32 else x.astype(self.dtype)
+
     def norm(self, x):  # x [B*T, d]; the RMSNorm weight is folded into the next matmul
-        return x * ops.rsqrt(ops.mean(x * x, -1, keep_dims=True) + self.eps)
+        x = self.f32(x)
+        return self.narrow(x * ops.rsqrt(ops.mean(x * x, -1, keep_dims=True) + self.eps))
 
     def embed_tokens(self, ids):
         """ids [B*T] -> [B*T, d]. Vocab-parallel: each rank looks up its own range, zeros elsewhere."""
@@ -96,7 +102,7 @@ class LlamaDecoder(nn.Cell):
 
     def head_logits(self, h):
         """h [R, d] (normed hidden rows) -> logits [R, V] float32, the whole vocabulary on every rank."""
-        x = ops.dense(h, self.head).astype(ms.float32)  # [R, V / tp]
+        x = self.f32(ops.dense(h, self.head))  # [R, V / tp]
         if self.tp == 1:
             return x
         R = h.shape[0]
@@ -145,8 +151,8 @@ class LlamaDecoder(nn.Cell):
             if B != self.slots:  # a full batch is in slot order (the runner's job): no copy of the cache
                 kc, vc = ops.gather(kc, slots, 0), ops.gather(vc, slots, 0)  # [B, KV, S, D]
             # GQA without copying the cache per head: the G query heads of a KV head become extra rows
-            s = self.qk_t(q.reshape(B, self.KV, self.G * T, self.D), kc) + mask  # [B, KV, G*T, S]
-            o = ops.matmul(ops.softmax(s, -1), vc)  # [B, KV, G*T, D]
+            s = self.f32(self.qk_t(q.reshape(B, self.KV, self.G * T, self.D), kc)) + mask  # [B, KV, G*T, S]
+            o = ops.matmul(self.narrow(ops.softmax(s, -1)), vc)  # [B, KV, G*T, D]
             o = o.reshape(B, self.H, T, self.D).transpose(0, 2, 1, 3).reshape(B * T, self.H * self.D)
             x = x + self.reduce(ops.dense(o, w_o))
             g, u = ops.split(ops.dense(self.norm(x), w_gu), w_down.shape[1], -1)  # [B*T, I] each

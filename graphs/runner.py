@@ -66,16 +66,17 @@ class RowSampling:
 
 class TargetModel:
     """Target graphs for `max_batch` slots of `max_seq` committed positions (a multiple of
-    PREFILL_CHUNK); `batch_buckets` / `k_buckets` are the compiled (B, K) shapes."""
+    PREFILL_CHUNK); `batch_buckets` / `k_buckets` are the compiled (B, K) shapes; dtype ("float32",
+    "float16", "bfloat16") of the weights, activations and KV cache."""
 
-    def __init__(self, ckpt, max_seq, k_buckets=(1, 2, 4, 8), batch_buckets=(1,), max_batch=1, dtype=ms.float32):
+    def __init__(self, ckpt, max_seq, k_buckets=(1, 2, 4, 8), batch_buckets=(1,), max_batch=1, dtype="float32"):
         self.cfg = ckpt.config
         self.max_seq = round_up(max_seq, PREFILL_CHUNK)
         self.k_buckets, self.batch_buckets = tuple(sorted(k_buckets)), tuple(sorted(batch_buckets))
-        self.max_batch = max_batch
+        self.max_batch, self.dtype = max_batch, dtype  # weights, activations and KV cache (see llama.py)
         # a verify step writes up to K positions past the last committed one
         self.decoder = LlamaDecoder(self.cfg, ckpt.get, self.max_seq + max(self.k_buckets), slots=max_batch,
-                                    dtype=dtype)
+                                    dtype=getattr(ms, dtype))
         self.cells = {"greedy": GreedyStep(self.decoder), "sample": SampleStep(self.decoder, TOPK_CAP),
                       "prefill": Prefill(self.decoder, TOPK_CAP), "logits": Logits(self.decoder)}
         for cell in self.cells.values():
@@ -204,17 +205,20 @@ class TargetModel:
             return
         cached = bool(cache_dir) and _COMPILES == 0 and os.path.isfile(sys.argv[0] if sys.argv else "")
         if cached:
-            # the TP layout too: MindSpore separates cached graphs by rank id, not by world size
-            key = repr((self.fingerprint, self.max_seq, self.max_batch, self.k_buckets, names, TOPK_CAP,
-                        _source_hash(), tp_layout()))
-            ms.set_context(enable_compile_cache=True, compile_cache_path=os.path.join(
-                cache_dir, hashlib.sha256(key.encode()).hexdigest()[:16]))
+            ms.set_context(enable_compile_cache=True, compile_cache_path=os.path.join(cache_dir, self.cache_key(names)))
         try:
             for kind, B, T in names:
                 self._compile(kind, B, T - 1)
         finally:
             if cached:
                 ms.set_context(enable_compile_cache=False)  # later graphs compile in any order
+
+    def cache_key(self, names):
+        """The compile-cache directory name of these graphs: everything a compiled graph depends on,
+        the TP layout included (MindSpore separates cached graphs by rank id, not by world size)."""
+        key = repr((self.fingerprint, self.dtype, self.max_seq, self.max_batch, self.k_buckets, names, TOPK_CAP,
+                    _source_hash(), tp_layout()))
+        return hashlib.sha256(key.encode()).hexdigest()[:16]
 
     def _compile(self, kind, B, K):
         if kind == "prefill":

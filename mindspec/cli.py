@@ -8,6 +8,7 @@ import sys
 
 from .errors import MindspecError
 from .request import SEED_ENV
+from .spec import DTYPES
 
 SERVE_MAX_SEQ = 1024  # positions per request a server holds by default (--max-seq)
 MAX_BATCH = 8  # rows per step of serve and batch: on 2 CPU cores 8 rows cost ~1.8x one (docs/design.md)
@@ -31,8 +32,8 @@ def _k(text):
 
 def cmd_export(a):
     from mindspec.export import export_draft
-    m = export_draft(a.model, a.out, quantize=a.quantize, layers=a.layers, max_seq=a.max_seq)
-    print(f"wrote {a.out} ({m['num_layers']} layers, quantize={m['quantize']}) and {a.out}.json")
+    m = export_draft(a.model, a.out, quantize=a.quantize, layers=a.layers, max_seq=a.max_seq, dtype=a.dtype)
+    print(f"wrote {a.out} ({m['num_layers']} layers, {m['dtype']}, quantize={m['quantize']}) and {a.out}.json")
 
 
 def cmd_convert(a):
@@ -66,6 +67,8 @@ def add_model_args(p):
                    help="choose K each step from measured costs and acceptance (the default; same as -k auto)")
     p.add_argument("--max-seq", type=int, default=None, help="fix the KV-cache length (default: sized to the job)")
     p.add_argument("--no-speculate", action="store_true", help="target-only decoding (the baseline)")
+    p.add_argument("--dtype", choices=DTYPES, default=None,
+                   help="the target's weights, activations and KV cache (default: float16 on Ascend, float32 on CPU)")
     p.add_argument("--device-mem", default=None,
                    help="memory per device (e.g. 64GB): refuse, before loading weights, what cannot fit")
 
@@ -112,7 +115,7 @@ def load_pipeline(a):
     from .plan import parse_size
     mem = parse_size(a.device_mem, "--device-mem") if a.device_mem else None
     return load(target=a.target, draft=False if a.no_speculate else a.draft, k=a.k, max_seq=a.max_seq,
-                device_mem=mem, tp=getattr(a, "tp", 1), max_batch=getattr(a, "max_batch", 1))
+                device_mem=mem, tp=getattr(a, "tp", 1), max_batch=getattr(a, "max_batch", 1), dtype=a.dtype)
 
 
 def sampling_kwargs(a):
@@ -172,6 +175,8 @@ def parser():
     e.add_argument("--quantize", choices=["int8", "q8", "q4"], default=None)
     e.add_argument("--layers", type=int, default=None, help="keep only the first N layers")
     e.add_argument("--max-seq", type=int, default=None, help="default KV-cache length for the draft")
+    e.add_argument("--dtype", choices=["float32", "float16"], default="float32",
+                   help="weights and KV cache (softmax, norms and logits stay float32; default float32)")
     e.set_defaults(func=cmd_export)
     c = sub.add_parser("convert", help="convert a Llama GGUF file into a Hugging Face directory")
     c.add_argument("--gguf", required=True)

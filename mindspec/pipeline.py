@@ -8,7 +8,7 @@ from .engine import Engine
 from .errors import MindspecError
 from .sampling import SamplingParams
 from .sequence import Request, Result
-from .spec import BATCH_BUCKETS, K_BUCKETS, SpecConfig
+from .spec import BATCH_BUCKETS, K_BUCKETS, PLAN_DTYPE, SpecConfig, detect_device, resolve_dtype
 from .tokenizer import Tokenizer
 
 __all__ = ["Pipeline", "Result", "load"]
@@ -16,8 +16,9 @@ __all__ = ["Pipeline", "Result", "load"]
 
 class Pipeline:
     def __init__(self, target, draft=None, k="auto", max_seq=None, buckets=K_BUCKETS, device=None,
-                 device_mem=None, tp=1, max_batch=1, batch_buckets=BATCH_BUCKETS):
+                 device_mem=None, tp=1, max_batch=1, batch_buckets=BATCH_BUCKETS, dtype=None):
         from mindspec.graphs.runner import init_mindspore
+        self.dtype = resolve_dtype(dtype, detect_device(device))  # the target's; refused before any weight loads
         self.spec = SpecConfig(k, tuple(buckets), tuple(batch_buckets), max_batch)
         self._batch_buckets = tuple(batch_buckets)
         self.ckpt = Checkpoint(target)
@@ -94,15 +95,16 @@ class Pipeline:
         if max_seq > self.cfg.max_position_embeddings:
             raise MindspecError(f"{max_seq} positions exceed the model's max_position_embeddings "
                                 f"{self.cfg.max_position_embeddings}")
-        if self.device_mem:  # before any weight is loaded (the target here keeps fp32 weights)
+        if self.device_mem:  # before any weight is loaded, in the dtypes really used (the draft's: its manifest)
             from .plan import check_fits, shape_from_config, shape_from_draft
-            check_fits(shape_from_config(self.cfg, "fp32"),
-                       shape_from_draft(self.draft_path, "fp32") if self.draft_path else None,
+            check_fits(shape_from_config(self.cfg, PLAN_DTYPE[self.dtype]),
+                       shape_from_draft(self.draft_path) if self.draft_path else None,
                        tp=self.tp, device_mem=self.device_mem, seq_len=max_seq * max_batch)
         if max_batch != self.spec.max_batch:
             self.spec = SpecConfig(self.spec.k, self.spec.k_buckets, self._batch_buckets, max_batch)
         self.target = None  # free the old graphs' memory first
-        self.target = TargetModel(self.ckpt, max_seq, self.spec.k_buckets, self.spec.batch_buckets, max_batch)
+        self.target = TargetModel(self.ckpt, max_seq, self.spec.k_buckets, self.spec.batch_buckets, max_batch,
+                                  self.dtype)
         self._engine()
 
     def ensure(self, positions, max_batch):

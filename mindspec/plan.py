@@ -24,10 +24,11 @@ import re
 from dataclasses import dataclass
 
 from .errors import MindspecError
+from .spec import PLAN_DTYPE
 
 GB = 1e9
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1, "q8": 1, "q4": 0.5}
-_ONNX_WEIGHT_BYTES = {None: 4, "int8": 1, "q8": 1, "q4": 0.5}  # exported drafts are fp32 unless quantized
+_ONNX_WEIGHT_BYTES = {"int8": 1, "q8": 1, "q4": 0.5}  # a quantized export's weights (else: its dtype's)
 ALPHAS = (0.6, 0.7, 0.8, 0.9)
 K_BUCKETS = (1, 2, 4, 8)
 _PREFIX = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 2 ** 10, "mi": 2 ** 20, "gi": 2 ** 30, "ti": 2 ** 40}
@@ -77,7 +78,7 @@ def shape_from_checkpoint(model_dir, dtype="fp16"):
 
 def shape_from_draft(path, dtype="fp16"):
     """A draft from a checkpoint dir (weights in `dtype`) or an exported .onnx (its real file size;
-    the ORT session keeps an fp32 KV cache)."""
+    the KV cache in the manifest's dtype, which the runtime allocates)."""
     if os.path.isdir(path):
         return shape_from_checkpoint(path, dtype)
     from mindspec.export import read_manifest
@@ -87,8 +88,10 @@ def shape_from_draft(path, dtype="fp16"):
     try:
         params = count_params(load_config(m["source"]), layers=m["num_layers"])
     except MindspecError:  # source checkpoint moved away: estimate from the file size
-        params = weight_bytes / _ONNX_WEIGHT_BYTES[m["quantize"]]
-    return ModelShape(float(params), m["num_layers"], m["num_key_value_heads"], m["head_dim"], weight_bytes, 4)
+        params = weight_bytes / (_ONNX_WEIGHT_BYTES[m["quantize"]] if m["quantize"] else
+                                 DTYPE_BYTES[PLAN_DTYPE[m["dtype"]]])
+    return ModelShape(float(params), m["num_layers"], m["num_key_value_heads"], m["head_dim"], weight_bytes,
+                      DTYPE_BYTES[PLAN_DTYPE[m["dtype"]]])
 
 
 def kv_bytes_per_token(m, dtype_bytes=None):

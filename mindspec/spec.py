@@ -30,6 +30,25 @@ def detect_device(device=None):
     return "Ascend" if os.environ.get("ASCEND_HOME_PATH") else "CPU"
 
 
+DTYPES = ("float32", "float16", "bfloat16")
+DEVICE_DTYPES = {"CPU": ("float32", "float16"),  # MindSpore's CPU kernels have no bfloat16 MatMul
+                 "Ascend": ("float16", "bfloat16", "float32")}  # the first: the device's default
+PLAN_DTYPE = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}  # mindspec plan's names
+
+
+def resolve_dtype(dtype, device):
+    """The target's dtype on `device` ("CPU"/"Ascend"): None picks the device's default (float16 on
+    Ascend, float32 on CPU). One line naming what the device runs when it cannot run `dtype`."""
+    runs = DEVICE_DTYPES.get(device, ("float32",))
+    if dtype is None:
+        return runs[0]
+    if dtype not in DTYPES:
+        raise MindspecError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if dtype not in runs:
+        raise MindspecError(f"{dtype} does not run on {device}: this device runs {', '.join(runs)}")
+    return dtype
+
+
 def _is_int(v):
     return isinstance(v, int) and not isinstance(v, bool)
 

@@ -1,0 +1,135 @@
+"""Half precision end to end: a float16 target (weights, activations, KV cache; norms, softmax and
+sampling in float32) and a float16 ONNX draft. Exactness is per dtype: greedy speculative output equals
+greedy target-only output of the same float16 target, whatever the draft's dtype; sampling stays
+lossless against the float16 target's own distribution; TP=2 equals TP=1 in float16."""
+import json
+import os
+import subprocess
+import sys
+
+import mindspore as ms
+import numpy as np
+import pytest
+from scipy.stats import chisquare
+
+import mindspec
+from mindspec.checkpoint import Checkpoint
+from mindspec.export import DraftSession, export_draft
+from mindspec.graphs.runner import TargetModel, init_mindspore
+from mindspec.reference import reference_logits
+
+PROMPTS = [[5, 6, 7], [100, 3, 250, 17, 9], list(range(10, 50)), [300, 301, 302, 7, 7, 7, 7]]
+ENV = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+
+
+@pytest.fixture(scope="module")
+def drafts(tiny_draft_ckpt, noisy_draft, tmp_path_factory):
+    """{dtype: path} of the noisy draft exported in float32 and in float16."""
+    path = str(tmp_path_factory.mktemp("f16") / "noisy16.onnx")
+    export_draft(tiny_draft_ckpt[0], path, dtype="float16")
+    return {"float32": noisy_draft, "float16": path}
+
+
+@pytest.fixture(scope="module")
+def pipe16(tiny_target, drafts):
+    return mindspec.load(target=tiny_target[0], draft=drafts["float16"], k=4, max_seq=128, dtype="float16")
+
+
+def test_float16_target_holds_float16_and_matches_the_reference(tiny_target):
+    init_mindspore()
+    ckpt = Checkpoint(tiny_target[0])
+    m = TargetModel(ckpt, max_seq=64, k_buckets=(2,), dtype="float16")
+    d = m.decoder
+    assert {p.dtype for p in list(d.w) + [d.embed, d.head] + list(d.k_cache) + list(d.v_cache)} == {ms.float16}
+    seq = [int(x) for x in np.random.default_rng(3).integers(3, 300, 40)]
+    ref = reference_logits(ckpt.config, ckpt.get, seq)
+    got = np.concatenate([m.logits(0, 0, seq[:33]), m.logits(0, 33, seq[33:])])
+    err = np.abs(got - ref).max() / np.abs(ref).max()
+    assert got.dtype == np.float32 and 1e-5 < err < 5e-3, err  # float16's rounding, and no worse
+    names = m.graph_names([1], [2])
+    assert m.cache_key(names) != TargetModel(ckpt, max_seq=64, k_buckets=(2,)).cache_key(names)  # dtype in the key
+
+
+def test_bfloat16_is_refused_on_cpu_before_any_weight_loads(tiny_target, tmp_path):
+    bad = tmp_path / "broken"
+    bad.mkdir()
+    for name in os.listdir(tiny_target[0]):
+        data = open(os.path.join(tiny_target[0], name), "rb").read()
+        (bad / name).write_bytes(data[:100] if name.endswith(".safetensors") else data)  # weights truncated
+    p = subprocess.run([sys.executable, "-m", "mindspec", "generate", "--target", str(bad), "--no-speculate",
+                        "--prompt-ids", "5,6", "--dtype", "bfloat16"], capture_output=True, text=True, env=ENV)
+    assert p.returncode == 2 and p.stderr.strip().splitlines() == [
+        "mindspec: error: bfloat16 does not run on CPU: this device runs float32, float16"], p.stderr
+
+
+def test_float16_draft_manifest_and_cache(drafts):
+    a, b = DraftSession(drafts["float32"], max_seq=64), DraftSession(drafts["float16"], max_seq=64)
+    assert a.manifest["dtype"] == "float32" and b.manifest["dtype"] == "float16"
+    assert a.keys[0].dtype == np.float32 and b.keys[0].dtype == b.values[-1].dtype == np.float16
+    assert os.path.getsize(drafts["float16"]) < 0.6 * os.path.getsize(drafts["float32"])  # weights in float16
+    for s in (a, b):
+        s.forward([PROMPTS[2]])
+    la, lb = a.forward([[7]]), b.forward([[7]])
+    assert lb.dtype == np.float32 and 0 < np.abs(la - lb).max() < 5e-3 * np.abs(la).max()
+
+
+@pytest.mark.parametrize("draft_dtype", ["float16", "float32"])
+def test_float16_speculative_greedy_equals_float16_target_only(pipe16, drafts, draft_dtype):
+    pipe16.set_draft(drafts[draft_dtype])
+    drafted = accepted = 0
+    for ids in PROMPTS:
+        base = pipe16.generate(prompt_ids=ids, max_new_tokens=30, speculate=False)
+        spec = pipe16.generate(prompt_ids=ids, max_new_tokens=30, k=4)
+        assert spec.token_ids == base.token_ids, (ids, draft_dtype)
+        drafted, accepted = drafted + spec.stats["drafted"], accepted + spec.stats["accepted"]
+    rows = pipe16.generate_many([dict(prompt_ids=ids, max_new_tokens=30, k=4) for ids in PROMPTS], max_batch=4)
+    assert [r.token_ids for r in rows] == [pipe16.generate(prompt_ids=ids, max_new_tokens=30, speculate=False)
+                                           .token_ids for ids in PROMPTS]
+    assert 0.1 < accepted / drafted < 0.9, accepted / drafted  # rollbacks happen: the test has teeth
+
+
+def test_float16_sampling_is_lossless(pipe16, drafts):
+    """The second token's marginal is the float16 target's own sum_a p(a) p(b | a) (chi-square)."""
+    pipe16.set_draft(drafts["float16"])
+    T, prompt, n = 3.0, [5, 6, 7], 300
+    soft = lambda x: np.exp(x / T - (x / T).max()) / np.exp(x / T - (x / T).max()).sum()  # noqa: E731
+    p1 = soft(pipe16.target.logits(0, 0, prompt)[-1].astype(np.float64))
+    top = np.flatnonzero(p1 > 1e-6)
+    p2 = sum(p1[a] * soft(pipe16.target.logits(0, 0, prompt + [int(a)])[-1].astype(np.float64)) for a in top)
+    p2 /= p2.sum()
+    seen = np.zeros(len(p2))
+    for s in range(n):
+        seen[pipe16.generate(prompt_ids=prompt, max_new_tokens=2, temperature=T, k=2, seed=500 + s).token_ids[1]] += 1
+    big = p2 * n >= 5
+    obs, exp = np.append(seen[big], seen[~big].sum()), np.append(p2[big], p2[~big].sum()) * n
+    assert chisquare(obs, exp).pvalue > 1e-3, (obs, exp)
+    wrong = np.roll(p2[big], 1)  # the same counts against a wrong distribution must fail
+    assert chisquare(seen[big], wrong / wrong.sum() * seen[big].sum()).pvalue < 1e-3
+
+
+def test_device_mem_counts_the_dtype_in_use(tiny_target, drafts):
+    from mindspec.plan import check_fits, shape_from_config, shape_from_draft
+    cfg = Checkpoint(tiny_target[0]).config
+    assert shape_from_draft(drafts["float16"]).kv_dtype_bytes == 2
+    assert shape_from_draft(drafts["float32"]).kv_dtype_bytes == 4
+    # a device that holds the float16 target and not the float32 one
+    f16, f32 = shape_from_config(cfg, "fp16"), shape_from_config(cfg, "fp32")
+    mem = (f16.weight_bytes + f32.weight_bytes) / 2 + 2e4
+    check_fits(f16, None, device_mem=mem, seq_len=16)
+    with pytest.raises(mindspec.MindspecError, match="does not fit"):
+        check_fits(f32, None, device_mem=mem, seq_len=16)
+    mindspec.load(target=tiny_target[0], draft=False, max_seq=16, dtype="float16", device_mem=mem)
+    with pytest.raises(mindspec.MindspecError, match="does not fit"):
+        mindspec.load(target=tiny_target[0], draft=False, max_seq=16, dtype="float32", device_mem=mem)
+
+
+def test_tp2_float16_equals_tp1_float16(tiny_target, drafts, pipe16, tmp_path):
+    pipe16.set_draft(drafts["float16"])
+    ids = PROMPTS[1]
+    want = pipe16.generate(prompt_ids=ids, max_new_tokens=20, k=2).token_ids
+    p = subprocess.run([sys.executable, "-m", "mindspec", "generate", "--tp", "2", "--dtype", "float16", "--target",
+                        tiny_target[0], "--draft", drafts["float16"], "-k", "2", "--max-seq", "128", "--json",
+                        "--prompt-ids", ",".join(map(str, ids)), "--max-new-tokens", "20"],
+                       capture_output=True, text=True, env=dict(ENV, MINDSPEC_HOME=str(tmp_path)), timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert json.loads(p.stdout.strip().splitlines()[-1])["token_ids"] == want
