@@ -165,6 +165,11 @@ def build_decoder(ckpt, n_layers=None, dtype="float32"):
         # one fused QKV matmul; 1/sqrt(D) folded into Wq (RoPE is linear, q is not an output)
         wqkv = np.concatenate([w("self_attn.q_proj") / np.sqrt(D), w("self_attn.k_proj"), w("self_attn.v_proj")]).T
         qkv = g.op("MatMul", [h, g.weight(wqkv, f"l{i}.qkv")])
+        if cfg.qkv_bias:  # Qwen2
+            bqkv = np.concatenate([ckpt.get(f"model.layers.{i}.self_attn.q_proj.bias") / np.sqrt(D),
+                                   ckpt.get(f"model.layers.{i}.self_attn.k_proj.bias"),
+                                   ckpt.get(f"model.layers.{i}.self_attn.v_proj.bias")])
+            qkv = g.op("Add", [qkv, g.weight(bqkv, f"l{i}.qkv_bias")])
         qkv = g.op("Reshape", [qkv, g.i64([0, 0, H + 2 * KV, D])])                     # [B, T, H+2KV, D]
         qk, v = g.op("Split", [qkv, g.i64([H + KV, KV])], n_out=2, axis=2)            # v [B, T, KV, D]
         qk = _rope(g, qk, cos, sin, swap)                                               # q and k rotated together

@@ -1,7 +1,7 @@
 """Fold a Llama checkpoint into few, wide matrices (numpy, at load time).
 
 Per layer: one q|k|v|rot(q)|rot(k) projection with the input RMSNorm weight and the 1/sqrt(D)
-attention scale folded in, o_proj, one gate|up projection with the post-attention norm folded in,
+attention scale folded in (and its bias vector, same rows, for models with q/k/v biases), o_proj, one gate|up projection with the post-attention norm folded in,
 and down_proj. RoPE then costs two multiplies and an add: out = a*cos + a_rot*sin, where
 a_rot = rotate_half(a) comes straight out of the matmul (rows rotated in the weight).
 
@@ -95,6 +95,15 @@ def fused_weights(cfg, get, plan=None, get_slice=None, dtype=np.float32):
                               _blocks(rotate_half_rows(wk, kb - ka, D), kv_idx, D),
                               np.zeros((len(kv_idx) * D, wv.shape[1]), wv.dtype)])
         out[f"qkv.{i}"] = qkv * g("input_layernorm")[None, :]
+        if cfg.qkv_bias:  # the same rows of the bias vectors (the norm folds into the weight's columns only)
+            def bias(n, a, b):  # 1-D: read whole (small), sliced here
+                return read(f"model.layers.{i}.{n}.bias")[a:b].reshape(-1, 1)
+            bq = bias("self_attn.q_proj", ha * D, hb * D) / np.sqrt(D)
+            bk, bv = bias("self_attn.k_proj", ka * D, kb * D), bias("self_attn.v_proj", ka * D, kb * D)
+            out[f"qkv_bias.{i}"] = np.concatenate([
+                _blocks(bq, q_idx, D), _blocks(bk, kv_idx, D), _blocks(bv, kv_idx, D),
+                _blocks(rotate_half_rows(bq, hb - ha, D), q_idx, D), _blocks(rotate_half_rows(bk, kb - ka, D), kv_idx, D),
+                np.zeros((len(kv_idx) * D, 1), bv.dtype)]).ravel()
         out[f"o.{i}"] = _blocks(g("self_attn.o_proj", 1, ha * D, hb * D), q_idx, D, axis=1)
         out[f"gate_up.{i}"] = np.concatenate([_pad(g("mlp.gate_proj", 0, ia, ib), Il),
                                               _pad(g("mlp.up_proj", 0, ia, ib), Il)]) * \

@@ -60,6 +60,9 @@ class LlamaDecoder(nn.Cell):
         self.head = _param(w["head"], "head", dtype)
         self.w = ParameterTuple([_param(w[f"{n}.{i}"], f"{n}.{i}", dtype)
                                  for i in range(self.L) for n in ("qkv", "o", "gate_up", "down")])
+        self.qkv_bias = cfg.qkv_bias  # Qwen2: q/k/v biases (a compile-time branch)
+        self.b = ParameterTuple([_param(w[f"qkv_bias.{i}"], f"qkv_bias.{i}", dtype) for i in range(self.L)]) \
+            if cfg.qkv_bias else None
         self.slots = slots
         shape = (slots, self.KV, max_seq, self.D)  # [slots, KV, S, D]
         self.k_cache = ParameterTuple([_param(np.zeros(shape, host), f"k_cache.{i}", dtype) for i in range(self.L)])
@@ -141,7 +144,8 @@ class LlamaDecoder(nn.Cell):
         x = self.embed_tokens(ids.reshape(-1))  # [B*T, d]
         for i in range(self.L):
             w_qkv, w_o, w_gu, w_down = self.w[4 * i:4 * i + 4]
-            a, a_rot = ops.split(ops.dense(self.norm(x), w_qkv), self.N, -1)  # [B*T, N] each
+            qkv = ops.dense(self.norm(x), w_qkv, self.b[i]) if self.qkv_bias else ops.dense(self.norm(x), w_qkv)
+            a, a_rot = ops.split(qkv, self.N, -1)  # [B*T, N] each
             # RoPE as x*cos + rotate_half(x)*sin, rotate_half precomputed in the weights (v: cos 1, sin 0)
             a = a.reshape(B, T, self.N) * cos + a_rot.reshape(B, T, self.N) * sin
             a = a.reshape(B, T, self.H + 2 * self.KV, self.D).transpose(0, 2, 1, 3)

@@ -97,6 +97,7 @@ class Checkpoint:
         need = ["model.embed_tokens.weight", "model.norm.weight"]
         for i in range(cfg.num_hidden_layers):
             need += [f"model.layers.{i}.{n}.weight" for n in LAYER_WEIGHTS]
+            need += [f"model.layers.{i}.{n}.bias" for n in QKV_BIASES if cfg.qkv_bias]
         if not cfg.tie_word_embeddings:
             need.append("lm_head.weight")
         missing = [n for n in need if n not in self._where]
@@ -149,6 +150,7 @@ class Checkpoint:
 LAYER_WEIGHTS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
                  "input_layernorm", "post_attention_layernorm")
+QKV_BIASES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")  # with config.qkv_bias (Qwen2)
 
 
 def expected_shape(cfg, name):
@@ -163,6 +165,9 @@ def expected_shape(cfg, name):
         "mlp.gate_proj.weight": (cfg.intermediate_size, d), "mlp.up_proj.weight": (cfg.intermediate_size, d),
         "mlp.down_proj.weight": (d, cfg.intermediate_size),
         "input_layernorm.weight": (d,), "post_attention_layernorm.weight": (d,),
+        "self_attn.q_proj.bias": (cfg.num_attention_heads * hd,),
+        "self_attn.k_proj.bias": (cfg.num_key_value_heads * hd,),
+        "self_attn.v_proj.bias": (cfg.num_key_value_heads * hd,),
     }
     if name in shapes:
         return shapes[name]

@@ -23,6 +23,7 @@ class LlamaConfig:
     tie_word_embeddings: bool = False
     bos_token_id: int = None
     eos_token_ids: tuple = field(default_factory=tuple)
+    qkv_bias: bool = False  # q/k/v projections with biases (Qwen2)
 
     @property
     def q_per_kv(self):
@@ -42,6 +43,10 @@ def config_from_dict(raw, where="config.json"):
     arch = (raw.get("architectures") or ["LlamaForCausalLM"])[0]
     if arch not in SUPPORTED_ARCHS and raw.get("model_type") != "llama":
         raise MindspecError(f"{where}: architecture {arch!r} is not a Llama-family model")
+    for key, what in (("attention_bias", "attention biases"), ("mlp_bias", "MLP biases"),
+                      ("use_sliding_window", "sliding-window attention")):
+        if raw.get(key) and not (key == "attention_bias" and arch == "Qwen2ForCausalLM"):
+            raise MindspecError(f"{where}: {key} = true ({what}) is not supported")
     scaling = raw.get("rope_scaling")
     if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
         raise MindspecError(f"{where}: rope_scaling {scaling.get('rope_type', scaling.get('type'))!r} "
@@ -63,6 +68,7 @@ def config_from_dict(raw, where="config.json"):
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=_eos_list(raw.get("eos_token_id")),
+            qkv_bias=arch == "Qwen2ForCausalLM",  # Qwen2 always has them (its config has no flag)
         )
     except KeyError as e:
         raise MindspecError(f"{where}: missing key {e.args[0]!r}") from None

@@ -32,9 +32,10 @@ def reference_logits(cfg, get, ids, n_layers=None):
     for i in range(cfg.num_hidden_layers if n_layers is None else n_layers):
         w = lambda n: get(f"model.layers.{i}.{n}.weight")  # noqa: E731
         h = rms_norm(x, w("input_layernorm"), cfg.rms_norm_eps)
-        q = (h @ w("self_attn.q_proj").T).reshape(T, H, D).transpose(1, 0, 2)
-        k = (h @ w("self_attn.k_proj").T).reshape(T, KV, D).transpose(1, 0, 2)
-        v = (h @ w("self_attn.v_proj").T).reshape(T, KV, D).transpose(1, 0, 2)
+        b = (lambda n: get(f"model.layers.{i}.{n}.bias")) if cfg.qkv_bias else (lambda n: 0.0)  # noqa: E731
+        q = (h @ w("self_attn.q_proj").T + b("self_attn.q_proj")).reshape(T, H, D).transpose(1, 0, 2)
+        k = (h @ w("self_attn.k_proj").T + b("self_attn.k_proj")).reshape(T, KV, D).transpose(1, 0, 2)
+        v = (h @ w("self_attn.v_proj").T + b("self_attn.v_proj")).reshape(T, KV, D).transpose(1, 0, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k, v = np.repeat(k, H // KV, axis=0), np.repeat(v, H // KV, axis=0)
         s = q @ k.transpose(0, 2, 1) / np.sqrt(D) + causal

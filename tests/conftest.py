@@ -5,7 +5,7 @@ import os
 import numpy as np
 import pytest
 
-from mindspec.checkpoint import LAYER_WEIGHTS, expected_shape, write_checkpoint
+from mindspec.checkpoint import LAYER_WEIGHTS, QKV_BIASES, expected_shape, write_checkpoint
 from mindspec.config import config_from_dict
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -35,10 +35,11 @@ def write_tiny_tokenizer(model_dir):
 
 def make_tiny_checkpoint(model_dir, vocab=320, hidden=64, layers=2, heads=4, kv_heads=2, inter=96,
                          head_dim=None, tie=False, seed=0, shard_bytes=None, scale=0.15, base=None,
-                         noise=0.0, eos=2):
+                         noise=0.0, eos=2, arch="LlamaForCausalLM"):
     """Write a random Llama checkpoint. With `base` (a dict of tensors), copy it and add `noise`
-    (relative) instead: a same-vocabulary draft that disagrees with its target now and then."""
-    raw = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab,
+    (relative) instead: a same-vocabulary draft that disagrees with its target now and then.
+    arch "Qwen2ForCausalLM": with (large, random) q/k/v biases."""
+    raw = {"architectures": [arch], "model_type": "qwen2" if arch.startswith("Qwen2") else "llama", "vocab_size": vocab,
            "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
            "num_attention_heads": heads, "num_key_value_heads": kv_heads, "rms_norm_eps": 1e-5,
            "rope_theta": 10000.0, "max_position_embeddings": 4096, "tie_word_embeddings": tie,
@@ -49,6 +50,7 @@ def make_tiny_checkpoint(model_dir, vocab=320, hidden=64, layers=2, heads=4, kv_
     rng = np.random.default_rng(seed)
     names = ["model.embed_tokens.weight", "model.norm.weight"] + [
         f"model.layers.{i}.{n}.weight" for i in range(layers) for n in LAYER_WEIGHTS]
+    names += [f"model.layers.{i}.{n}.bias" for i in range(layers) for n in QKV_BIASES if cfg.qkv_bias]
     if not tie:
         names.append("lm_head.weight")
     tensors = {}
@@ -59,6 +61,8 @@ def make_tiny_checkpoint(model_dir, vocab=320, hidden=64, layers=2, heads=4, kv_
             t = w + noise * np.abs(w).mean() * rng.standard_normal(shape)
         elif n.endswith("norm.weight"):
             t = 1.0 + 0.1 * rng.standard_normal(shape)
+        elif n.endswith(".bias"):
+            t = rng.standard_normal(shape)  # as large as the projections' outputs: wrong without them
         elif "embed" in n or "lm_head" in n:
             t = rng.standard_normal(shape)
         else:
