@@ -1,6 +1,7 @@
 """TargetModel: the compiled target graphs over a slotted KV cache. It keeps no per-request state:
 the engine says, per call, which slot each row uses and at which position (rollback = the engine
 moving that integer)."""
+import fcntl
 import hashlib
 import os
 import sys
@@ -32,7 +33,8 @@ _COMPILES = 0  # graphs compiled in this process (see TargetModel.warmup)
 
 
 def _source_hash():
-    """The graph code's identity, part of the compile-cache key."""
+    """The graph code's identity, part of the compile-cache key: read once, at import, so it is the
+    code this process runs even if the files change later."""
     h = hashlib.sha256()
     here = os.path.dirname(os.path.abspath(__file__))
     for name in sorted(os.listdir(here)):
@@ -40,6 +42,9 @@ def _source_hash():
             with open(os.path.join(here, name), "rb") as f:
                 h.update(f.read())
     return h.hexdigest()
+
+
+_SOURCE = _source_hash()
 
 
 @dataclass
@@ -204,20 +209,26 @@ class TargetModel:
         if all(f"{kind}{(B, T)}" in self.compiled for kind, B, T in names):
             return
         cached = bool(cache_dir) and _COMPILES == 0 and os.path.isfile(sys.argv[0] if sys.argv else "")
+        lock = None
         if cached:
-            ms.set_context(enable_compile_cache=True, compile_cache_path=os.path.join(cache_dir, self.cache_key(names)))
+            path = os.path.join(cache_dir, self.cache_key(names))
+            os.makedirs(cache_dir, exist_ok=True)
+            lock = open(path + ".lock", "w")  # noqa: SIM115 - held until the graphs are in
+            fcntl.flock(lock, fcntl.LOCK_EX)  # two processes starting at once: one writes, then the other reads
+            ms.set_context(enable_compile_cache=True, compile_cache_path=path)
         try:
             for kind, B, T in names:
                 self._compile(kind, B, T - 1)
         finally:
             if cached:
                 ms.set_context(enable_compile_cache=False)  # later graphs compile in any order
+                lock.close()
 
     def cache_key(self, names):
         """The compile-cache directory name of these graphs: everything a compiled graph depends on,
         the TP layout included (MindSpore separates cached graphs by rank id, not by world size)."""
         key = repr((self.fingerprint, self.dtype, self.max_seq, self.max_batch, self.k_buckets, names, TOPK_CAP,
-                    _source_hash(), tp_layout()))
+                    _SOURCE, tp_layout()))
         return hashlib.sha256(key.encode()).hexdigest()[:16]
 
     def _compile(self, kind, B, K):
