@@ -1,30 +1,42 @@
 """Run an exported draft: provider choice, session options, and a batched static KV cache moved by integers."""
-import os
+import contextlib
+import sys
 
 import numpy as np
 
+from mindspec.device import detect_device, device_id
 from mindspec.errors import MindspecError
 
 from .manifest import read_manifest
 
 
-def cann_present():
-    """The CANN toolkit is installed (not just compiled into the onnxruntime-cann wheel)."""
-    return bool(os.environ.get("ASCEND_HOME_PATH") or os.environ.get("ASCEND_TOOLKIT_HOME")
-                or os.path.isdir("/usr/local/Ascend"))
-
-
 def providers(device=None):
-    """Provider list for onnxruntime. device: None (auto), "cpu", or an NPU id (int or digits).
-    CANN is asked for only when present: otherwise ORT logs a fallback error on every session."""
-    import onnxruntime as ort
-    if str(device).lower() == "cpu" or not cann_present() \
-            or "CANNExecutionProvider" not in ort.get_available_providers():
+    """onnxruntime's provider list for the draft on `device` ("CPU" or "Ascend", as resolved by
+    mindspec.device; None: resolve it here by the rule the target shares). Ascend asks for CANN alone: a fall back to the host is an error
+    (DraftSession checks what onnxruntime chose), never a silent slow run."""
+    if (device or detect_device()).lower() == "cpu":
         return ["CPUExecutionProvider"]
-    dev = int(device) if device is not None and str(device).isdigit() else int(os.environ.get("ASCEND_DEVICE_ID", 0))
     # enable_cann_graph off: B and T change from call to call, a whole-graph build per shape would recompile
-    return [("CANNExecutionProvider", {"device_id": dev, "arena_extend_strategy": "kNextPowerOfTwo",
-                                       "enable_cann_graph": False}), "CPUExecutionProvider"]
+    return [("CANNExecutionProvider", {"device_id": device_id(), "arena_extend_strategy": "kNextPowerOfTwo",
+                                       "enable_cann_graph": False})]
+
+
+def start_session(onnx_path, options, provider_list):
+    """An InferenceSession on exactly the providers asked for. onnxruntime prints its "Falling back to
+    CPU" notice on stdout (it would corrupt --json): it goes to stderr, and the fall back is an error."""
+    import onnxruntime as ort
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            session = ort.InferenceSession(onnx_path, options, providers=provider_list)
+    except Exception as e:  # noqa: BLE001 - ORT raises its own exception types
+        raise MindspecError(f"cannot load draft {onnx_path}: {str(e).splitlines()[0]}") from None
+    want = [p[0] if isinstance(p, tuple) else p for p in provider_list]
+    if session.get_providers()[0] != want[0]:
+        raise MindspecError(f"draft {onnx_path}: onnxruntime could not start {want[0]} (it chose "
+                            f"{session.get_providers()[0]}): install onnxruntime-cann and source CANN's set_env.sh")
+    if want[0] != "CPUExecutionProvider":
+        print(f"mindspec: draft on {want[0]} (device {device_id()})", file=sys.stderr)
+    return session
 
 
 def make_session_options(threads=None):
@@ -51,7 +63,6 @@ class DraftSession:
     rollback is moving pos) and masked by the graph, so nothing ever needs clearing."""
 
     def __init__(self, onnx_path, max_seq=None, max_batch=1, threads=None, device=None):
-        import onnxruntime as ort
         self.manifest = m = read_manifest(onnx_path)
         self.max_seq = int(max_seq or m["max_seq"])
         if not 1 <= self.max_seq <= m["max_seq"]:
@@ -60,10 +71,7 @@ class DraftSession:
         if isinstance(max_batch, bool) or not isinstance(max_batch, (int, np.integer)) or max_batch < 1:
             raise ValueError(f"max_batch must be a positive integer, got {max_batch!r}")
         self.max_batch = int(max_batch)
-        try:
-            self.session = ort.InferenceSession(onnx_path, make_session_options(threads), providers=providers(device))
-        except Exception as e:  # noqa: BLE001 - ORT raises its own exception types
-            raise MindspecError(f"cannot load draft {onnx_path}: {str(e).splitlines()[0]}") from None
+        self.session = start_session(onnx_path, make_session_options(threads), providers(device))
         L, KV, D = m["num_layers"], m["num_key_value_heads"], m["head_dim"]
         self.vocab_size = m["vocab_size"]
         # np.zeros pages are only touched when written, so a long max_seq costs address space only

@@ -14,7 +14,8 @@ import mindspore as ms
 from mindspore import Tensor
 
 from mindspec.errors import MindspecError
-from mindspec.spec import PREFILL_CHUNK, detect_device, round_up
+from mindspec.device import detect_device, device_id
+from mindspec.spec import PREFILL_CHUNK, round_up
 from .llama import GreedyStep, LlamaDecoder, Logits, Prefill, SampleStep
 from .sampling import TOPK_CAP
 from .tp import tp_layout, tp_size
@@ -25,7 +26,7 @@ def init_mindspore(device=None):
     device = detect_device(device)
     ms.set_context(mode=ms.GRAPH_MODE)
     if tp_size() == 1:  # under msrun, init_tp() already set this rank's device id
-        ms.set_device(device)
+        ms.set_device(device, 0 if device == "CPU" else device_id())
     return device
 
 

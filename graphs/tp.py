@@ -57,12 +57,13 @@ def init_tp(device=None):
     scheduler and the process exits when the job ends, so nothing after this runs there."""
     import mindspore as ms
     from mindspore.communication import get_group_size, get_rank, init
-    device = device or ("Ascend" if os.environ.get("ASCEND_HOME_PATH") else "CPU")
+    from mindspec.device import detect_device, device_id
+    device = detect_device(device)
     ms.set_context(mode=ms.GRAPH_MODE)
     # an explicit id: with the default one msrun negotiates a per-rank id, and the pipeline's own later
     # set_device(device) (id 0) is then refused as a change. CPU ranks all use "device" 0; NPU ranks
     # their local rank (runner.init_mindspore must then not set the device again).
-    ms.set_device(device, 0 if device == "CPU" else int(os.environ.get("DEVICE_ID", "0")))
+    ms.set_device(device, 0 if device == "CPU" else device_id())
     init()
     _STATE["size"], _STATE["rank"] = get_group_size(), get_rank()
     return _STATE["size"], _STATE["rank"]

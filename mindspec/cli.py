@@ -8,6 +8,7 @@ import sys
 
 from .errors import MindspecError
 from .request import SEED_ENV
+from .device import CHOICES
 from .spec import DTYPES
 
 SERVE_MAX_SEQ = 1024  # positions per request a server holds by default (--max-seq)
@@ -67,6 +68,8 @@ def add_model_args(p):
                    help="choose K each step from measured costs and acceptance (the default; same as -k auto)")
     p.add_argument("--max-seq", type=int, default=None, help="fix the KV-cache length (default: sized to the job)")
     p.add_argument("--no-speculate", action="store_true", help="target-only decoding (the baseline)")
+    p.add_argument("--device", choices=CHOICES, default=None,
+                   help="auto (default: Ascend when an NPU is visible, else CPU), cpu or ascend; target and draft")
     p.add_argument("--dtype", choices=DTYPES, default=None,
                    help="the target's weights, activations and KV cache (default: float16 on Ascend, float32 on CPU)")
     p.add_argument("--device-mem", default=None,
@@ -115,7 +118,8 @@ def load_pipeline(a):
     from .plan import parse_size
     mem = parse_size(a.device_mem, "--device-mem") if a.device_mem else None
     return load(target=a.target, draft=False if a.no_speculate else a.draft, k=a.k, max_seq=a.max_seq,
-                device_mem=mem, tp=getattr(a, "tp", 1), max_batch=getattr(a, "max_batch", 1), dtype=a.dtype)
+                device_mem=mem, tp=getattr(a, "tp", 1), max_batch=getattr(a, "max_batch", 1), dtype=a.dtype,
+                device=a.device)
 
 
 def sampling_kwargs(a):
@@ -213,6 +217,9 @@ def parser():
     add_batch_arg(b)
     add_tp_arg(b)
     b.set_defaults(func=cmd_batch)
+    d = sub.add_parser("doctor", help="what runs where on this machine, and what an Ascend run still needs")
+    d.add_argument("--device", choices=CHOICES, default=None, help="the device to check (default auto)")
+    d.set_defaults(func=lambda a: __import__("mindspec.doctor", fromlist=["run"]).run(a.device))
     from . import bench, plan
     plan.add_parser(sub)
     bench.add_parser(sub)

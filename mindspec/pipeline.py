@@ -18,7 +18,8 @@ class Pipeline:
     def __init__(self, target, draft=None, k="auto", max_seq=None, buckets=K_BUCKETS, device=None,
                  device_mem=None, tp=1, max_batch=1, batch_buckets=BATCH_BUCKETS, dtype=None):
         from mindspec.graphs.runner import init_mindspore
-        self.dtype = resolve_dtype(dtype, detect_device(device))  # the target's; refused before any weight loads
+        self.device = detect_device(device)  # target and draft: "CPU" or "Ascend"
+        self.dtype = resolve_dtype(dtype, self.device)  # the target's; refused before any weight loads
         self.spec = SpecConfig(k, tuple(buckets), tuple(batch_buckets), max_batch)
         self._batch_buckets = tuple(batch_buckets)
         self.ckpt = Checkpoint(target)
@@ -32,7 +33,7 @@ class Pipeline:
         self.set_draft(draft)
         self.fixed_max_seq = max_seq
         self.device_mem, self.tp = device_mem, tp  # bytes per device: refuse what cannot fit
-        self.device = init_mindspore(device)
+        init_mindspore(self.device)
         from .default import home
         self.cache_dir = os.path.join(home(), "compile_cache")  # see TargetModel.warmup
         if max_seq:
@@ -85,7 +86,8 @@ class Pipeline:
         from .proposer import DraftProposer
         t = self.target
         self.proposer = DraftProposer(DraftSession(self.draft_path, max_seq=t.max_seq + max(t.k_buckets),
-                                                   max_batch=t.max_batch)) if self.draft_path else None
+                                                   max_batch=t.max_batch, device=self.device)) \
+            if self.draft_path else None
         self.costs = None
         self.engine = Engine(t, self.proposer, self.spec)
 

@@ -1,9 +1,9 @@
 """The speculative-decoding settings in one place (as vLLM's SpeculativeConfig): K buckets, batch
 buckets, fixed or dynamic K, the cache sizing rule, quantization modes, the device. Importing it
 loads no framework, so bad input is refused before MindSpore or onnxruntime start."""
-import os
 from dataclasses import dataclass
 
+from .device import detect_device  # noqa: F401 - the device is one of the settings (mindspec/device.py)
 from .errors import MindspecError
 
 K_BUCKETS = (1, 2, 4, 8)  # draft lengths with their own compiled verify graph
@@ -15,19 +15,6 @@ QUANTIZE_MODES = (None, "int8", "q8", "q4")
 
 def round_up(n, m):
     return (n + m - 1) // m * m
-
-
-def cann_present():
-    """The CANN toolkit is installed (not just compiled into the onnxruntime-cann wheel)."""
-    return bool(os.environ.get("ASCEND_HOME_PATH") or os.environ.get("ASCEND_TOOLKIT_HOME")
-                or os.path.isdir("/usr/local/Ascend"))
-
-
-def detect_device(device=None):
-    """"Ascend" or "CPU": the one rule target and draft share."""
-    if device:
-        return {"cpu": "CPU", "ascend": "Ascend", "npu": "Ascend"}.get(str(device).lower(), device)
-    return "Ascend" if os.environ.get("ASCEND_HOME_PATH") else "CPU"
 
 
 DTYPES = ("float32", "float16", "bfloat16")

@@ -1,0 +1,129 @@
+"""Which device runs the target and the draft: one rule for both, checked before anything loads.
+
+`--device auto` (the default) picks Ascend when an NPU is visible and CPU otherwise; NPUs visible but
+the CANN environment not usable is an error, not a silent fall back to the host. `--device ascend`
+refuses with one line saying what is missing. The probes read only files and environment variables
+(no framework import), and take the environment and roots as arguments so they can be tested with
+faked ones.
+"""
+import glob
+import os
+import platform
+import re
+from dataclasses import dataclass, field
+
+from .errors import MindspecError
+
+ASCEND_ROOT = "/usr/local/Ascend"
+DEVICE_ENV = "MINDSPEC_DEVICE"  # --device, handed to msrun's ranks (they detect the same way)
+CHOICES = ("auto", "cpu", "ascend")
+_ELF_MACHINE = {62: "x86_64", 183: "aarch64"}
+
+
+@dataclass
+class AscendEnv:
+    """What an Ascend run needs, as found: the CANN toolkit (and whether set_env.sh was sourced), the
+    driver, the visible NPUs, and the architecture of MindSpore's native libraries."""
+    toolkit: str = None
+    sourced: bool = False
+    driver: str = None
+    npus: list = field(default_factory=list)
+    host_arch: str = ""
+    mindspore_arch: str = None
+
+    def missing(self):
+        """What stops an Ascend run, one phrase each (empty: ready)."""
+        out = []
+        if not self.npus:
+            out.append("no NPU is visible (/dev/davinciN; `npu-smi info` lists them)")
+        if not self.driver:
+            out.append(f"no Ascend driver ({ASCEND_ROOT}/driver)")
+        if not self.toolkit:
+            out.append(f"no CANN toolkit ({ASCEND_ROOT}/ascend-toolkit)")
+        elif not self.sourced:
+            out.append(f"the CANN environment is not set (source {self.toolkit}/../set_env.sh)")
+        if self.mindspore_arch and self.mindspore_arch != self.host_arch:
+            out.append(f"the installed MindSpore has {self.mindspore_arch} binaries on this {self.host_arch} "
+                       f"host (install the {self.host_arch} wheel)")
+        return out
+
+
+def _visible(npus, env):
+    """ASCEND_RT_VISIBLE_DEVICES narrows the NPUs a process sees (as CUDA_VISIBLE_DEVICES)."""
+    spec = env.get("ASCEND_RT_VISIBLE_DEVICES")
+    if spec is None:
+        return npus
+    want = {int(x) for x in spec.split(",") if x.strip().isdigit()}
+    return [n for n in npus if n in want]
+
+
+def elf_arch(path):
+    """The machine an ELF file was built for ("x86_64", "aarch64", ...), None if unreadable."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(20)
+    except OSError:
+        return None
+    if head[:4] != b"\x7fELF":
+        return None
+    machine = int.from_bytes(head[18:20], "little" if head[5] == 1 else "big")
+    return _ELF_MACHINE.get(machine, f"machine {machine}")
+
+
+def mindspore_arch():
+    """Architecture of the installed MindSpore's native libraries (without importing it)."""
+    import importlib.util
+    spec = importlib.util.find_spec("mindspore")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    libs = sorted(glob.glob(os.path.join(spec.submodule_search_locations[0], "lib", "*.so*")))
+    return elf_arch(libs[0]) if libs else None
+
+
+def ascend_env(env=None, root=ASCEND_ROOT, dev="/dev", ms_arch=None, host_arch=None):
+    """Probe an Ascend setup (env, root and dev default to this machine's)."""
+    env = os.environ if env is None else env
+    home = env.get("ASCEND_HOME_PATH") or env.get("ASCEND_TOOLKIT_HOME")
+    latest = os.path.join(root, "ascend-toolkit", "latest")
+    toolkit = home or (latest if os.path.isdir(latest) else None)
+    driver = os.path.join(root, "driver")
+    npus = sorted(int(m.group(1)) for p in glob.glob(os.path.join(dev, "davinci*"))
+                  if (m := re.fullmatch(r"davinci(\d+)", os.path.basename(p))))
+    return AscendEnv(toolkit=toolkit, sourced=bool(home), driver=driver if os.path.isdir(driver) else None,
+                     npus=_visible(npus, env), host_arch=host_arch or platform.machine(),
+                     mindspore_arch=ms_arch if ms_arch is not None else mindspore_arch())
+
+
+def detect_device(device=None, probe=None):
+    """"CPU" or "Ascend" for --device (None: $MINDSPEC_DEVICE, else auto). `probe`: an AscendEnv
+    (default: this machine's)."""
+    device = str(device or os.environ.get(DEVICE_ENV) or "auto").lower()
+    if device == "cpu":
+        return "CPU"
+    if device not in ("auto", "ascend", "npu"):
+        raise MindspecError(f"--device must be one of {', '.join(CHOICES)}, got {device!r}")
+    a = probe or ascend_env()
+    if device == "auto" and not a.npus:
+        return "CPU"
+    problems = a.missing()
+    if problems:
+        why = "; ".join(problems)
+        if device == "auto":
+            raise MindspecError(f"NPUs are visible but cannot be used: {why} (or pass --device cpu)")
+        raise MindspecError(f"--device ascend: {why}")
+    return "Ascend"
+
+
+def check_tp(tp, device, probe=None):
+    """--tp N on Ascend needs N visible NPUs (one rank per NPU)."""
+    if device == "Ascend":
+        n = len((probe or ascend_env()).npus)
+        if tp > n:
+            raise MindspecError(f"--tp {tp} needs {tp} NPUs, {n} visible")
+
+
+def device_id(env=None):
+    """This process's NPU: msrun's per-rank DEVICE_ID first (an ASCEND_DEVICE_ID inherited from an
+    Ascend env script would put every rank on NPU 0), then ASCEND_DEVICE_ID, else 0."""
+    env = os.environ if env is None else env
+    return int(env.get("DEVICE_ID") or env.get("ASCEND_DEVICE_ID") or 0)

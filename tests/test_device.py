@@ -1,0 +1,116 @@
+"""Device selection with faked Ascend environments (roots and /dev in a temp dir): auto picks Ascend only
+when it can run, `--device ascend` says exactly what is missing, the draft never falls back to the host
+silently, and onnxruntime's fallback notice never reaches stdout."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mindspec.device import AscendEnv, ascend_env, check_tp, detect_device, device_id, elf_arch, mindspore_arch
+from mindspec.errors import MindspecError
+from mindspec.export import DraftSession
+
+
+def fake(tmp_path, npus=(0, 1), driver=True, toolkit=True):
+    """(root, dev) of a fake Ascend machine."""
+    root, dev = tmp_path / "Ascend", tmp_path / "dev"
+    dev.mkdir()
+    for n in npus:
+        (dev / f"davinci{n}").touch()
+    (dev / "davinci_manager").touch()  # not an NPU
+    if driver:
+        (root / "driver").mkdir(parents=True)
+    if toolkit:
+        (root / "ascend-toolkit" / "latest").mkdir(parents=True)
+    return str(root), str(dev)
+
+
+def probe(tmp_path, env=None, **kw):
+    root, dev = fake(tmp_path, **kw)
+    return ascend_env(env or {}, root, dev, ms_arch="x86_64", host_arch="x86_64")
+
+
+def test_this_machine_runs_cpu():
+    assert detect_device() == "CPU" and detect_device("cpu") == "CPU"
+    with pytest.raises(MindspecError, match="^--device ascend: no NPU is visible"):
+        detect_device("ascend")
+
+
+def test_ready_ascend_machine(tmp_path):
+    a = probe(tmp_path, {"ASCEND_HOME_PATH": "/x/ascend-toolkit/latest"})
+    assert a.npus == [0, 1] and a.missing() == []
+    assert detect_device(None, a) == detect_device("ascend", a) == "Ascend"
+    assert detect_device("cpu", a) == "CPU"
+    check_tp(2, "Ascend", a)
+    with pytest.raises(MindspecError, match=r"^--tp 8 needs 8 NPUs, 2 visible$"):
+        check_tp(8, "Ascend", a)
+    check_tp(8, "CPU", a)  # CPU ranks are processes
+
+
+def test_npus_without_the_cann_environment_is_an_error_not_a_host_run(tmp_path):
+    a = probe(tmp_path)  # toolkit installed, set_env.sh not sourced
+    with pytest.raises(MindspecError) as e:
+        detect_device(None, a)
+    assert str(e.value) == (f"NPUs are visible but cannot be used: the CANN environment is not set (source "
+                            f"{a.toolkit}/../set_env.sh) (or pass --device cpu)")
+    assert detect_device("cpu", a) == "CPU"
+
+
+@pytest.mark.parametrize("kw, words", [(dict(npus=()), "no NPU is visible"), (dict(driver=False), "no Ascend driver"),
+                                       (dict(toolkit=False), "no CANN toolkit")])
+def test_ascend_says_what_is_missing(tmp_path, kw, words):
+    a = probe(tmp_path, **kw)
+    with pytest.raises(MindspecError, match=f"^--device ascend: {words}"):
+        detect_device("ascend", a)
+
+
+def test_visible_devices_and_wheel_architecture(tmp_path):
+    root, dev = fake(tmp_path, npus=(0, 1, 2, 3))
+    a = ascend_env({"ASCEND_RT_VISIBLE_DEVICES": "1,3", "ASCEND_HOME_PATH": "/t"}, root, dev,
+                   ms_arch="x86_64", host_arch="aarch64")
+    assert a.npus == [1, 3]
+    assert a.missing() == ["the installed MindSpore has x86_64 binaries on this aarch64 host (install the aarch64 wheel)"]
+    assert mindspore_arch() == elf_arch(sys.executable) == "x86_64"  # this machine: consistent
+    assert elf_arch(__file__) is None
+
+
+def test_device_flag_and_env(monkeypatch):
+    monkeypatch.setenv("MINDSPEC_DEVICE", "cpu")
+    assert detect_device() == "CPU"
+    with pytest.raises(MindspecError, match="--device must be one of auto, cpu, ascend"):
+        detect_device("gpu")
+    assert device_id({"DEVICE_ID": "5", "ASCEND_DEVICE_ID": "0"}) == 5  # the rank's, not the inherited one
+    assert device_id({"ASCEND_DEVICE_ID": "2"}) == 2 and device_id({}) == 0
+
+
+def test_draft_refuses_a_silent_cpu_fallback_and_keeps_stdout_clean(noisy_draft, capfd):
+    """onnxruntime-cann here has the CANN provider compiled in but no CANN libraries: asked for it, it
+    prints a fall-back notice on stdout and runs on the CPU. That must be an error, on stderr only."""
+    with pytest.raises(MindspecError, match="could not start CANNExecutionProvider .it chose CPUExecutionProvider"):
+        DraftSession(noisy_draft, device="Ascend")
+    out = capfd.readouterr()
+    assert out.out == "" and "Falling back" in out.err
+
+
+def test_cli_device_ascend_is_one_line(tiny_target):
+    p = subprocess.run([sys.executable, "-m", "mindspec", "generate", "--target", tiny_target[0], "--no-speculate",
+                        "--prompt-ids", "5", "--device", "ascend"], capture_output=True, text=True,
+                       env=dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]))
+    assert p.returncode == 2 and p.stdout == ""
+    assert p.stderr.strip().splitlines() == ["mindspec: error: --device ascend: " + "; ".join(
+        AscendEnv.missing(ascend_env()))]
+
+
+def test_doctor_on_this_machine():
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+    p = subprocess.run([sys.executable, "-m", "mindspec", "doctor"], capture_output=True, text=True, env=env)
+    assert p.returncode == 0, p.stderr
+    lines = {line[4:].split("  ")[0].strip(): line[:3].strip() for line in p.stdout.splitlines() if line[:3].strip()}
+    assert lines["CPU run (MindSpore graph + onnxruntime)"] == "ok" and lines["MindSpore"] == "ok"
+    assert lines["Ascend ready"] == "--" and "no NPU is visible" in p.stdout
+    assert "CANN versions MindSpore accepts          8." in p.stdout  # read from the installed MindSpore
+    assert p.stdout.strip().splitlines()[-1].startswith("--device auto runs on CPU: target MindSpore GRAPH_MODE on CPU")
+    p = subprocess.run([sys.executable, "-m", "mindspec", "doctor", "--device", "ascend"], capture_output=True,
+                       text=True, env=env)
+    assert p.returncode == 1 and "--device ascend: cannot run: --device ascend: no NPU is visible" in p.stdout
