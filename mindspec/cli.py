@@ -154,11 +154,17 @@ def cmd_serve(a):
     if a.tp > 1:  # rank 0 listens and hands each turn's requests to the other ranks, which follow in lock step
         from .tp import is_rank0
         if not is_rank0():
-            app = App(sampling_kwargs(a), tp=True, max_batch=a.max_batch)
+            app = App(serve_defaults(a), tp=True, max_batch=a.max_batch)
             app.pipe = prepare(load_pipeline(a), a.max_batch)
             return follow(app)
-    serve(lambda: load_pipeline(a), sampling_kwargs(a), host=a.host, port=a.port, model_name=a.model_name,
-          tp=a.tp > 1, max_batch=a.max_batch, max_queue=a.max_queue)
+    serve(lambda: load_pipeline(a), serve_defaults(a), host=a.host, port=a.port, model_name=a.model_name,
+          tp=a.tp > 1, max_batch=a.max_batch, max_queue=a.max_queue, max_connections=a.max_connections,
+          api_key=a.api_key, strict_model_name=a.strict_model_name, read_timeout=a.read_timeout)
+
+
+def serve_defaults(a):
+    """What a request to the server does not set: the sampling flags, and the server's prompt limit."""
+    return dict(sampling_kwargs(a), max_input_tokens=a.max_input_tokens)
 
 
 def cmd_batch(a):
@@ -171,6 +177,7 @@ def cmd_batch(a):
 
 
 def parser():
+    from .mindie_config import ConfigAction
     p = argparse.ArgumentParser(prog="mindspec", description="Speculative decoding: MindSpore target, ONNX draft.")
     sub = p.add_subparsers(dest="cmd", required=True)
     e = sub.add_parser("export", help="export a draft checkpoint to ONNX (+ manifest)")
@@ -207,6 +214,20 @@ def parser():
     add_tp_arg(s)
     s.add_argument("--model-name", default=None,
                    help="the model's name in requests and /v1/models (default: the target directory's name)")
+    s.add_argument("--config", action=ConfigAction, metavar="CONFIG.JSON",
+                   help="MindIE Service's config.json (+ a 'mindspec' block) for these flags; flags given win")
+    s.add_argument("--max-input-tokens", type=_positive, default=None,
+                   help="refuse (400) a prompt longer than this (MindIE's maxInputTokenLen; default: what fits)")
+    s.add_argument("--strict-model-name", action="store_true",
+                   help="answer 404 to a request naming another model (default: any name is this model)")
+    s.add_argument("--max-connections", type=_positive, default=1000,
+                   help="open connections at most (MindIE's maxLinkNum); beyond, 503 and closed (default 1000)")
+    s.add_argument("--read-timeout", type=_positive, default=30,
+                   help="seconds a request's headers, and then its body, may take to arrive; also how long an "
+                        "idle connection stays open (default 30)")
+    s.add_argument("--api-key", default=os.environ.get("MINDSPEC_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' (health probes, /metrics and /version exempt; "
+                        "default: $MINDSPEC_API_KEY, else none)")
     s.set_defaults(func=cmd_serve)
     b = sub.add_parser("batch", help="offline batch job over a JSONL file (resumable)")
     b.add_argument("--input", required=True, help="JSONL: one request per line")

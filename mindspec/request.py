@@ -18,15 +18,16 @@ _seeds = None
 PROMPT_FIELDS = ("prompt", "messages", "prompt_ids")
 FIELDS = frozenset(PROMPT_FIELDS + (
     "chat", "max_new_tokens", "max_tokens", "temperature", "top_k", "top_p", "repetition_penalty",
-    "draft_temperature", "seed", "stop", "do_sample", "k"))
+    "draft_temperature", "seed", "stop", "do_sample", "k", "min_tokens", "ignore_eos", "stop_token_ids"))
+ROLES = ("system", "user", "assistant")
 
 
 class RequestError(MindspecError):
     """A request the caller must fix; `status` is the HTTP code the server answers with."""
 
-    def __init__(self, message, status=400):
+    def __init__(self, message, status=400, param=None):
         super().__init__(message)
-        self.status = status
+        self.status, self.param = status, param  # param: the field at fault (OpenAI's error.param)
 
 
 def _is_int(v):
@@ -50,6 +51,8 @@ def _messages(v):
     for i, m in enumerate(v):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise RequestError(f"messages[{i}] must be an object with a string \"role\"")
+        if m["role"] not in ROLES:
+            raise RequestError(f"messages[{i}].role {m['role']!r} is not one of {', '.join(ROLES)}")
         content = m.get("content")
         if isinstance(content, list):  # OpenAI content parts: text only
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
@@ -92,6 +95,13 @@ def parse(req, defaults=None):
         if not _is_int(n) or n < 1:
             raise RequestError(f"{name} must be an integer >= 1, got {n!r}")
         kw["max_new_tokens"] = n
+        if req.get(name) is not None:
+            kw["limit_field"] = name  # asked for explicitly: more than the cache holds is an error, not a cut
+    if not _is_int(kw.get("min_tokens", 0)) or not 0 <= kw.get("min_tokens", 0) <= kw.get("max_new_tokens", 2 ** 31):
+        raise RequestError(f"min_tokens must be an integer in [0, max_tokens], got {kw['min_tokens']!r}")
+    ids = kw.get("stop_token_ids")
+    if ids is not None and not (isinstance(ids, list) and all(_is_int(i) for i in ids)):
+        raise RequestError("stop_token_ids must be a list of integer token ids")
     stop = kw.get("stop")
     if isinstance(stop, str):
         kw["stop"] = [stop]
@@ -101,7 +111,7 @@ def parse(req, defaults=None):
         _text("stop", s)
     if "k" in kw and kw["k"] != "auto" and not _is_int(kw["k"]):
         raise RequestError(f"k must be an integer K bucket or \"auto\", got {kw['k']!r}")
-    for flag in ("chat", "do_sample"):
+    for flag in ("chat", "do_sample", "ignore_eos"):
         if not isinstance(kw.get(flag, False), bool):
             raise RequestError(f"{flag} must be true or false, got {kw[flag]!r}")
     do_sample = kw.pop("do_sample", None)
@@ -127,13 +137,32 @@ def make(pipe, kw, request_id=None):
     """The engine Request of parsed keywords. Chat messages are rendered with the model's template and
     tokenized exactly as `generate(prompt=..., chat=True)` does."""
     kw = dict(kw)
+    limit_field, min_tokens = kw.pop("limit_field", None), kw.pop("min_tokens", 0)
+    max_input = kw.pop("max_input_tokens", None)  # a server's limit (MindIE's maxInputTokenLen)
+    ignore_eos, stop_ids = kw.pop("ignore_eos", False), kw.pop("stop_token_ids", None) or []
     messages = kw.pop("messages", None)
     prompt, prompt_ids, chat = kw.pop("prompt", None), kw.pop("prompt_ids", None), kw.pop("chat", False)
     if messages is not None:
         prompt, chat = pipe.tokenizer.apply_chat_template(messages), False
     if kw.get("k") == "auto" and pipe.engine is not None and pipe.engine.dynamic is None and pipe.k != "auto":
         raise RequestError(f"k=\"auto\" needs the pipeline started with dynamic K (this one runs K={pipe.k})")
-    return pipe.request(prompt, prompt_ids, chat=chat, request_id=request_id, **kw)
+    r = pipe.request(prompt, prompt_ids, chat=chat, request_id=request_id, **kw)
+    if max_input and len(r.prompt_ids) > max_input:
+        raise RequestError(f"prompt is {len(r.prompt_ids)} tokens, more than this server's limit of {max_input}",
+                           param="prompt")
+    limit = pipe.fixed_max_seq or pipe.cfg.max_position_embeddings  # as Pipeline.request's prompt check
+    left = limit - len(r.prompt_ids)
+    if r.max_new_tokens > left:
+        if limit_field:  # as vLLM: asking for more than fits is an error; a default is cut to what fits
+            raise RequestError(f"{limit_field}={r.max_new_tokens} does not fit: the {len(r.prompt_ids)}-token "
+                               f"prompt leaves {left} of the {limit} positions", param=limit_field)
+        r.max_new_tokens = left
+    bad = [i for i in stop_ids if not 0 <= i < pipe.cfg.vocab_size]
+    if bad:
+        raise RequestError(f"stop_token_ids: {bad[0]} is outside the vocabulary [0, {pipe.cfg.vocab_size})")
+    r.eos = frozenset(stop_ids) | (frozenset() if ignore_eos else r.eos)
+    r.min_tokens = min_tokens
+    return r
 
 
 def run(pipe, kw, on_text=None):

@@ -70,7 +70,9 @@ class Request:
         self.prompt_ids, self.params = list(prompt_ids), params
         self.max_new_tokens, self.k, self.speculate = max_new_tokens, k, speculate
         self.stops, self.eos, self.draft_min_conf = [s for s in (stop or []) if s], frozenset(eos), draft_min_conf
+        self.min_tokens = 0  # neither EOS nor a stop string ends the request before this many tokens (vLLM's)
         self.output = []  # generated ids
+        self.ends = []  # ends[i]: len(text) once output[i] was decoded (per-token text for streams)
         self.state, self.finish_reason, self.cancelled, self.error = WAITING, None, False, None
         self.pos = 0
         self.slot = self.row = None  # the engine's: target cache slot, draft row
@@ -95,11 +97,17 @@ class Request:
         can be streamed now."""
         for tok in tokens[:self.max_new_tokens - len(self.output)]:
             self.output.append(int(tok))
+            self.ends.append(len(self.text))
+            early = len(self.output) <= self.min_tokens
             if tok in self.eos:
-                return self.finish("stop")
+                if not early:
+                    return self.finish("stop")
+                continue  # too early to end: kept as a token, left out of the text
             if self._stream is not None:
-                self.text += self._stream.push([int(tok)])
-                hit = min((i for i in (self.text.find(s) for s in self.stops) if i >= 0), default=-1)
+                was, self.text = len(self.text), self.text + self._stream.push([int(tok)])
+                self.ends[-1] = len(self.text)
+                found = () if early else (self.text.find(s, max(was - len(s) + 1, 0)) for s in self.stops)
+                hit = min((i for i in found if i >= 0), default=-1)
                 if hit >= 0:
                     self.text, self._cut = self.text[:hit], True
                     return self.finish("stop")

@@ -21,6 +21,7 @@ IDS = [5, 6, 7, 8]
 TEXT = "hello world"
 N = 12
 MAX_SEQ = 128
+MAX_CONN = 24
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +37,7 @@ def server(pair):
     target, draft = pair
     p = subprocess.Popen([sys.executable, "-m", "mindspec", "serve", "--target", target, "--draft", draft, "-k", "2",
                           "--max-seq", str(MAX_SEQ), "--port", "0", "--model-name", "tiny", "--max-batch", "2",
-                          "--max-queue", "4"],
+                          "--max-queue", "4", "--max-connections", str(MAX_CONN), "--read-timeout", "3"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines, err = queue.Queue(), []
     threading.Thread(target=lambda: [lines.put(x) for x in p.stdout], daemon=True).start()
@@ -180,6 +181,9 @@ def test_a_non_streamed_request_is_aborted_when_its_client_leaves(server):
     s = socket.create_connection((host, int(port)))
     s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
               b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    deadline = time.time() + 30
+    while time.time() < deadline and "mindspec_requests_running 1.0" not in call(base, "/metrics")[1]:
+        time.sleep(0.01)  # until the engine runs it (a client leaving earlier never reaches the engine)
     s.close()  # the answer would take ~120 steps: the server notices within a few
     deadline = time.time() + 30
     while time.time() < deadline and not any("aborted" in line for line in list(err)):
@@ -228,7 +232,6 @@ BAD = [  # (path, body or raw bytes, status, words in the message)
      "repetition_penalty must be a number in [0.01, 100"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens must be an integer >= 1"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens must be an integer"),
-    ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "not found"),
     ("/v1/completions", {"prompt": [5] * 200}, 400, "does not fit"),
     ("/v1/completions", {"prompt": [5] * 200, "stream": True}, 400, "does not fit"),
     ("/v1/completions", {"prompt": [5, 999]}, 400, "outside the vocabulary"),
@@ -245,6 +248,32 @@ BAD = [  # (path, body or raw bytes, status, words in the message)
     ("/generate", b'{"inputs": "hi", "parameters": {"stop": ["\\udc00"]}}', 422, "not valid Unicode"),
     ("/v1/completions", {"prompt": "hi", "k": 1.0}, 400, "k must be an integer"),
     ("/v1/completions", {"prompt": "hi", "k": True}, 400, "k must be an integer"),
+    # fields that would otherwise be silently ignored: named in a 400
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
+     400, "response_format="),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
+     400, "tools="),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400, "top_logprobs="),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, 400, "logprobs="),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 10}}, 400, "logit_bias="),
+    ("/v1/completions", {"prompt": "hi", "suffix": "end"}, 400, "suffix="),
+    ("/v1/completions", {"prompt": "hi", "n": True}, 400, "n=true is not supported"),
+    ("/v1/completions", {"prompt": "hi", "temprature": 0.5}, 400, "unknown field 'temprature'"),
+    ("/generate", {"inputs": "hi", "parameters": {"max_new_token": 5}}, 422, "unknown field 'parameters.max_new_token'"),
+    ("/generate", {"inputs": "hi", "parameters": {"grammar": {"type": "json"}}}, 422, "grammar="),
+    ("/generate", {"inputs": "hi", "params": {}}, 422, "unknown field 'params'"),
+    ("/v1/completions", {"prompt": IDS, "max_tokens": MAX_SEQ}, 400, "max_tokens=128 does not fit: the 4-token prompt"),
+    ("/generate", {"inputs": "hi", "parameters": {"max_new_tokens": MAX_SEQ}}, 422, "max_new_tokens=128 does not fit"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "role 'wizard' is not one of"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "prompt": "hi"}, 400,
+     "either \"prompt\" or \"messages\", not both"),
+    ("/v1/completions", {"prompt": ["one", "two"]}, 400, "prompt is a list of 2 prompts: send one prompt per request"),
+    ("/v1/completions", {"prompt": "hi", "min_tokens": -1}, 400, "min_tokens must be an integer in [0, max_tokens]"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [2, "x"]}, 400, "stop_token_ids must be a list"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [10 ** 6]}, 400, "stop_token_ids: 1000000 is outside"),
+    ("/v1/completions", {"prompt": "hi", "ignore_eos": "yes"}, 400, "ignore_eos must be true or false"),
+    ("/v1/completions", b"[" * 100000 + b"]" * 100000, 400, "not valid JSON"),
+    ("/tokenize", {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}, 400, "exactly one of"),
 ]
 
 
@@ -255,8 +284,11 @@ def test_bad_requests_get_one_line_json_errors(server, path, body, status, needl
     assert got == status, text
     assert "\n" not in text and "Traceback" not in text
     err = json.loads(text)
-    if path.startswith("/v1/"):  # OpenAI's shape
+    if not path.startswith(("/generate", "/infer")):  # OpenAI's shape
         assert err["error"]["type"] == "invalid_request_error" and needle in err["error"]["message"], err
+        field = re.match(r"(?:unknown field ')?(\w+)[=' ]", err["error"]["message"])
+        if status == 400 and field and field.group(1) in str(body):  # the field at fault, as OpenAI names it
+            assert err["error"]["param"] == field.group(1), err
     else:  # TGI / MindIE's shape
         assert err["error_type"] == "validation" and needle in err["error"], err
 
@@ -316,6 +348,190 @@ def test_seeded_sampling_repeats(server):
     assert post(base, "/generate", tgi)["generated_text"] == first["generated_text"]
 
 
+def test_unmodified_client_libraries(server, pipe):
+    """openai, text_generation and huggingface_hub as users run them: answers equal the target alone,
+    token ids and texts per streamed token, any model name accepted."""
+    from huggingface_hub import InferenceClient
+    from openai import OpenAI
+    from text_generation import Client
+    base = server[0]
+    msgs = [{"role": "user", "content": "Hi"}]
+    chat_ref = pipe.generate(prompt="Hi", chat=True, max_new_tokens=N, speculate=False)
+    ref = pipe.generate(prompt=TEXT, max_new_tokens=N, speculate=False)
+
+    oa = OpenAI(base_url=base + "/v1", api_key="unused")
+    assert [m.id for m in oa.models.list()] == ["tiny"]
+    out = oa.chat.completions.create(model="gpt-4o", messages=msgs, max_tokens=N)
+    assert out.choices[0].message.content == chat_ref.text and out.model == "tiny"
+    chunks = oa.chat.completions.create(model="tiny", messages=msgs, max_tokens=N, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat_ref.text
+    assert oa.completions.create(model="tiny", prompt=TEXT, max_tokens=N).choices[0].text == ref.text
+
+    tgi = Client(base, timeout=300)
+    r = tgi.generate(TEXT, max_new_tokens=N)  # POST / answers a list of one, as TGI
+    assert r.generated_text == ref.text and [t.id for t in r.details.tokens] == ref.token_ids
+    evs = list(tgi.generate_stream(TEXT, max_new_tokens=N))
+    assert [e.token.id for e in evs] == ref.token_ids  # one event per token, with its id
+    assert "".join(e.token.text for e in evs) == ref.text == evs[-1].generated_text
+
+    hf = InferenceClient(base_url=base, timeout=300)  # sends model="dummy"
+    out = hf.chat_completion(messages=msgs, max_tokens=N)
+    assert out.choices[0].message.content == chat_ref.text
+    streamed = hf.chat_completion(messages=msgs, max_tokens=N, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == chat_ref.text
+
+
+def test_native_stream_events_carry_token_ids(server, pipe):
+    ref = pipe.generate(prompt=TEXT, max_new_tokens=N, speculate=False)
+    evs = events(server[0], "/infer", {"inputs": TEXT, "stream": True, "parameters": {"max_new_tokens": N}})
+    assert [e["token"]["id"] for e in evs] == ref.token_ids
+    assert "".join(e["token"]["text"] for e in evs) == ref.text == evs[-1]["generated_text"]
+
+
+def test_stop_token_ids_and_min_tokens(server, pipe):
+    """stop_token_ids end a request at that token (kept in the ids, as an EOS is); min_tokens lets
+    neither it nor EOS end the request before that many tokens."""
+    base = server[0]
+    ref = pipe.generate(prompt=TEXT, max_new_tokens=N, speculate=False).token_ids
+    stop = ref[3]
+    first = ref.index(stop)
+
+    def ids(**extra):
+        body = {"inputs": TEXT, "parameters": dict({"max_new_tokens": N, "details": True}, **extra)}
+        out = post(base, "/generate", body)["details"]
+        return [t["id"] for t in out["tokens"]], out["finish_reason"]
+
+    assert ids(stop_token_ids=[stop]) == (ref[:first + 1], "stop_sequence")
+    later = next((i for i in range(first + 1, len(ref)) if ref[i] == stop), None)
+    got, reason = ids(stop_token_ids=[stop], min_tokens=first + 1)  # the first stop token is too early
+    assert got == (ref[:later + 1] if later is not None else ref)
+    assert reason == ("stop_sequence" if later is not None else "length")
+    c = post(base, "/v1/completions", {"prompt": TEXT, "max_tokens": N, "stop_token_ids": [stop]})
+    assert c["choices"][0]["finish_reason"] == "stop" and c["usage"]["completion_tokens"] == first + 1
+
+
+def test_ignore_eos_and_min_tokens_rules(pipe):
+    """The engine-side rules, on requests made the server's way (an EOS the tiny model is unlikely to
+    produce is fed by hand)."""
+    from mindspec.request import make, parse
+    eos = next(iter(pipe.eos))
+    r = make(pipe, parse({"prompt_ids": IDS, "max_tokens": 6, "ignore_eos": True}))
+    r.commit([5, eos, 6])
+    assert not r.done and r.output == [5, eos, 6]
+    r = make(pipe, parse({"prompt_ids": IDS, "max_tokens": 6, "min_tokens": 2}))
+    r.commit([5, eos])  # the second token: too early to end
+    assert not r.done and pipe.tokenizer.decode([eos]) not in r.text
+    r.commit([eos])
+    assert r.done and r.finish_reason == "stop" and r.output == [5, eos, eos]
+    r = make(pipe, parse({"prompt_ids": IDS}))  # no max_tokens: the default is cut to what fits
+    assert r.max_new_tokens == 64
+    r = make(pipe, parse({"prompt_ids": [5] * 100}))
+    assert r.max_new_tokens == MAX_SEQ - 100
+
+
+def _metrics(base):
+    from prometheus_client.parser import text_string_to_metric_families
+    status, text = call(base, "/metrics")
+    assert status == 200
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def test_metrics_count_what_was_sent(server):
+    base = server[0]
+    before = _metrics(base)
+    outs = [post(base, "/v1/completions", {"prompt": IDS, "max_tokens": N}),
+            post(base, "/v1/completions", {"prompt": TEXT, "max_tokens": 5}),
+            post(base, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": N})]
+    assert call(base, "/v1/completions", {"prompt": "hi", "max_tokens": 0})[0] == 400
+    after = _metrics(base)
+
+    def delta(name, **labels):
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0) - before.get(key, 0)
+
+    assert delta("mindspec_requests_total", endpoint="completions", status="200") == 2
+    assert delta("mindspec_requests_total", endpoint="completions", status="400") == 1
+    assert delta("mindspec_requests_total", endpoint="chat", status="200") == 1
+    assert delta("mindspec_requests_total", endpoint="metrics_text", status="200") == 1  # the first scrape
+    stats = [o["mindspec"] for o in outs]
+    assert delta("mindspec_generation_tokens_total") == sum(o["usage"]["completion_tokens"] for o in outs)
+    assert delta("mindspec_prompt_tokens_total") == sum(o["usage"]["prompt_tokens"] for o in outs)
+    assert delta("mindspec_spec_draft_tokens_total") == sum(s["drafted"] for s in stats) > 0
+    assert delta("mindspec_spec_accepted_tokens_total") == sum(s["accepted"] for s in stats)
+    assert delta("mindspec_spec_target_calls_total") == sum(s["target_calls"] for s in stats)
+    for i in range(2):  # K = 2: draft positions 0 and 1
+        assert delta("mindspec_spec_accepted_at_position_total", position=str(i)) == \
+            sum(s["accepted_at"][i] for s in stats if len(s["accepted_at"]) > i)
+    assert sum(delta("mindspec_spec_k_steps_total", k=k) for k in ("0", "1", "2")) == \
+        sum(sum(s["k_used"].values()) for s in stats)
+    assert delta("mindspec_time_to_first_token_seconds_count") == 3
+    assert delta("mindspec_time_per_output_token_seconds_count") == 3
+    assert delta("mindspec_spec_acceptance_rate_count") == 3
+    assert delta("mindspec_requests_finished_total", reason="stop") + \
+        delta("mindspec_requests_finished_total", reason="length") == 3
+    assert after[("mindspec_requests_running", ())] == 0 and after[("mindspec_requests_waiting", ())] == 0
+
+
+def test_tokenize_detokenize_version(server, pipe):
+    base = server[0]
+    t = post(base, "/tokenize", {"model": "tiny", "prompt": TEXT})
+    assert t == {"count": len(pipe.encode(TEXT)), "max_model_len": MAX_SEQ, "tokens": pipe.encode(TEXT),
+                 "token_strs": None}
+    chat = post(base, "/tokenize", {"messages": [{"role": "user", "content": "Hi"}]})["tokens"]
+    assert chat == pipe.tokenizer.encode(pipe.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}]))
+    assert post(base, "/detokenize", {"tokens": t["tokens"]}) == {"prompt": TEXT}
+    assert call(base, "/detokenize", {"tokens": [10 ** 6]})[0] == 400
+    assert json.loads(call(base, "/version")[1]) == {"version": mindspec.__version__}
+
+
+def test_http_head_options_chunked_and_limits(server):
+    """HEAD and OPTIONS, a chunked body, a body that never arrives (408 after --read-timeout), headers
+    that never end (closed), and the connection limit (--max-connections: 503 beyond)."""
+    import socket
+    import time
+    base = server[0]
+    host, port = base.rsplit("/", 1)[1].split(":")
+    assert call(base, "/health", method="HEAD") == (200, "")
+    req = urllib.request.Request(base + "/v1/completions", method="OPTIONS")
+    with urllib.request.urlopen(req, timeout=30) as r:
+        assert r.status == 204 and r.headers["Allow"] == "OPTIONS, POST"
+
+    def raw(data, wait=None):
+        with socket.create_connection((host, int(port)), timeout=30) as c:
+            c.sendall(data)
+            if wait:
+                time.sleep(wait)
+            got = b""
+            while chunk := c.recv(65536):
+                got += chunk
+                if b"\r\n0\r\n\r\n" in got or (b"Content-Length" in got and got.endswith(b"}")):
+                    break
+            return got.decode()
+
+    body = json.dumps({"prompt": IDS, "max_tokens": 3}).encode()
+    chunked = b"%x\r\n%s\r\n%x\r\n%s\r\n0\r\n\r\n" % (10, body[:10], len(body) - 10, body[10:])
+    out = raw(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+              b"Content-Type: application/json\r\nConnection: close\r\n\r\n" + chunked)
+    assert out.startswith("HTTP/1.1 200") and '"completion_tokens": 3' in out, out
+    t0 = time.time()
+    out = raw(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000\r\n\r\n" + body)
+    assert out.startswith("HTTP/1.1 408") and "did not arrive within 3 s" in out and time.time() - t0 < 10, out
+    t0 = time.time()
+    assert raw(b"GET /health HTTP/1.1\r\nHost: x\r\n") == ""  # closed, unanswered, after the read timeout
+    assert 2 < time.time() - t0 < 10
+    idle = [socket.create_connection((host, int(port)), timeout=30) for _ in range(MAX_CONN)]
+    try:
+        time.sleep(0.3)
+        out = raw(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert out.startswith("HTTP/1.1 503") and "too many connections" in out, out
+    finally:
+        for s in idle:
+            s.close()
+    time.sleep(0.3)
+    assert call(base, "/health") == (200, "")
+
+
 def test_sigterm_stops_cleanly(server):
     _, p, err, reader = server
     p.send_signal(signal.SIGTERM)
@@ -333,7 +549,7 @@ def test_tensor_parallel_server(pair, pipe):
     target, draft = pair
     p = subprocess.Popen([sys.executable, "-m", "mindspec", "serve", "--tp", "2", "--target", target, "--draft", draft,
                           "-k", "2", "--max-seq", str(MAX_SEQ), "--port", "0", "--model-name", "tiny", "--max-batch", "2",
-                          "--max-queue", "4"],
+                          "--max-queue", "4", "--strict-model-name"],
                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
     try:
         lines = queue.Queue()
@@ -346,6 +562,8 @@ def test_tensor_parallel_server(pair, pipe):
         ref = pipe.generate(prompt_ids=IDS, max_new_tokens=N, speculate=False)
         assert c["choices"][0]["text"] == ref.text and c["mindspec"]["drafted"] > 0
         assert call(base, "/v1/completions", {"prompt": IDS, "max_tokens": 0})[0] == 400
+        status, text = call(base, "/v1/completions", {"prompt": IDS, "model": "gpt-4"})  # --strict-model-name
+        assert status == 404 and "not found" in json.loads(text)["error"]["message"]
         body = {"inputs": TEXT, "parameters": {"max_new_tokens": N, "do_sample": True, "temperature": 1.5,
                                                "seed": 7, "details": True}}
         tgi = post(base, "/generate", body)

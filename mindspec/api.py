@@ -1,0 +1,394 @@
+"""`mindspec serve`'s endpoints: OpenAI-compatible /v1/*, TGI 0.9.4 (/generate, /generate_stream,
+POST /), MindIE's native /infer, health probes, /metrics, vLLM's /tokenize, /detokenize and
+/version. Each turns its API's body into one flat request (mindspec.request), queues it on the App
+and answers with its formatter (mindspec.formats). Runs on the HTTP thread's event loop."""
+import asyncio
+import json
+import re
+import traceback
+
+from aiohttp import web
+
+from . import __version__
+from .errors import MindspecError
+from .formats import TGI, OpenAI
+from .request import RequestError, parse
+
+MAX_BODY = 4 * 2 ** 20  # MindIE's limit on a request's text: 4 MB
+EXTENSIONS = ("top_k", "repetition_penalty", "k", "draft_temperature", "min_tokens", "ignore_eos",
+              "stop_token_ids")  # beyond each API's own fields
+# accepted and without effect (clients and MindIE's examples send them)
+IGNORED = frozenset({"user", "stream_options", "priority", "service_tier", "store", "metadata",
+                     "parallel_tool_calls", "typical_p", "watermark", "truncate", "adapter_id", "timeout"})
+# known but not implemented: refused unless they hold their "off" value
+OFF = {"n": (1,), "best_of": (1,), "echo": (False,), "logprobs": (False, 0), "top_logprobs": (0,),
+       "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},), "suffix": ("",),
+       "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
+       "function_call": ("none",), "top_n_tokens": (0,), "grammar": ()}
+SAMPLING = ("temperature", "top_p", "seed", "stop") + EXTENSIONS
+COMPLETION_KEYS = frozenset(("model", "prompt", "max_tokens", "stream") + SAMPLING)
+CHAT_KEYS = frozenset(("model", "messages", "max_tokens", "max_completion_tokens", "stream") + SAMPLING)
+TGI_PARAMS = frozenset(("max_new_tokens", "do_sample", "details", "return_full_text", "decoder_input_details")
+                       + SAMPLING)
+
+
+def _one_line(msg):
+    return " ".join(str(msg).split())
+
+
+def _stream_flag(body):
+    stream = body.get("stream", False)
+    if stream is None:
+        return False
+    if not isinstance(stream, bool):
+        raise RequestError("stream must be true or false", param="stream")
+    return stream
+
+
+def _check_keys(body, known, where=""):
+    """Unknown keys and known-but-unsupported values are a 400 naming the field, never silently dropped."""
+    for key, value in body.items():
+        if key in known or key in IGNORED or value is None:
+            continue
+        if key in OFF:
+            if not any(value == off and isinstance(value, bool) == isinstance(off, bool) for off in OFF[key]):
+                raise RequestError(f"{where}{key}={json.dumps(value)[:60]} is not supported by mindspec serve",
+                                   param=key)
+            continue
+        raise RequestError(f"unknown field '{where}{key}'", param=key)
+
+
+class Api:
+    """The endpoints over one App (mindspec.serve); `routes` maps (method, path) to them."""
+
+    def __init__(self, app, api_key=None, strict_model_name=False, read_timeout=30):
+        self.app, self.api_key, self.strict = app, api_key, strict_model_name
+        self.read_timeout = read_timeout  # s: the whole body must arrive within this (else 408)
+        self.metrics = app.metrics
+        self.routes = [(m, re.compile(p + r"\Z"), getattr(self, name), fam, name)
+                       for m, p, name, fam in _ROUTES]
+
+    # ---- the one entry point of the transport
+
+    async def handle(self, request):
+        method = "GET" if request.method == "HEAD" else request.method  # aiohttp leaves a HEAD's body out
+        path = request.path
+        hits = [(m, rx.match(path), fn, fam, name) for m, rx, fn, fam, name in self.routes]
+        hits = [h for h in hits if h[1]]
+        route = next((h for h in hits if h[0] == method), None)
+        family, name = (route[3], route[4]) if route else ("openai", "other")
+        try:
+            if method == "OPTIONS" and (hits or path == "*"):
+                allow = ", ".join(sorted({h[0] for h in hits} | {"OPTIONS"} | ({"HEAD"} if any(
+                    h[0] == "GET" for h in hits) else set())))
+                return self._answer(name, web.Response(status=204, headers={"Allow": allow}))
+            if route is None:
+                if hits:
+                    allow = ", ".join(sorted({h[0] for h in hits}))
+                    raise _NotAllowed(f"{request.method} is not allowed on {path}", allow)
+                raise RequestError(f"no such endpoint: {request.method} {path}", 404)
+            if self.api_key and name not in _OPEN:
+                self._check_key(request)
+            return self._answer(name, await route[2](request, *route[1].groups()))
+        except MindspecError as e:
+            return self._answer(name, self.error(getattr(e, "status", 400), e, family, getattr(e, "param", None),
+                                                 getattr(e, "allow", None)))
+        except (ConnectionError, asyncio.CancelledError):
+            self.metrics.answered(name, 499)  # the client left (nginx's code for it)
+            raise
+        except Exception as e:  # a bug: log it, answer one line, keep serving
+            traceback.print_exc()
+            return self._answer(name, self.error(500, f"internal error: {type(e).__name__}: {e}", family))
+
+    def _answer(self, name, resp):
+        self.metrics.answered(name, resp.status)
+        return resp
+
+    def _check_key(self, request):
+        got = request.headers.get("Authorization", "")
+        if got != f"Bearer {self.api_key}":
+            raise RequestError("missing or wrong API key (Authorization: Bearer KEY)", 401)
+
+    @staticmethod
+    def error(status, message, family, param=None, allow=None):
+        """One-line JSON errors: OpenAI's shape on /v1/* and the rest, TGI/MindIE's {"error", "error_type"}
+        on theirs, where input validation answers 422 as TGI and MindIE do."""
+        msg = _one_line(message)
+        headers = {"Allow": allow} if allow else None
+        if family == "tgi":
+            status = 422 if status == 400 else status
+            kind = "validation" if status < 500 else ("overloaded" if status == 503 else "generation")
+            return web.json_response({"error": msg, "error_type": kind}, status=status, headers=headers)
+        kind = "invalid_request_error" if status < 500 else "server_error"
+        if param is None and status < 500:  # the field a message starts with ("temperature must be ...")
+            m = re.match(r"(?:unknown field ')?(\w+)", msg)
+            param = m.group(1) if m and m.group(1) in _FIELDS else None
+        return web.json_response({"error": {"message": msg, "type": kind, "param": param, "code": status}},
+                                 status=status, headers=headers)
+
+    # ---- plumbing
+
+    async def _body(self, request):
+        """The JSON object of a POST body (chunked or with Content-Length), at most MAX_BODY bytes, read
+        within read_timeout."""
+        if (request.content_length or 0) > MAX_BODY:
+            raise RequestError(f"request body is larger than {MAX_BODY} bytes", 413)
+        data = bytearray()
+
+        async def read():
+            while chunk := await request.content.read(2 ** 16):
+                data.extend(chunk)
+                if len(data) > MAX_BODY:
+                    raise RequestError(f"request body is larger than {MAX_BODY} bytes", 413)
+
+        try:
+            await asyncio.wait_for(read(), self.read_timeout)
+        except asyncio.TimeoutError:
+            raise RequestError(f"the request body did not arrive within {self.read_timeout:g} s", 408) from None
+        try:
+            body = json.loads(data) if data else None
+        except (ValueError, RecursionError) as e:
+            raise RequestError(f"request body is not valid JSON: {type(e).__name__}: {e}") from None
+        if not isinstance(body, dict):
+            raise RequestError("request body must be a JSON object")
+        return body
+
+    def _check_ready(self):
+        if not self.app.ready.is_set():
+            raise RequestError("the model is still loading", 503)
+
+    async def _generate(self, request, kw, fmt, stream):
+        """Queue the request and relay the worker's events: one JSON body, or SSE events. A client that
+        leaves (streamed or not) cancels this handler (aiohttp's handler cancellation), which aborts the
+        request at the engine's next step."""
+        job = self.app.submit(kw)
+        resp = None
+        try:
+            while True:
+                kind, val = await job.events.get()
+                if kind == "text":
+                    for ev in fmt.chunk(*val) if stream else ():
+                        resp = await _sse(request, resp, ev)
+                    continue
+                if kind == "done":
+                    if not stream:
+                        return web.json_response(fmt.response(*val[:2]), dumps=_dumps)
+                    for ev in fmt.last(*val):
+                        resp = await _sse(request, resp, ev)
+                    if fmt.done_marker:
+                        await resp.write(b"data: [DONE]\n\n")
+                    await resp.write_eof()
+                    return resp
+                status, msg = {"error": (getattr(val, "status", 400), val),
+                               "fail": (500, f"internal error: {type(val).__name__}: {val}"),
+                               "unavailable": (503, "the server is shutting down")}[kind]
+                if resp is not None:  # too late for a status code: a last event says what happened
+                    await resp.write(_event({"error": _one_line(msg), "status": status}))
+                    await resp.write_eof()
+                    return resp
+                return self.error(status, msg, fmt.family, getattr(val, "param", None))
+        except BaseException:
+            job.cancelled.set()  # the worker drops it at its next step
+            raise
+
+    # ---- health, models, metrics, version (MindIE: /health, /health/timed, Triton-style /v2/health/*)
+
+    async def health(self, request, *_):
+        """Ready: the model is loaded and every graph compiled."""
+        return web.Response(status=200 if self.app.ready.is_set() else 503)
+
+    async def live(self, request):
+        """Live: the process answers (it may still be loading)."""
+        return web.Response(status=200)
+
+    async def health_timed(self, request, _wait=None):
+        self._check_ready()
+        return web.json_response({"status": "healthy"})
+
+    async def model_ready(self, request, name):
+        self._check_ready()
+        self._model(name, exact=True)
+        return web.Response(status=200)
+
+    def _model(self, name=None, exact=False):
+        """The served model's card. A request may name any model unless --strict-model-name (one model
+        is served, as single-model servers do); the model endpoints themselves want its name."""
+        if name is not None and name != self.app.model_name and (exact or self.strict):
+            raise RequestError(f"model {name!r} not found: this server serves {self.app.model_name!r}", 404,
+                               param="model")
+        pipe = self.app.pipe
+        return {"id": self.app.model_name, "object": "model", "created": self.app.started, "owned_by": "mindspec",
+                "root": pipe.model_dir, "parent": None, "max_model_len": pipe.max_seq}
+
+    async def models(self, request):
+        self._check_ready()
+        return web.json_response({"object": "list", "data": [self._model()]})
+
+    async def model(self, request, name):
+        self._check_ready()
+        return web.json_response(self._model(name, exact=True))
+
+    async def metrics_text(self, request):
+        return web.Response(body=self.metrics.text(), headers={"Content-Type": self.metrics.content_type})
+
+    async def version(self, request):
+        return web.json_response({"version": __version__})
+
+    # ---- vLLM's tokenizer endpoints
+
+    async def tokenize(self, request):
+        self._check_ready()
+        body = await self._body(request)
+        _check_keys(body, {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt"})
+        self._openai_model(body)
+        tok = self.app.pipe.tokenizer
+        if (body.get("prompt") is None) == (body.get("messages") is None):
+            raise RequestError("give exactly one of \"prompt\" or \"messages\"")
+        kw = parse({k: body[k] for k in ("prompt", "messages") if body.get(k) is not None})
+        text = kw["prompt"] if "prompt" in kw else tok.apply_chat_template(
+            kw["messages"], add_generation_prompt=body.get("add_generation_prompt", True) is not False)
+        ids = tok.encode(text)
+        return web.json_response({"count": len(ids), "max_model_len": self.app.pipe.max_seq, "tokens": ids,
+                                  "token_strs": None})
+
+    async def detokenize(self, request):
+        self._check_ready()
+        body = await self._body(request)
+        _check_keys(body, {"model", "tokens"})
+        self._openai_model(body)
+        ids, vocab = body.get("tokens"), self.app.pipe.cfg.vocab_size
+        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise RequestError("tokens must be a list of integer token ids", param="tokens")
+        if any(not 0 <= i < vocab for i in ids):
+            raise RequestError(f"tokens: an id is outside the vocabulary [0, {vocab})", param="tokens")
+        return web.json_response({"prompt": self.app.pipe.tokenizer.decode(ids)})
+
+    # ---- OpenAI-compatible
+
+    def _openai_model(self, body):
+        model = body.get("model")
+        if model is not None:
+            if not isinstance(model, str):
+                raise RequestError("model must be a string", param="model")
+            self._model(model)
+
+    async def _openai(self, request, chat):
+        self._check_ready()
+        body = await self._body(request)
+        if body.get("prompt") is not None and body.get("messages") is not None:
+            raise RequestError("give either \"prompt\" or \"messages\", not both", param="messages")
+        _check_keys(body, CHAT_KEYS if chat else COMPLETION_KEYS)
+        self._openai_model(body)
+        stream = _stream_flag(body)
+        flat = {k: body[k] for k in ("max_tokens",) + SAMPLING if k in body}
+        if chat:
+            flat["messages"] = body.get("messages")
+            if body.get("max_completion_tokens") is not None and body.get("max_tokens") is None:
+                flat["max_tokens"] = body["max_completion_tokens"]
+        else:
+            p = body.get("prompt")
+            if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+                p = p[0]  # a batch of one prompt
+            if isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p):
+                raise RequestError(f"prompt is a list of {len(p)} prompts: send one prompt per request "
+                                   "(a string or a list of token ids)", param="prompt")
+            if isinstance(p, list):
+                flat["prompt_ids"] = p
+            elif isinstance(p, str) or p is None:
+                flat["prompt"] = p
+            else:
+                raise RequestError("prompt must be a string or a list of token ids (one prompt per request)",
+                                   param="prompt")
+        return await self._generate(request, parse(flat, self.app.defaults), OpenAI(self.app, chat), stream)
+
+    async def completions(self, request):
+        return await self._openai(request, chat=False)
+
+    async def chat(self, request):
+        return await self._openai(request, chat=True)
+
+    # ---- TGI 0.9.4 and MindIE native
+
+    async def _tgi(self, request, stream=None, native=False, listed=False):
+        self._check_ready()
+        body = await self._body(request)
+        _check_keys(body, {"inputs", "parameters", "stream"})
+        stream = _stream_flag(body) if stream is None else stream
+        inputs = body.get("inputs")
+        if not isinstance(inputs, str) or not inputs:
+            raise RequestError("inputs must be a non-empty string")
+        params = body.get("parameters")
+        params = {} if params is None else params
+        if not isinstance(params, dict):
+            raise RequestError("parameters must be a JSON object")
+        _check_keys(params, TGI_PARAMS, "parameters.")
+        for key in ("details", "return_full_text", "decoder_input_details"):
+            if params.get(key) not in (None, True, False):  # null: the default
+                raise RequestError(f"{key} must be true or false")
+        fields = ("max_new_tokens", "do_sample") + SAMPLING
+        kw = parse(dict({k: params[k] for k in fields if k in params}, prompt=inputs), self.app.defaults)
+        fmt = TGI(self.app, kw, native, params.get("details", False), params.get("decoder_input_details", False),
+                  inputs if params.get("return_full_text") else "", listed)
+        return await self._generate(request, kw, fmt, stream)
+
+    async def generate(self, request):
+        return await self._tgi(request, stream=False)
+
+    async def generate_stream(self, request):
+        return await self._tgi(request, stream=True)
+
+    async def compat(self, request):
+        return await self._tgi(request, listed=True)
+
+    async def infer(self, request):
+        return await self._tgi(request, native=True)
+
+
+_FIELDS = COMPLETION_KEYS | CHAT_KEYS | set(OFF) | {"prompt_ids", "tokens"}
+_OPEN = {"health", "health_timed", "live", "model_ready", "metrics_text", "version"}  # no API key needed
+
+
+class _NotAllowed(RequestError):
+    def __init__(self, message, allow):
+        super().__init__(message, 405)
+        self.allow = allow
+
+
+def _dumps(obj):
+    return json.dumps(obj, ensure_ascii=False)
+
+
+def _event(obj):
+    return b"data: " + _dumps(obj).encode("utf-8") + b"\n\n"
+
+
+async def _sse(request, resp, ev):
+    """Write one server-sent event; the 200 header goes out with the first, so a request that fails
+    before producing text still gets a plain JSON error."""
+    if resp is None:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+    await resp.write(_event(ev))
+    return resp
+
+
+_ROUTES = [  # (method, regex, Api method, error family); the method's name labels the metrics
+    ("GET", r"/health", "health", "tgi"),
+    ("GET", r"/health/timed(-[0-9]+)?", "health_timed", "tgi"),
+    ("GET", r"/v2/health/live", "live", "tgi"),
+    ("GET", r"/v2/health/ready", "health", "tgi"),
+    ("GET", r"/v2/models/([\w\-.]+)/ready", "model_ready", "tgi"),
+    ("GET", r"/v1/models", "models", "openai"),
+    ("GET", r"/v1/models/([\w\-.]+)", "model", "openai"),
+    ("POST", r"/v1/completions", "completions", "openai"),
+    ("POST", r"/v1/chat/completions", "chat", "openai"),
+    ("POST", r"/generate", "generate", "tgi"),
+    ("POST", r"/generate_stream", "generate_stream", "tgi"),
+    ("POST", r"/", "compat", "tgi"),
+    ("POST", r"/infer", "infer", "tgi"),
+    ("GET", r"/metrics", "metrics_text", "openai"),
+    ("GET", r"/version", "version", "openai"),
+    ("POST", r"/tokenize", "tokenize", "openai"),
+    ("POST", r"/detokenize", "detokenize", "openai"),
+]
+

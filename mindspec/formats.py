@@ -1,0 +1,140 @@
+"""Response bodies and stream events of `mindspec serve`'s APIs: OpenAI (as MindIE's vLLM-style
+interface) and TGI 0.9.4 / MindIE's native /infer. A formatter turns the engine's output of one
+request into its API's JSON: `chunk(delta, tokens)` per step, `last(ids, res, tokens)` at the end
+of a stream, `response(ids, res)` for a non-streamed answer. `tokens` are (id, text) pairs whose
+texts concatenate to the generated text."""
+import time
+import uuid
+
+
+def pieces(req, sent, shown, final):
+    """(id, text) of req's tokens from index `sent` whose text is all out: their text ends within the
+    first `shown` characters streamed (every remaining token when final; the last takes what is left)."""
+    text, out, i = req.text, [], sent
+    n = len(req.output) if final else sent + sum(1 for e in req.ends[sent:] if e <= shown)
+    for i in range(sent, n):
+        start, end = (min(req.ends[i - 1], len(text)) if i else 0), min(req.ends[i], len(text))
+        out.append((req.output[i], text[start:] if final and i == n - 1 else text[start:end]))
+    return out
+
+
+def token(pipe, i, text=None):
+    """TGI's token object (special: EOS, or a token that decodes to nothing without specials)."""
+    full = pipe.tokenizer.decode([i])
+    special = i in pipe.eos or (full != "" and pipe.tokenizer.decode([i], skip_special_tokens=True) == "")
+    return {"id": i, "text": full if text is None else text, "logprob": None, "special": special}
+
+
+class OpenAI:
+    """/v1/completions and /v1/chat/completions bodies and SSE chunks (usage in the final chunk, then
+    `data: [DONE]`)."""
+    family, done_marker = "openai", True
+
+    def __init__(self, app, chat):
+        self.app, self.chat, self.sent_role = app, chat, False
+        self.head = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
+                     "object": "chat.completion" if chat else "text_completion",
+                     "created": int(time.time()), "model": app.model_name}
+
+    def _choice(self, text, finish, delta=False):
+        if not self.chat:
+            return {"index": 0, "text": text, "logprobs": None, "stop_reason": None, "finish_reason": finish}
+        msg = {"content": text} if text is not None else {}
+        if not delta:
+            msg["role"] = "assistant"
+        return {"index": 0, "delta" if delta else "message": msg, "logprobs": None, "finish_reason": finish}
+
+    def _stream_head(self):
+        return dict(self.head, object="chat.completion.chunk") if self.chat else self.head
+
+    def _tail(self, ids, res):
+        usage = {"prompt_tokens": len(ids), "completion_tokens": len(res.token_ids),
+                 "total_tokens": len(ids) + len(res.token_ids)}
+        return {"usage": usage, "mindspec": res.stats}
+
+    def response(self, ids, res):
+        return dict(self.head, choices=[self._choice(res.text, res.finish_reason)], **self._tail(ids, res))
+
+    def _role(self):
+        """The chat stream's first chunk, once (also when no text comes at all)."""
+        if not self.chat or self.sent_role:
+            return []
+        self.sent_role = True
+        return [dict(self._stream_head(), choices=[dict(self._choice("", None, True),
+                                                        delta={"role": "assistant", "content": ""})])]
+
+    def chunk(self, delta, tokens):
+        return self._role() + [dict(self._stream_head(), choices=[self._choice(delta, None, True)])]
+
+    def last(self, ids, res, tokens):
+        choice = self._choice(None if self.chat else "", res.finish_reason, True)
+        return self._role() + [dict(self._stream_head(), choices=[choice], **self._tail(ids, res))]
+
+
+class TGI:
+    """TGI 0.9.4 /generate (+ details) and /generate_stream events, and MindIE's native /infer
+    (details: finish_reason, generated_tokens, seed; stream events with prefill_time/decode_time in
+    ms). A stream event per token, with its id and text; streams end without [DONE], as TGI's do."""
+    family, done_marker = "tgi", False
+
+    def __init__(self, app, kw, native, details, decoder_input_details=False, full_text_prefix="", listed=False):
+        self.app, self.kw, self.native, self.details, self.listed = app, kw, native, details, listed
+        self.decoder_input_details, self.prefix = decoder_input_details, full_text_prefix
+        self.pending, self.t0, self.first = None, time.perf_counter(), True
+
+    def _finish(self, res):
+        if res.finish_reason == "length":
+            return "length"
+        return "eos_token" if res.token_ids and res.token_ids[-1] in self.app.pipe.eos else "stop_sequence"
+
+    def _details(self, ids, res, full):
+        d = {"finish_reason": self._finish(res), "generated_tokens": len(res.token_ids), "seed": self.kw.get("seed")}
+        if full:
+            pipe = self.app.pipe
+            prefill = [token(pipe, i) for i in ids] if self.decoder_input_details else []
+            d.update(prompt_tokens=len(ids), prefill=prefill, tokens=[token(pipe, i) for i in res.token_ids])
+        return d
+
+    def response(self, ids, res):
+        out = {"generated_text": self.prefix + res.text}
+        if self.details:
+            out["details"] = self._details(ids, res, full=not self.native)
+        out["mindspec"] = res.stats
+        return [out] if self.listed else out  # TGI's POST / answers a list of one
+
+    def _event(self, pending):
+        (i, text), prefill_ms, decode_ms = pending
+        tok = token(self.app.pipe, i, text)
+        if self.native:
+            return {"prefill_time": prefill_ms, "decode_time": decode_ms, "token": {"id": i, "text": text}}
+        return {"token": tok, "generated_text": None, "details": None}
+
+    def _timed(self, tokens):
+        """(token, prefill_time, decode_time) of each token: ms from the request to its first step, then
+        from step to step (a step's later tokens: 0)."""
+        now = time.perf_counter()
+        ms, self.t0 = round((now - self.t0) * 1000, 2), now
+        out = []
+        for j, t in enumerate(tokens):
+            first, self.first = self.first, False
+            step_ms = ms if j == 0 else 0.0
+            out.append((t, step_ms if first else None, None if first else step_ms))
+        return out
+
+    def chunk(self, delta, tokens):
+        """Hold the last token back, so the last event carries a token and the final fields together."""
+        timed = ([self.pending] if self.pending else []) + self._timed(tokens)
+        if not timed:
+            return []
+        self.pending = timed[-1]
+        return [self._event(t) for t in timed[:-1]]
+
+    def last(self, ids, res, tokens):
+        timed = ([self.pending] if self.pending else []) + self._timed(tokens)
+        if not timed:  # nothing generated at all (cannot happen: a request makes >= 1 token)
+            timed = self._timed([(0, "")])
+        evs = [self._event(t) for t in timed]
+        evs[-1]["generated_text"] = self.prefix + res.text
+        evs[-1]["details"] = self._details(ids, res, full=False) if self.details else None
+        evs[-1]["mindspec"] = res.stats
+        return evs

@@ -1,0 +1,145 @@
+"""`mindspec serve --config config.json`: MindIE Service's config.json layout, plus a "mindspec" block.
+
+The file fills in serve's flags; a flag given on the command line wins. Keys MindIE has that
+mean nothing here (TLS paths, log settings, scheduler tuning) are accepted quietly; any other key
+is warned about; a value of the wrong type or range stops the command with the key's path (one
+line, exit 2), before anything loads."""
+import argparse
+import json
+import sys
+
+def _int(lo=None, hi=None):
+    def check(v):
+        if isinstance(v, bool) or not isinstance(v, int) or (lo is not None and v < lo) or (hi is not None and v > hi):
+            raise ValueError(f"must be an integer{f' >= {lo}' if lo is not None else ''}"
+                             f"{f' and <= {hi}' if hi is not None else ''}, got {json.dumps(v)}")
+        return v
+    return check
+
+
+def _str(v):
+    if not isinstance(v, str) or not v:
+        raise ValueError(f"must be a non-empty string, got {json.dumps(v)}")
+    return v
+
+
+def _false(v):
+    if v is not False:
+        raise ValueError(f"must be false: mindspec serves plain HTTP (put TLS in a proxy), got {json.dumps(v)}")
+    return v
+
+
+def _gamma(v):
+    if v == "auto":
+        return v
+    return _int(1, 8)(v)
+
+
+def _number(lo, hi):
+    def check(v):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
+            raise ValueError(f"must be a number in [{lo}, {hi}], got {json.dumps(v)}")
+        return float(v)
+    return check
+
+
+# MindIE key path -> (serve's flag dest or None: checked, no flag; check: the value to use, or ValueError)
+KEYS = {
+    "ServerConfig.ipAddress": ("host", _str),
+    "ServerConfig.port": ("port", _int(0, 65535)),
+    "ServerConfig.maxLinkNum": ("max_connections", _int(1)),
+    "ServerConfig.httpsEnabled": (None, _false),
+    "BackendConfig.ModelDeployConfig.maxSeqLen": ("max_seq", _int(2)),
+    "BackendConfig.ModelDeployConfig.maxInputTokenLen": ("max_input_tokens", _int(1)),
+    "BackendConfig.ModelDeployConfig.truncation": (None, _false),
+    "BackendConfig.ModelDeployConfig.ModelConfig[0].modelName": ("model_name", _str),
+    "BackendConfig.ModelDeployConfig.ModelConfig[0].modelWeightPath": ("target", _str),
+    "BackendConfig.ModelDeployConfig.ModelConfig[0].worldSize": ("tp", _int(1)),
+    "BackendConfig.ScheduleConfig.maxBatchSize": ("max_batch", _int(1)),
+    "BackendConfig.ScheduleConfig.maxIterTimes": ("max_new_tokens", _int(1)),
+    "BackendConfig.ScheduleConfig.maxQueueDelayMicroseconds": (None, _int(0)),
+    "mindspec.draft": ("draft", _str),
+    "mindspec.speculationGamma": ("k", _gamma),
+    "mindspec.draftTemperature": ("draft_temperature", _number(0.01, 100)),
+    "mindspec.maxQueue": ("max_queue", _int(0)),
+    "mindspec.readTimeout": ("read_timeout", _int(1)),
+    "mindspec.apiKey": ("api_key", _str),
+}
+# MindIE's keys with no meaning for mindspec: accepted without a warning
+QUIET = {"Version", "LogConfig", "EnableDynamicAdjustTimeoutConfig"} | {f"ServerConfig.{k}" for k in (
+    "managementIpAddress", "managementPort", "metricsPort", "allowAllZeroIpListening", "fullTextEnabled",
+    "tlsCaPath", "tlsCaFile", "tlsCert", "tlsPk", "tlsPkPwd", "tlsCrlPath", "tlsCrlFiles", "managementTlsCaFile",
+    "managementTlsCert", "managementTlsPk", "managementTlsPkPwd", "managementTlsCrlPath", "managementTlsCrlFiles",
+    "kmcKsfMaster", "kmcKsfStandby", "inferMode", "interCommTLSEnabled", "interCommPort", "interCommTlsCaPath",
+    "interCommTlsCaFiles", "interCommTlsCert", "interCommPk", "interCommPkPwd", "interCommTlsCrlPath",
+    "interCommTlsCrlFiles", "openAiSupport", "tokenTimeout", "e2eTimeout", "distDPServerEnabled")} | {
+    f"BackendConfig.{k}" for k in (
+        "backendName", "modelInstanceNumber", "npuDeviceIds", "tokenizerProcessNumber", "multiNodesInferEnabled",
+        "multiNodesInferPort", "interNodeTLSEnabled", "interNodeTlsCaPath", "interNodeTlsCaFiles",
+        "interNodeTlsCert", "interNodeTlsPk", "interNodeTlsPkPwd", "interNodeTlsCrlPath", "interNodeTlsCrlFiles",
+        "interNodeKmcKsfMaster", "interNodeKmcKsfStandby")} | {
+    f"BackendConfig.ModelDeployConfig.ModelConfig[0].{k}" for k in (
+        "modelInstanceType", "cpuMemSize", "npuMemSize", "backendType", "trustRemoteCode")} | {
+    f"BackendConfig.ScheduleConfig.{k}" for k in (
+        "templateType", "templateName", "cacheBlockSize", "maxPrefillBatchSize", "maxPrefillTokens",
+        "prefillTimeMsPerReq", "prefillPolicyType", "decodeTimeMsPerReq", "decodePolicyType", "maxPreemptCount",
+        "supportSelectBatch")}
+
+
+def _flatten(obj, path=""):
+    """{key path: value} of the leaves (ModelConfig is a list: its entries are [i])."""
+    if isinstance(obj, dict) and (path in ("", "ServerConfig", "BackendConfig", "mindspec")
+                                  or path.startswith("BackendConfig.")) and path not in QUIET:
+        out = {}
+        for k, v in obj.items():
+            out.update(_flatten(v, f"{path}.{k}" if path else str(k)))
+        return out
+    if isinstance(obj, list) and path.endswith("ModelConfig"):
+        out = {}
+        for i, v in enumerate(obj):
+            out.update(_flatten(v, f"{path}[{i}]"))
+        return out
+    return {path: obj}
+
+
+def read(path):
+    """(values by flag dest, warnings) of a config file; raises ValueError("key.path: why")."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except OSError as e:
+        raise ValueError(f"{path}: {e.strerror or e}") from None
+    except ValueError as e:
+        raise ValueError(f"{path}: not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: must be a JSON object (MindIE's config.json layout)")
+    values, warnings = {}, []
+    for key, value in _flatten(data).items():
+        if key in KEYS:
+            dest, check = KEYS[key]
+            try:
+                value = check(value)
+            except ValueError as e:
+                raise ValueError(f"{key}: {e}") from None
+            if dest:
+                values[dest] = value
+        elif key not in QUIET:
+            warnings.append(f"{path}: unknown key {key} (ignored)")
+    return values, warnings
+
+
+class ConfigAction(argparse.Action):
+    """--config FILE: set every serve flag the file holds, except the ones given on the command line
+    (before --config: those whose value is no longer the default; after it: all)."""
+
+    def __call__(self, parser, namespace, path, option_string=None):
+        try:
+            values, warnings = read(path)
+        except ValueError as e:
+            print(f"mindspec: error: {e}", file=sys.stderr)
+            sys.exit(2)
+        for w in warnings:
+            print(f"mindspec: warning: {w}", file=sys.stderr)
+        for dest, value in values.items():  # a flag after --config is applied after this, so it wins too
+            if getattr(namespace, dest, None) == parser.get_default(dest):
+                setattr(namespace, dest, value)
