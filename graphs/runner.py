@@ -216,19 +216,19 @@ class TargetModel:
             os.makedirs(cache_dir, exist_ok=True)
             lock = open(path + ".lock", "w")  # noqa: SIM115 - held until the graphs are in
             fcntl.flock(lock, fcntl.LOCK_EX)  # two processes starting at once: one writes, then the other reads
-            ms.set_context(enable_compile_cache=True, compile_cache_path=path)
+            os.environ.update(MS_COMPILER_CACHE_ENABLE="1", MS_COMPILER_CACHE_PATH=path)  # read per compile
         try:
             for kind, B, T in names:
                 self._compile(kind, B, T - 1)
         finally:
             if cached:
-                ms.set_context(enable_compile_cache=False)  # later graphs compile in any order
+                os.environ.pop("MS_COMPILER_CACHE_ENABLE")  # later graphs compile in any order
                 lock.close()
 
     def cache_key(self, names):
         """The compile-cache directory name of these graphs: everything a compiled graph depends on,
-        the TP layout included (MindSpore separates cached graphs by rank id, not by world size)."""
-        key = repr((self.fingerprint, self.dtype, self.max_seq, self.max_batch, self.k_buckets, names, TOPK_CAP,
+        the device, dtype and TP layout included (MindSpore separates cached graphs by rank id, not by world size)."""
+        key = repr((ms.get_context("device_target"), self.fingerprint, self.dtype, self.max_seq, self.max_batch, self.k_buckets, names, TOPK_CAP,
                     _SOURCE, tp_layout()))
         return hashlib.sha256(key.encode()).hexdigest()[:16]
 

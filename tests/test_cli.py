@@ -157,3 +157,21 @@ def test_tp_must_be_positive(bad, capsys):
     with pytest.raises(SystemExit) as e:
         parser().parse_args(["batch", "--input", "a", "--output", "b", "--tp", bad])
     assert e.value.code == 2 and "--tp: must be an integer >= 1" in capsys.readouterr().err
+
+
+def test_compile_cache_is_written_then_used(pair, tmp_path):
+    """The first run fills MindSpore's compile cache (one entry per warm-up, keyed by device, dtype,
+    weights, shapes, graph source and TP layout); a second process loads its graphs from it."""
+    target, draft, _ = pair
+    args = ["generate", "--target", target, "--draft", draft, "-k", "2", "--max-seq", "64", "--prompt-ids", "5,6,7",
+            "--max-new-tokens", "8", "--json"]
+    env = {"MINDSPEC_HOME": str(tmp_path)}
+    code, out1, err = run(*args, env=env)
+    assert code == 0, err
+    entries = [e for e in os.listdir(tmp_path / "compile_cache") if not e.endswith(".lock")]
+    assert len(entries) == 1
+    graphs = os.listdir(tmp_path / "compile_cache" / entries[0] / "rank_0" / "graph_cache")
+    assert sum(g.endswith(".mindir") for g in graphs) >= 3  # prefill, decode, verify K=2
+    code, out2, err = run(*args, env=dict(env, GLOG_v="2"))  # MindSpore's warnings on: it says when it uses the cache
+    assert code == 0 and "Use the compilation cache" in err
+    assert json.loads(out2)["token_ids"] == json.loads(out1)["token_ids"]
