@@ -184,8 +184,9 @@ class Output:
     """The output file, locked (flock) from opening to close: its records are read once (a torn last
     record is cut), then each result is appended with one write. path=None: a rank that writes nothing."""
 
-    def __init__(self, path, job, input_path):
+    def __init__(self, path, job, input_path, wait=False):
         self.path, self.job, self.fd, self.created, self.wrote = path, job, None, False, False
+        self.wait = wait  # for the lock (machines merging one shared output), instead of refusing
         self.done, self.errors = set(), {}
         if path is None:
             return
@@ -217,7 +218,7 @@ class Output:
 
     def _lock(self):
         try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(self.fd, fcntl.LOCK_EX | (0 if self.wait else fcntl.LOCK_NB))
         except BlockingIOError:
             pid = _lock_holder(self.fd)
             raise MindspecError(f"output {self.path} is in use by another job{f' (pid {pid})' if pid else ''}; "
@@ -239,6 +240,13 @@ class Output:
             os.ftruncate(self.fd, size)
         except OSError as e:
             raise MindspecError(f"cannot write output {self.path}: {e.strerror}") from None
+
+    def absorb(self, done, errors):
+        """Count another file's finished ids and error messages as this output's (a replica's part: the
+        output's own records)."""
+        self.done |= done
+        for k, msgs in errors.items():
+            self.errors.setdefault(k, set()).update(msgs)
 
     def put(self, item, body):
         """Append the record of `item` with `body` ({"text", ...} or {"error"}); an error already recorded
@@ -385,10 +393,10 @@ class Progress:
     """A tqdm bar (lines, tokens/s, acceptance, ETA) when stderr is a terminal; else one line every
     PROGRESS_S seconds ($MINDSPEC_PROGRESS_S)."""
 
-    def __init__(self, tally):
+    def __init__(self, tally, bar=True):
         self.tally, self.bar, self.every = tally, None, _interval()
         self.due = time.monotonic() + self.every
-        if sys.stderr.isatty():
+        if bar and sys.stderr.isatty():
             from tqdm import tqdm
             self.bar = tqdm(total=len(tally.state), initial=tally.skipped, unit="line", file=sys.stderr,
                             dynamic_ncols=True, desc="mindspec batch")
@@ -484,9 +492,9 @@ def _rank0():
 class _Job:
     """One run: setup (read, lock, load), then the generation phase, which ends with the summary."""
 
-    def __init__(self, output_path):
+    def __init__(self, output_path, bar=True):
         self.path, self.tally, self.out, self.bar, self.begun = output_path, None, None, None, False
-        self.om = OmDir()
+        self.om, self.bar_ok = OmDir(), bar
 
     def say(self, line):
         os.write(2, (line + "\n").encode("utf-8", "replace"))  # also from a signal handler
@@ -510,7 +518,7 @@ class _Job:
         self.begun = True
         sig.check()
         self.tally.start()
-        self.bar = Progress(self.tally)
+        self.bar = Progress(self.tally, self.bar_ok)
         try:
             for item in (i for i in items if i.err is not None):
                 self.finish(item, {"error": item.err})
@@ -527,17 +535,24 @@ class _Job:
             self.bar.update()
 
 
-def run_batch(load, defaults, input_path, output_path, share=None, model=None, max_batch=1):
+def run_batch(load, defaults, input_path, output_path, share=None, model=None, max_batch=1, part=None):
     """Run a batch job; returns the exit code (0 all done, 1 some lines failed; MindspecError = 2,
     KeyboardInterrupt = 130, both with the summary once the job has begun). `model` is the target
     checkpoint directory (None: the embedded default), part of the job's fingerprint.
     share (mindspec.tp.share, under tensor parallelism): rank 0 alone reads and writes the output and
-    hands the finished ids to the other ranks, which run the same job in lock step and write nothing."""
-    job = _Job(output_path)
+    hands the finished ids to the other ranks, which run the same job in lock step and write nothing.
+    part (i, d): data-parallel replica i of d runs its share of the lines (mindspec.dp) into its own part
+    file, a batch output of the same job; ids the output itself already holds count as done."""
+    job_key = job_id(defaults, model)
+    path = part_path(output_path, *part) if part else output_path
+    job = _Job(path, bar=part is None)
     writer = share is None or _rank0()
     with Signals(share is None, job.hard_stop) as sig, job.om:
         rows = _rows(_read_lines(input_path), input_path)
-        job.out = Output(output_path if writer else None, job_id(defaults, model), input_path)
+        job.out = Output(path if writer else None, job_key, input_path)
+        if part:
+            rows = rows[part[0]::part[1]]
+            job.out.absorb(*earlier(output_path, job_key))
         ok = False
         try:
             done = share(job.out.done) if share else job.out.done  # before rank 0 writes anything
@@ -549,6 +564,33 @@ def run_batch(load, defaults, input_path, output_path, share=None, model=None, m
             raise
         finally:
             if job.begun and job.tally is not None:
-                print(job.tally.summary(output_path), file=sys.stderr, flush=True)
+                print(job.tally.summary(path), file=sys.stderr, flush=True)
             job.out.close(failed=not ok)
     return job.tally.exit_code()
+
+
+# ---- data-parallel parts ----
+
+def part_path(output_path, i, d):
+    """Replica i of d writes here, beside the output."""
+    return f"{output_path}.part{i}of{d}"
+
+
+def read_records(path, job):
+    """(records, done ids, {id: error messages}) of a batch output that may not exist, read without taking
+    its lock (a data-parallel launcher holds it); a torn last line is left out. Refused like any output
+    when it holds anything but this job's records."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return [], set(), {}
+    except OSError as e:
+        raise MindspecError(f"cannot read output {path}: {e.strerror}") from None
+    done, errors, keep = _scan(data, path, job)
+    return [json.loads(line) for line in data[:keep].split(b"\n") if line], done, errors
+
+
+def earlier(output_path, job):
+    """(done ids, {id: error messages}) the output already holds."""
+    return read_records(output_path, job)[1:]

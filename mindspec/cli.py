@@ -94,6 +94,11 @@ def add_batch_arg(p):
 def add_tp_arg(p):
     p.add_argument("--tp", type=_positive, default=1,
                    help="split the target over N devices (ranks launched with msrun; heads padded as needed)")
+    p.add_argument("--nodes", type=_positive, default=1,
+                   help="machines the job spans; each runs the same command with its own --node-rank (default 1)")
+    p.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0..nodes-1 (node 0 writes)")
+    p.add_argument("--master-addr", default=None, help="node 0's address, reachable from every node (--nodes > 1)")
+    p.add_argument("--master-port", type=int, default=None, help="a free port on node 0, the same on every node")
 
 
 def add_sampling_args(p):
@@ -167,13 +172,29 @@ def serve_defaults(a):
     return dict(sampling_kwargs(a), max_input_tokens=a.max_input_tokens)
 
 
+def batch_defaults(a):
+    """The request defaults of batch's flags: with the target, the job's fingerprint."""
+    return dict(sampling_kwargs(a), chat=a.chat)
+
+
 def cmd_batch(a):
-    from .batch import run_batch
+    from .batch import job_id, run_batch
+    if a.merge:
+        from .dp import merge_command
+        return merge_command(a.input, a.output, job_id(batch_defaults(a), a.target))
     share = None
     if a.tp > 1:  # every rank runs the job in lock step; rank 0 alone reads and writes the output
         from .tp import share
-    return run_batch(lambda: load_pipeline(a), dict(sampling_kwargs(a), chat=a.chat), a.input, a.output,
-                     share=share, model=a.target, max_batch=a.max_batch)
+    part = None if a.dp_replica is None else (a.dp_replica, a.dp)  # one data-parallel replica: its share
+    return run_batch(lambda: load_pipeline(a), batch_defaults(a), a.input, a.output,
+                     share=share, model=a.target, max_batch=a.max_batch, part=part)
+
+
+def launch_dp(argv, a):
+    """`batch --dp N` in the user's process: N replicas, then the merge (mindspec.dp)."""
+    from .batch import job_id
+    from .dp import launch
+    return launch(argv, a.input, a.output, job_id(batch_defaults(a), a.target), a.dp, a.tp, a.nodes, a.node_rank)
 
 
 def parser():
@@ -237,6 +258,12 @@ def parser():
     b.add_argument("--chat", action="store_true", help="wrap plain \"prompt\" lines in the chat template")
     add_batch_arg(b)
     add_tp_arg(b)
+    b.add_argument("--dp", type=_positive, default=1,
+                   help="N engine replicas (each of --tp devices), each running every N-th line into its own part "
+                        "file beside the output; the parts are merged into it when all are complete")
+    b.add_argument("--merge", action="store_true",
+                   help="only merge the part files of a --dp job into the output (give the job's flags)")
+    b.add_argument("--dp-replica", type=int, default=None, help=argparse.SUPPRESS)  # set by the --dp launcher
     b.set_defaults(func=cmd_batch)
     d = sub.add_parser("doctor", help="what runs where on this machine, and what an Ascend run still needs")
     d.add_argument("--device", choices=CHOICES, default=None, help="the device to check (default auto)")
@@ -262,6 +289,35 @@ def _run(args):
     return code or 0
 
 
+def _dp_launcher(args):
+    return args.cmd == "batch" and args.dp > 1 and args.dp_replica is None and not args.merge
+
+
+def _topology(args):
+    """Where this command's msrun ranks run: a data-parallel replica on this machine alone, else the
+    multi-node flags."""
+    from . import tp
+    if args.cmd == "batch" and args.dp > 1:
+        return tp.Topology(args.tp)
+    return tp.topology(args.tp, args.nodes, args.node_rank, args.master_addr, args.master_port)
+
+
+def _launch(args, start):
+    """Run a launcher (msrun's or the data-parallel one) in the user's process: Ctrl-C and SIGTERM reach it
+    (its children inherit the unblocked mask); bad flags: one line, exit 2."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+    old = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        return start()
+    except MindspecError as e:
+        print(f"mindspec: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
 def main(argv=None):
     # no KeyboardInterrupt inside the imports to come (numpy, MindSpore: a half-imported MindSpore crashes
     # the interpreter at exit): signals wait for _run / run_batch
@@ -272,8 +328,9 @@ def main(argv=None):
     except SystemExit:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
         raise
-    if getattr(args, "tp", 1) > 1:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})  # msrun and ranks inherit it
+    if _dp_launcher(args):
+        return _launch(args, lambda: launch_dp(argv, args))
+    if getattr(args, "tp", 1) > 1 or getattr(args, "nodes", 1) > 1:
         from . import tp
         if not tp.is_worker():  # the user's process: run this same command on N ranks under msrun
             import random
@@ -281,11 +338,8 @@ def main(argv=None):
                 argv += ["--seed", str(random.randrange(2 ** 31))]  # every rank must draw the same uniforms
             # and the same seeds for the sampled requests of a batch that carry none
             os.environ.setdefault(SEED_ENV, str(random.randrange(2 ** 31)))
-            try:
-                return tp.launch(argv, args.tp)
-            except MindspecError as e:
-                print(f"mindspec: error: {e}", file=sys.stderr)
-                return 2
+            return _launch(args, lambda: tp.launch(argv, args.tp, topo=_topology(args)))
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
         return tp.run_worker(lambda: _run(args), args.tp)  # one rank (msrun's scheduler exits inside)
     # SIGTERM = Ctrl-C (MindSpore's own SIGINT handler turns Ctrl-C into SIGTERM): exit 130, and a batch job
     # still prints its summary. (Under TP the launcher stops the ranks.)

@@ -10,6 +10,12 @@ whole job: msrun notices within a second and kills the others; the launcher prin
 the rank and its log, and returns non-zero. Nothing waits on a dead rank for long: msrun's
 cluster time-out bounds the start-up, and a grace period bounds the shutdown after a failure.
 
+Several machines (`--nodes N --node-rank R --master-addr A --master-port P`, each machine running the
+same command): `topology` checks the flags and `msrun_command` gives each machine its share of the ranks
+(`--local_worker_num`, `--node_rank`, node 0's address), so rank 0 is on node 0. `launcher_env` hands
+msrun the venv's PATH and HCCL time-outs long enough for a 70B load; each rank's draft follows its own
+device (`rank_device_env`). All pure functions, tested as such.
+
 Worker (each rank): `run_worker` initialises collectives (graphs.tp.init_tp: MindSpore's CPU
 collectives on CPU, HCCL on Ascend), after which the target graphs split themselves by tp_size() /
 tp_rank(). Rank 0's stdout/stderr go to files the launcher streams; what other ranks print stays in
@@ -43,6 +49,7 @@ import sys
 import tempfile
 import threading
 import time
+from typing import NamedTuple
 
 from .errors import MindspecError
 
@@ -51,6 +58,75 @@ ENV_LAUNCHER = "MINDSPEC_TP_LAUNCHER"  # the launcher's pid: ranks (and msrun's 
 CLUSTER_TIMEOUT = 120  # s: msrun's cluster time-out (ranks that never join / stop answering)
 FAILURE_GRACE = 3  # s: after a rank died msrun kills the others at once, then waits for its scheduler: not for long
 EXIT_GRACE = 1  # s: after every rank recorded its exit code, how long they may take to exit before we stop them
+# HCCL's time-outs (s; CANN's defaults: connect 120, exec 1800). The first collective (HCCL's link set-up)
+# comes only after every rank has loaded its weights and compiled: a 70B load takes minutes, and a rank that
+# compiles a graph the others already have makes them wait in a collective. A user's own values win.
+HCCL_TIMEOUTS = {"HCCL_CONNECT_TIMEOUT": "1800", "HCCL_EXEC_TIMEOUT": "1800"}
+IDENTITY = ("MS_ROLE", "MS_WORKER_NUM", "MS_SCHED_HOST", "MS_SCHED_PORT", "MS_NODE_ID", "RANK_ID", "DEVICE_ID",
+            "RANK_SIZE")  # what msrun sets per job and rank: never inherited from another job
+
+
+class Topology(NamedTuple):
+    """Where one msrun job's ranks run: `size` ranks over `nodes` machines, this one being `node_rank`
+    (each machine runs the same command with its own --node-rank)."""
+    size: int
+    nodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0  # 0: a free port of this machine (one node only)
+
+    @property
+    def local(self):
+        return self.size // self.nodes
+
+    @property
+    def ranks(self):
+        """The global ranks on this machine: msrun numbers node_rank * local_worker_num + local rank."""
+        return range(self.node_rank * self.local, (self.node_rank + 1) * self.local)
+
+
+def topology(size, nodes=1, node_rank=0, master_addr=None, master_port=None):
+    """A checked Topology of the command-line flags (--tp/--nodes/--node-rank/--master-addr/--master-port)."""
+    size, nodes = int(size), int(nodes)
+    if nodes < 1 or not 0 <= node_rank < nodes:
+        raise MindspecError(f"--node-rank must be in 0..{nodes - 1} for --nodes {nodes}, got {node_rank}")
+    if size % nodes:
+        raise MindspecError(f"{size} ranks do not split evenly over --nodes {nodes}: every node runs the same number")
+    if master_port is not None and not 1024 <= master_port <= 65535:
+        raise MindspecError(f"--master-port must be in 1024..65535, got {master_port}")
+    if nodes > 1 and (not master_addr or master_port is None):
+        raise MindspecError("--nodes > 1 needs --master-addr (node 0's address, reachable from every node) and "
+                            "--master-port, the same on every node")
+    return Topology(size, nodes, node_rank, master_addr or "127.0.0.1", master_port or 0)
+
+
+def msrun_command(msrun, topo, task, log_dir, timeout=CLUSTER_TIMEOUT, bind_core=False):
+    """msrun's command line for this machine's share of `topo` running `task` (a list)."""
+    cmd = [msrun, f"--worker_num={topo.size}", f"--local_worker_num={topo.local}",
+           f"--master_addr={topo.master_addr}", f"--master_port={topo.master_port}"]
+    if topo.nodes > 1:  # fixed rank ids (node_rank * local + i), so rank 0, the writer, is on node 0
+        cmd.append(f"--node_rank={topo.node_rank}")
+    cmd += ["--join=True", f"--cluster_time_out={int(timeout)}", f"--log_dir={log_dir}",
+            f"--tail_worker_log={topo.local}"]  # local rank `local` does not exist: tail none
+    if bind_core:  # each rank on the cores next to its NPU (msrun >= 2.5 works the map out itself)
+        cmd.append("--bind_core=True")
+    return cmd + list(task)
+
+
+def launcher_env(env, bin_dir, job, launcher_pid):
+    """The environment msrun (and so every rank) gets: the venv first on PATH (msrun starts a bare `python`),
+    the job's directory and launcher, no other job's identity, HCCL time-outs for slow loads."""
+    out = {k: v for k, v in env.items() if k not in IDENTITY}
+    out.update(PATH=bin_dir + os.pathsep + env.get("PATH", ""), **{ENV_JOB: job, ENV_LAUNCHER: str(launcher_pid)})
+    for k, v in HCCL_TIMEOUTS.items():
+        out.setdefault(k, v)
+    return out
+
+
+def rank_device_env(env):
+    """This rank's device for the draft: msrun's DEVICE_ID (the rank's local index), overriding an inherited
+    ASCEND_DEVICE_ID (Ascend env scripts often export 0: every rank's draft would share NPU 0)."""
+    return {"ASCEND_DEVICE_ID": env["DEVICE_ID"]} if "DEVICE_ID" in env else {}
 
 
 def is_worker():
@@ -125,25 +201,24 @@ def _alive(pid):
 
 
 def launch(argv, n, script=None, timeout=CLUSTER_TIMEOUT, log_dir=None, grace=FAILURE_GRACE,
-           stdout=None, stderr=None):
+           stdout=None, stderr=None, topo=None):
     """Run `python -m mindspec ARGV` (or `python SCRIPT ARGV`) on n ranks under msrun; return rank 0's
     exit code, or non-zero with one line on stderr when a rank died. Rank 0's output is streamed to
-    stdout/stderr (default: this process's)."""
+    stdout/stderr (default: this process's). `topo` (several machines): this machine's share of the n
+    ranks; on a machine without rank 0, 0 when its ranks all ended well."""
     stdout, stderr = stdout or sys.stdout, stderr or sys.stderr
     n = int(n)
     if n < 1:
         raise MindspecError(f"--tp must be >= 1, got {n}")
+    topo = topo or Topology(n)
+    if topo.master_port == 0:
+        topo = topo._replace(master_port=free_port())
     bin_dir, msrun = _msrun()
     job = tempfile.mkdtemp(prefix="mindspec-tp-")
     log_dir = log_dir or os.path.join(job, "logs")
-    env = dict(os.environ, PATH=bin_dir + os.pathsep + os.environ.get("PATH", ""),
-               **{ENV_JOB: job, ENV_LAUNCHER: str(os.getpid())})
-    for k in ("MS_ROLE", "MS_WORKER_NUM", "MS_SCHED_HOST", "MS_SCHED_PORT", "MS_NODE_ID", "RANK_ID"):
-        env.pop(k, None)  # never inherit another job's identity
+    env = launcher_env(os.environ, bin_dir, job, os.getpid())
     task = ([script] if script else ["python", "-m", "mindspec"]) + list(argv)
-    cmd = [msrun, f"--worker_num={n}", f"--local_worker_num={n}", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", "--join=True", f"--cluster_time_out={int(timeout)}",
-           f"--log_dir={log_dir}", f"--tail_worker_log={n}"] + task  # rank n does not exist: tail none
+    cmd = msrun_command(msrun, topo, task, log_dir, timeout, bind_core=_on_ascend())
     out, err = _Tail(os.path.join(job, "rank0.out"), stdout), _Tail(os.path.join(job, "rank0.err"), stderr)
     msrun_log = os.path.join(job, "msrun.log")
     with open(msrun_log, "wb") as f:
@@ -165,9 +240,9 @@ def launch(argv, n, script=None, timeout=CLUSTER_TIMEOUT, log_dir=None, grace=FA
                     failed_at = time.monotonic()
             if failed_at is not None and time.monotonic() - failed_at > grace:
                 break  # msrun is stuck stopping the job: stop it ourselves
-            if done_at is None and len(_rcs(job, n)) == n:
+            if done_at is None and len(_rcs(job, topo.ranks)) == topo.local:
                 done_at = time.monotonic()  # every rank finished its work and flushed its output
-            if done_at is not None and (time.monotonic() - done_at > EXIT_GRACE or _all_exited(job, n)):
+            if done_at is not None and (time.monotonic() - done_at > EXIT_GRACE or _all_exited(job, topo.ranks)):
                 break  # MindSpore's finalize (ranks unregistering, the scheduler polling) takes ~7 s: skip it
             time.sleep(0.05)
     except KeyboardInterrupt:
@@ -185,15 +260,20 @@ def launch(argv, n, script=None, timeout=CLUSTER_TIMEOUT, log_dir=None, grace=FA
         err.close()
     if interrupted:
         return 130
-    rcs = _rcs(job, n)
-    if len(rcs) == n and not any(rcs.values()):
+    rcs = _rcs(job, topo.ranks)
+    if len(rcs) == topo.local and not any(rcs.values()):
         shutil.rmtree(job, ignore_errors=True)
         return 0
     if rcs.get(0):  # rank 0 finished with its own error (already printed by it): its code
         return rcs[0]
-    print(f"mindspec: error: {_who_died(job, msrun_log, n, rcs)}; the job was stopped (logs: {log_dir})",
+    print(f"mindspec: error: {_who_died(job, msrun_log, topo.ranks, rcs, n)}; the job was stopped (logs: {log_dir})",
           file=stderr, flush=True)
     return 1
+
+
+def _on_ascend():
+    from .spec import detect_device
+    return detect_device() == "Ascend"
 
 
 def _signal_group(proc, sig):
@@ -218,26 +298,26 @@ def _stop(proc, job):
                 pass
 
 
-def _rcs(job, n):
-    """{rank: exit code} of the ranks that finished through worker_exit."""
+def _rcs(job, ranks):
+    """{rank: exit code} of the ranks (of this machine) that finished through worker_exit."""
     out = {}
-    for r in range(n):
+    for r in ranks:
         rc = _read(os.path.join(job, f"rank{r}.rc"))
         if rc is not None:
             out[r] = int(rc)
     return out
 
 
-def _all_exited(job, n):
-    if len(_rcs(job, n)) < n:
+def _all_exited(job, ranks):
+    if len(_rcs(job, ranks)) < len(ranks):
         return False
-    pids = [int(_read(os.path.join(job, f"rank{r}.pid"), "0") or 0) for r in range(n)]
+    pids = [int(_read(os.path.join(job, f"rank{r}.pid"), "0") or 0) for r in ranks]
     return not any(pid and _alive(pid) for pid in pids)
 
 
-def _who_died(job, msrun_log, n, rcs):
+def _who_died(job, msrun_log, ranks, rcs, n):
     pids = {}
-    for r in range(n):
+    for r in ranks:
         pid = _read(os.path.join(job, f"rank{r}.pid"))
         if pid:
             pids[int(pid)] = r
@@ -251,8 +331,9 @@ def _who_died(job, msrun_log, n, rcs):
     bad = [r for r, rc in sorted(rcs.items()) if rc]
     if bad:
         return f"tensor-parallel rank {bad[0]} of {n} exited with code {rcs[bad[0]]}"
-    if len(pids) < n:
-        return f"only {len(pids)} of {n} tensor-parallel ranks started"
+    if len(pids) < len(ranks):
+        return f"only {len(pids)} of {n} tensor-parallel ranks started" + (
+            "" if len(ranks) == n else f" ({len(ranks)} on this node)")
     return f"the tensor-parallel job of {n} ranks failed"
 
 
@@ -327,8 +408,7 @@ def init_worker(n=None):
     size, rank = init_tp()
     if n is not None and size != int(n):
         raise MindspecError(f"--tp {n} but msrun started {size} ranks")
-    if "DEVICE_ID" in os.environ:  # msrun's per-rank NPU: the replicated ONNX draft runs beside its target shard
-        os.environ.setdefault("ASCEND_DEVICE_ID", os.environ["DEVICE_ID"])
+    os.environ.update(rank_device_env(os.environ))  # the replicated ONNX draft runs beside its target shard
     job = os.environ.get(ENV_JOB)
     if job:
         with open(os.path.join(job, f"rank{rank}.pid"), "w", encoding="utf-8") as f:

@@ -511,3 +511,91 @@ def test_kill_9_of_a_tensor_parallel_launcher_ends_the_whole_job(setup, tmp_path
     assert code == 0, err
     ids = [r["id"] for r in records(out)]
     assert sorted(ids) == list(range(12)), ids  # every id exactly once
+
+
+# ---- data parallel: --dp N replicas, each into its own part, merged into the output ----
+
+def test_data_parallel_equals_dp1_in_input_order(setup, first_run):
+    """`--dp 2`: two replicas (separate processes) run every other line into their own part files; the parts
+    are merged into the output in input order, record for record what the DP=1 run wrote (greedy lines,
+    error records), and removed. A re-run retries the failed lines, which fail in the same words: the
+    output is left byte for byte as it was."""
+    out = setup[3] / "dp2.jsonl"
+    code, err = batch(setup, out, extra=["--dp", "2", "--max-batch", "1"])
+    assert code == 1, err
+    assert "Traceback" not in err
+    assert last(err) == f"mindspec batch: 8 lines: 4 done, 4 failed, 0 left -> {out} (merged from 2 parts)", err
+    # each replica's own summary: every other line (a, 3, e, h and 2, d, f, u)
+    assert f"4 lines: 1 done, 3 failed, 0 left -> {out}.part0of2" in err
+    assert f"4 lines: 3 done, 1 failed, 0 left -> {out}.part1of2" in err
+    recs = records(out)
+    assert [r["id"] for r in recs] == IDS  # input order
+    dp1 = by_id(first_run[2])
+    for r in recs:
+        want = dp1[r["id"]]
+        assert set(r) == set(want) and r.get("token_ids") == want.get("token_ids") and r.get("error") == \
+            want.get("error") and r["job"] == want["job"], r["id"]
+    assert not list(setup[3].glob("dp2.jsonl.part*"))
+    before = out.read_bytes()
+    code, err = batch(setup, out, extra=["--dp", "2", "--max-batch", "1"])
+    assert code == 1 and last(err).startswith("mindspec batch: 8 lines: 4 done, 4 failed, 0 left"), err
+    assert out.read_bytes() == before
+
+
+def test_kill_9_of_a_data_parallel_launcher_then_resume_writes_each_id_once(setup, tmp_path):
+    """SIGKILL to the launcher alone (it cannot clean up): its replicas die with it (no process left), their
+    parts keep what they wrote; the same command then finishes only what is missing and merges: every id
+    exactly once, in input order, with the texts of an uninterrupted run."""
+    lines = [{"id": i, "prompt_ids": [5 + i, 6, 7], "max_new_tokens": 40} for i in range(12)]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    cmd = command(setup, out, inp, ["--dp", "2", "--max-batch", "1", "--max-new-tokens", "40"])
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         env=dict(os.environ, MINDSPEC_PROGRESS_S="3600"), start_new_session=True)
+    parts = [tmp_path / f"out.jsonl.part{i}of2" for i in range(2)]
+    deadline = time.time() + 240
+    while time.time() < deadline and sum(len(records(q)) for q in parts if q.exists()) < 2:
+        assert p.poll() is None
+        time.sleep(0.1)
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    deadline = time.time() + 15
+    while time.time() < deadline and _job_processes(str(out)):
+        time.sleep(0.2)
+    assert not _job_processes(str(out)), "replicas outlived their launcher"
+    written = sum(len(records(q)) for q in parts)
+    assert 2 <= written < 12 and not records(out)  # nothing merged yet
+    code, err = batch(setup, out, inp, extra=["--dp", "2", "--max-batch", "1", "--max-new-tokens", "40"])
+    assert code == 0, err
+    recs = records(out)
+    assert [r["id"] for r in recs] == list(range(12)) and not any(q.exists() for q in parts)
+    pipe = mindspec.load(target=setup[0], draft=setup[1], k=2, max_seq=MAX_SEQ)
+    for r, x in zip(recs, lines):
+        assert r["token_ids"] == pipe.generate(prompt_ids=x["prompt_ids"], max_new_tokens=40,
+                                               speculate=False).token_ids, r["id"]
+
+
+def test_merge_in_input_order_once_and_only_when_complete(tmp_path, capsys, monkeypatch):
+    """Parts written by replicas (a stand-in driver), merged by --merge: input order, a result over an
+    earlier error, nothing the output already holds written again (a merge cut short is merged again);
+    incomplete parts or parts of another --dp run are refused with one line and change nothing."""
+    from mindspec import dp
+    inp, out, job = _input(tmp_path / "in.jsonl", 5), tmp_path / "o.jsonl", B.job_id(DEFAULTS)
+    driver(monkeypatch, fail={4}, order=lambda items: items[::-1])
+    assert _batch(inp, out, part=(0, 2)) == 0  # lines 1, 3, 5
+    capsys.readouterr()
+    with pytest.raises(MindspecError, match="2 of 5 lines have no record in .* or its --dp 2 parts yet"):
+        dp.merge_command(inp, str(out), job)
+    assert _batch(inp, out, part=(1, 2)) == 1  # lines 2, 4 (4 fails)
+    part1 = tmp_path / "o.jsonl.part1of2"
+    part1.write_bytes(part1.read_bytes() + _rec(4, job, **OK))  # a retry that worked, after the error
+    out.write_bytes(_rec(2, job, **dict(OK, text="earlier")))  # a merge cut short after id 2
+    assert dp.merge_command(inp, str(out), job) == 0
+    assert last(capsys.readouterr().err) == f"mindspec batch: 5 lines: 5 done, 0 failed, 0 left -> {out} " \
+                                            "(merged from 2 parts)"
+    recs = records(out)
+    assert [r["id"] for r in recs] == [2, 1, 3, 4, 5] and recs[0]["text"] == "earlier" and "error" not in recs[3]
+    assert not list(tmp_path.glob("o.jsonl.part*"))
+    (tmp_path / "o.jsonl.part0of3").write_bytes(b"")
+    with pytest.raises(MindspecError, match="unmerged parts of a --dp 3 run"):
+        dp.check_parts(str(out), 2)

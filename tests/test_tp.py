@@ -203,5 +203,91 @@ def test_shard_plans_cover_every_head_once():
             assert sum(p.vocab[1] - p.vocab[0] for p in plans) == 1000
 
 
+# ---- msrun command lines and environments (pure functions) ----
+
+def _msrun_parses(cmd, monkeypatch):
+    """MindSpore's own msrun argument parser reads the command line (our flags exist in msrun 2.10)."""
+    from mindspore.parallel.cluster.run import get_args
+    monkeypatch.setattr(sys, "argv", cmd)
+    return get_args()
+
+
+def test_msrun_command_one_node(monkeypatch):
+    from mindspec import tp
+    topo = tp.topology(2)
+    assert topo == tp.Topology(2, 1, 0, "127.0.0.1", 0) and list(topo.ranks) == [0, 1]
+    cmd = tp.msrun_command("msrun", topo._replace(master_port=4567), ["python", "-m", "mindspec", "generate"],
+                           "/tmp/logs", timeout=60)
+    assert cmd == ["msrun", "--worker_num=2", "--local_worker_num=2", "--master_addr=127.0.0.1", "--master_port=4567",
+                   "--join=True", "--cluster_time_out=60", "--log_dir=/tmp/logs", "--tail_worker_log=2",
+                   "python", "-m", "mindspec", "generate"]  # no --node_rank: msrun ignores it on one node
+    args = _msrun_parses(cmd, monkeypatch)
+    assert (args.worker_num, args.local_worker_num, args.node_rank, args.task_script) == (2, 2, -1, "python")
+
+
+def test_msrun_command_two_nodes_and_core_binding(monkeypatch):
+    """TP=16 over 2 machines of 8 NPUs: each machine runs msrun with its node rank, node 0's address and
+    port; ranks 8..15 live on node 1. Core binding is msrun's own (--bind_core=True, msrun 2.10)."""
+    from mindspec import tp
+    for rank in (0, 1):
+        topo = tp.topology(16, nodes=2, node_rank=rank, master_addr="10.1.2.3", master_port=29500)
+        assert list(topo.ranks) == list(range(8 * rank, 8 * rank + 8))
+        cmd = tp.msrun_command("msrun", topo, ["python", "-m", "mindspec", "batch"], "/tmp/logs", bind_core=True)
+        assert cmd[:6] == ["msrun", "--worker_num=16", "--local_worker_num=8", "--master_addr=10.1.2.3",
+                           "--master_port=29500", f"--node_rank={rank}"]
+        assert "--bind_core=True" in cmd and cmd[-4:] == ["python", "-m", "mindspec", "batch"]
+        args = _msrun_parses(cmd, monkeypatch)
+        assert (args.worker_num, args.local_worker_num, args.node_rank, args.master_addr, args.master_port,
+                args.bind_core) == (16, 8, rank, "10.1.2.3", 29500, True)
+
+
+def test_topology_refuses_what_msrun_cannot_run():
+    from mindspec import tp
+    from mindspec.errors import MindspecError
+    for kw, needle in [(dict(size=6, nodes=4, master_addr="a", master_port=2000), "do not split evenly"),
+                       (dict(size=4, nodes=2), "needs --master-addr"),
+                       (dict(size=4, nodes=2, node_rank=2, master_addr="a", master_port=2000), "--node-rank must be"),
+                       (dict(size=4, nodes=2, master_addr="a", master_port=80), "--master-port must be")]:
+        with pytest.raises(MindspecError, match=needle):
+            tp.topology(**kw)
+
+
+def test_launcher_env_sets_hccl_timeouts_and_drops_other_jobs_identity():
+    from mindspec import tp
+    user = {"PATH": "/usr/bin", "MS_ROLE": "MS_WORKER", "RANK_ID": "3", "DEVICE_ID": "5", "HOME": "/h"}
+    env = tp.launcher_env(user, "/venv/bin", "/tmp/job", 42)
+    assert env["PATH"] == "/venv/bin" + os.pathsep + "/usr/bin" and env["HOME"] == "/h"
+    assert env[tp.ENV_JOB] == "/tmp/job" and env[tp.ENV_LAUNCHER] == "42"
+    assert not {"MS_ROLE", "RANK_ID", "DEVICE_ID"} & set(env)
+    assert env["HCCL_CONNECT_TIMEOUT"] == env["HCCL_EXEC_TIMEOUT"] == "1800"  # a 70B load outlasts CANN's 120 s
+    assert tp.launcher_env(dict(user, HCCL_CONNECT_TIMEOUT="3600"), "/b", "/j", 1)["HCCL_CONNECT_TIMEOUT"] == "3600"
+
+
+def test_each_ranks_draft_follows_its_rank_not_an_inherited_device():
+    """Ascend env scripts often export ASCEND_DEVICE_ID=0: every rank's draft would share NPU 0."""
+    from mindspec import tp
+    assert tp.rank_device_env({"DEVICE_ID": "3", "ASCEND_DEVICE_ID": "0"}) == {"ASCEND_DEVICE_ID": "3"}
+    assert tp.rank_device_env({"ASCEND_DEVICE_ID": "0"}) == {}  # not under msrun: left alone
+
+
+def test_each_data_parallel_replica_gets_its_own_devices():
+    from mindspec.dp import replica_env, replicas_here
+    from mindspec.errors import MindspecError
+    from mindspec.request import SEED_ENV
+    user = {"ASCEND_DEVICE_ID": "0", "DEVICE_ID": "0", "RANK_ID": "1", "PATH": "/p"}
+    one = [replica_env(user, i, 1, 100 + i) for i in range(2)]  # DP=2 x TP=1: no msrun, device 0 of its own
+    assert [e["ASCEND_RT_VISIBLE_DEVICES"] for e in one] == ["0", "1"]
+    assert all(e["DEVICE_ID"] == e["ASCEND_DEVICE_ID"] == "0" and "RANK_ID" not in e for e in one)
+    assert [e[SEED_ENV] for e in one] == ["100", "101"] and one[0]["PATH"] == "/p"
+    two = [replica_env(dict(user, ASCEND_RT_VISIBLE_DEVICES="4,5,6,7"), i, 2, 1) for i in range(2)]  # DP=2 x TP=2
+    assert [e["ASCEND_RT_VISIBLE_DEVICES"] for e in two] == ["4,5", "6,7"]
+    assert all("ASCEND_DEVICE_ID" not in e and "DEVICE_ID" not in e for e in two)  # msrun's DEVICE_ID per rank
+    with pytest.raises(MindspecError, match="too few"):
+        replica_env(dict(user, ASCEND_RT_VISIBLE_DEVICES="0,1,2"), 1, 2, 1)
+    assert list(replicas_here(4, nodes=2, node_rank=1)) == [2, 3] and list(replicas_here(2)) == [0, 1]
+    with pytest.raises(MindspecError, match="does not split over --nodes 2"):
+        replicas_here(3, nodes=2)
+
+
 if __name__ == "__main__":
     sys.exit(worker_main(sys.argv[1:]))

@@ -1,0 +1,239 @@
+"""Data-parallel batch jobs: `mindspec batch --dp D [--tp T]` (format, resume rules: docs/batch.md).
+
+    launcher (the user's process): locks the output, starts D replicas, merges their parts
+        replica i = `mindspec batch ... --dp-replica i`: input lines i, i+D, i+2D, ... -> OUTPUT.partIofD
+            (at --tp T each replica is itself a tensor-parallel launcher with its own msrun)
+
+A replica is an ordinary batch job over its share of the lines (mindspec.batch.run_batch with `part`):
+its part file is a batch output of the same job (same records, fingerprint, lock, torn-line rule), so it
+resumes on its own; ids the output already holds count as done. When every input id has a record in the
+output or a part, the parts are appended to the output in input order (a result over errors, nothing the
+output already holds) and removed: a merge cut short is simply merged again. Replicas die with their
+launcher (PR_SET_PDEATHSIG; a tensor-parallel replica's ranks follow their own launcher, mindspec.tp).
+
+Several machines (`--nodes N --node-rank R`, D a multiple of N): machine R runs replicas R*D/N .. (R+1)*D/N - 1
+on its own devices; the parts meet on a shared file system, and the launcher that finds every part
+complete merges (the others say so and exit 0), or `mindspec batch --merge` with the job's flags."""
+import ctypes
+import glob
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+
+from .batch import Output, Tally, _key, _read_lines, _rows, part_path, read_records
+from .errors import MindspecError
+from .request import SEED_ENV
+from .tp import IDENTITY
+
+REPLICA_FLAG = "--dp-replica"
+
+
+def replicas_here(dp, nodes=1, node_rank=0):
+    """The replicas this machine runs: every machine runs dp / nodes whole replicas."""
+    if dp % nodes:
+        raise MindspecError(f"--dp {dp} does not split over --nodes {nodes}: give a multiple of the nodes (each node "
+                            f"runs whole replicas), or --dp 1 with a --tp that spans the nodes")
+    per = dp // nodes
+    return range(node_rank * per, (node_rank + 1) * per)
+
+
+def replica_env(env, local_index, tp, seed_base):
+    """Replica `local_index` (on this machine) of `tp` devices: the local_index-th group of tp NPUs of the
+    visible ones (the user's ASCEND_RT_VISIBLE_DEVICES, else 0, 1, ...), which it sees as 0..tp-1 (so msrun's
+    per-rank DEVICE_ID and the draft's ASCEND_DEVICE_ID stay local ranks); its own seed base, so sampled
+    lines without a seed do not share random streams across replicas."""
+    visible = env.get("ASCEND_RT_VISIBLE_DEVICES")
+    ids = [x.strip() for x in visible.split(",") if x.strip()] if visible else \
+        [str(i) for i in range((local_index + 1) * tp)]
+    mine = ids[local_index * tp:(local_index + 1) * tp]
+    if len(mine) < tp:
+        raise MindspecError(f"ASCEND_RT_VISIBLE_DEVICES={visible} has {len(ids)} devices: too few for replica "
+                            f"{local_index + 1} of {tp} devices on this node")
+    out = {k: v for k, v in env.items() if k not in IDENTITY}
+    out.update(ASCEND_RT_VISIBLE_DEVICES=",".join(mine), **{SEED_ENV: str(seed_base)})
+    if tp == 1:  # no msrun to set them: the target's and the draft's device, 0 of the replica's own
+        out.update(DEVICE_ID="0", ASCEND_DEVICE_ID="0")
+    else:
+        out.pop("ASCEND_DEVICE_ID", None)  # each rank sets its own (mindspec.tp.rank_device_env)
+    return out
+
+
+def replica_command(argv, i):
+    return [sys.executable, "-m", "mindspec"] + list(argv) + [REPLICA_FLAG, str(i)]
+
+
+# ---- parts and the merge ----
+
+def parts_found(output_path):
+    """{d: [paths]} of the part files beside the output."""
+    found = {}
+    for path in glob.glob(glob.escape(output_path) + ".part*of*"):
+        m = re.fullmatch(r"\.part(\d+)of(\d+)", path[len(output_path):])
+        if m:
+            found.setdefault(int(m[2]), []).append(path)
+    return found
+
+
+def check_parts(output_path, dp):
+    """Parts of a run with another --dp would hold lines this run also gives out: refuse."""
+    other = sorted(d for d in parts_found(output_path) if d != dp)
+    if other:
+        raise MindspecError(f"{output_path} has unmerged parts of a --dp {other[0]} run: finish it with --dp {other[0]}, "
+                            f"or merge them with --merge")
+
+
+def _collect(output, d):
+    """{id key: (first result record or None, [error records])} of the d parts."""
+    got = {}
+    for i in range(d):
+        recs, _, _ = read_records(part_path(output.path, i, d), output.job)
+        for rec in recs:
+            res, errs = got.get(_key(rec["id"]), (None, []))
+            if "error" in rec:
+                errs.append(rec)
+            elif res is None:
+                res = rec
+            got[_key(rec["id"])] = (res, errs)
+    return got
+
+
+def _body(rec):
+    return {k: v for k, v in rec.items() if k not in ("mindspec_batch", "job", "id")}
+
+
+def merge(output, rows, d):
+    """Append to the (open, locked) output, in input order, each id's record from the d parts unless the
+    output has it, then remove the parts; returns the number of input ids with no record anywhere (then
+    nothing is written). Running again after a cut-short merge writes nothing twice."""
+    got = _collect(output, d)
+    left = [r for r in rows if _key(r.rid) not in got and _key(r.rid) not in output.done
+            and _key(r.rid) not in output.errors]
+    if left:
+        return len(left)
+    for row in rows:
+        k = _key(row.rid)
+        res, errs = got.get(k, (None, []))
+        if k in output.done:
+            continue
+        if res is not None:
+            output.put(row, _body(res))
+            output.done.add(k)
+        for rec in ([] if res is not None else errs):
+            output.put(row, _body(rec))  # an error already in the output in those words is not written again
+            output.errors.setdefault(k, set()).add(rec["error"])
+    if output.fd is not None:
+        os.fsync(output.fd)
+    for path in parts_found(output.path).get(d, []):
+        os.unlink(path)
+    return 0
+
+
+def merge_command(input_path, output_path, job):
+    """`mindspec batch --merge`: merge the parts found beside the output (of one --dp run)."""
+    found = parts_found(output_path)
+    if len(found) != 1:
+        raise MindspecError(f"no part files beside {output_path} to merge" if not found else
+                            f"{output_path} has parts of several --dp runs ({', '.join(map(str, sorted(found)))})")
+    (d,) = found
+    rows = _rows(_read_lines(input_path), input_path)
+    out, ok = Output(output_path, job, input_path), False
+    try:
+        code, ok = _finish(out, rows, d), True
+        return code
+    finally:
+        out.close(failed=not ok)  # an output this created and left empty is removed
+
+
+def _finish(out, rows, d, node=False):
+    """Merge and print the summary of the whole output; the job's exit code. Lines with no record yet: an
+    error, unless other machines may still be running their replicas."""
+    left = merge(out, rows, d)
+    if left and node:
+        print(f"mindspec batch: this node's replicas are done; {left} of {len(rows)} lines are left to other nodes: "
+              f"the last to finish merges (or run the job with --merge)", file=sys.stderr, flush=True)
+        return 0
+    if left:
+        raise MindspecError(f"{left} of {len(rows)} lines have no record in {out.path} or its --dp {d} parts yet: "
+                            f"run the job to finish them")
+    tally = Tally(rows, out.done, out.errors)
+    n, done, failed = len(rows), tally.count("done"), tally.count("failed")
+    print(f"mindspec batch: {n} lines: {done} done, {failed} failed, {n - done - failed} left -> {out.path} "
+          f"(merged from {d} parts)", file=sys.stderr, flush=True)
+    return tally.exit_code()
+
+
+# ---- the launcher ----
+
+def _die_with_parent(parent):
+    """In the child before exec: SIGKILL when the launcher dies, even by SIGKILL (it cannot clean up)."""
+    def set_it():
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the launcher died before that
+            os._exit(137)
+    return set_it
+
+
+def _start(argv, here, tp):
+    procs, me = {}, os.getpid()
+    for local, i in enumerate(here):
+        env = replica_env(os.environ, local, tp, random.randrange(2 ** 31))
+        procs[i] = subprocess.Popen(replica_command(argv, i), env=env, stdin=subprocess.DEVNULL,
+                                    preexec_fn=_die_with_parent(me))
+    return procs
+
+
+def _wait(procs):
+    """{replica: exit code}; Ctrl-C/SIGTERM: the replicas are stopped (they print their summaries) and
+    KeyboardInterrupt goes on."""
+    try:
+        while any(p.poll() is None for p in procs.values()):
+            time.sleep(0.1)
+    except KeyboardInterrupt:
+        for p in procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs.values():
+            try:
+                p.wait(60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        raise
+    return {i: p.returncode for i, p in procs.items()}
+
+
+def _failure(rcs, dp):
+    """One line about the worst replica, or None when all ended with 0 or 1 (1: some lines failed)."""
+    for i, rc in sorted(rcs.items()):
+        if rc < 0:
+            return 2, (f"mindspec: error: data-parallel replica {i} of {dp} died (killed by signal {-rc}); "
+                       f"its part is kept: run the same command again to finish what is missing")
+    bad = [rc for rc in rcs.values() if rc not in (0, 1)]
+    return (max(bad), None) if bad else None  # a replica that ended with 2 or 130 printed its own line
+
+
+def launch(argv, input_path, output_path, job, dp, tp=1, nodes=1, node_rank=0):
+    """The data-parallel launcher; returns the job's exit code."""
+    here = replicas_here(dp, nodes, node_rank)
+    rows = _rows(_read_lines(input_path), input_path)  # a bad input stops here, before any replica starts
+    check_parts(output_path, dp)
+    out = Output(output_path, job, input_path)  # locked from here on (one machine) and checked
+    if nodes > 1:
+        out.close()  # several machines share the output: each locks it only to merge
+    ok = False
+    try:
+        rcs = _wait(_start(argv, here, tp))
+        failed = _failure(rcs, dp)
+        if failed:
+            if failed[1]:
+                print(failed[1], file=sys.stderr, flush=True)
+            return failed[0]
+        if nodes > 1:
+            out = Output(output_path, job, input_path, wait=True)
+        ok = True
+        return _finish(out, rows, dp, node=nodes > 1)
+    finally:
+        out.close(failed=not ok)
