@@ -542,21 +542,32 @@ def test_data_parallel_equals_dp1_in_input_order(setup, first_run):
     assert out.read_bytes() == before
 
 
+def _in_parts(parts):
+    """Records written to the part files so far (a part may vanish: a merge removes it)."""
+    n = 0
+    for q in parts:
+        try:
+            n += len(records(q))
+        except FileNotFoundError:
+            pass
+    return n
+
+
 def test_kill_9_of_a_data_parallel_launcher_then_resume_writes_each_id_once(setup, tmp_path):
     """SIGKILL to the launcher alone (it cannot clean up): its replicas die with it (no process left), their
     parts keep what they wrote; the same command then finishes only what is missing and merges: every id
     exactly once, in input order, with the texts of an uninterrupted run."""
-    lines = [{"id": i, "prompt_ids": [5 + i, 6, 7], "max_new_tokens": 40} for i in range(12)]
+    lines = [{"id": i, "prompt_ids": [5 + i, 6, 7], "max_new_tokens": 100} for i in range(12)]
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    cmd = command(setup, out, inp, ["--dp", "2", "--max-batch", "1", "--max-new-tokens", "40"])
+    cmd = command(setup, out, inp, ["--dp", "2", "--max-batch", "1", "--max-new-tokens", "100"])
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                          env=dict(os.environ, MINDSPEC_PROGRESS_S="3600"), start_new_session=True)
     parts = [tmp_path / f"out.jsonl.part{i}of2" for i in range(2)]
     deadline = time.time() + 240
-    while time.time() < deadline and sum(len(records(q)) for q in parts if q.exists()) < 2:
+    while time.time() < deadline and _in_parts(parts) < 2:
         assert p.poll() is None
-        time.sleep(0.1)
+        time.sleep(0.05)
     os.kill(p.pid, signal.SIGKILL)
     p.wait()
     deadline = time.time() + 15
@@ -565,13 +576,13 @@ def test_kill_9_of_a_data_parallel_launcher_then_resume_writes_each_id_once(setu
     assert not _job_processes(str(out)), "replicas outlived their launcher"
     written = sum(len(records(q)) for q in parts)
     assert 2 <= written < 12 and not records(out)  # nothing merged yet
-    code, err = batch(setup, out, inp, extra=["--dp", "2", "--max-batch", "1", "--max-new-tokens", "40"])
+    code, err = batch(setup, out, inp, extra=["--dp", "2", "--max-batch", "1", "--max-new-tokens", "100"])
     assert code == 0, err
     recs = records(out)
     assert [r["id"] for r in recs] == list(range(12)) and not any(q.exists() for q in parts)
     pipe = mindspec.load(target=setup[0], draft=setup[1], k=2, max_seq=MAX_SEQ)
     for r, x in zip(recs, lines):
-        assert r["token_ids"] == pipe.generate(prompt_ids=x["prompt_ids"], max_new_tokens=40,
+        assert r["token_ids"] == pipe.generate(prompt_ids=x["prompt_ids"], max_new_tokens=100,
                                                speculate=False).token_ids, r["id"]
 
 
@@ -599,3 +610,75 @@ def test_merge_in_input_order_once_and_only_when_complete(tmp_path, capsys, monk
     (tmp_path / "o.jsonl.part0of3").write_bytes(b"")
     with pytest.raises(MindspecError, match="unmerged parts of a --dp 3 run"):
         dp.check_parts(str(out), 2)
+
+
+def test_scale_out_flags_that_cannot_work_exit_2_with_one_line(setup, tmp_path):
+    out = tmp_path / "o.jsonl"
+    _expect_usage_error(setup, out, "--dp 3 does not split over --nodes 2", extra=["--dp", "3", "--nodes", "2"])
+    _expect_usage_error(setup, out, "--nodes > 1 needs --master-addr", extra=["--tp", "2", "--nodes", "2"])
+    _expect_usage_error(setup, out, "6 ranks do not split evenly over --nodes 4",
+                        extra=["--tp", "6", "--nodes", "4", "--master-addr", "10.0.0.1", "--master-port", "29500"])
+    assert not out.exists()
+    (tmp_path / "o.jsonl.part1of3").write_bytes(b"")  # an unfinished --dp 3 run
+    _expect_usage_error(setup, out, "unmerged parts of a --dp 3 run", extra=["--dp", "2"])
+    (tmp_path / "o.jsonl.part1of3").unlink()
+    _expect_usage_error(setup, out, "no part files beside", extra=["--merge"])
+
+
+def test_sigterm_to_a_data_parallel_launcher_stops_every_replica_and_keeps_the_parts(setup, tmp_path):
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps({"prompt_ids": [5, 6, i], "max_new_tokens": 100}) + "\n" for i in range(16)))
+    p = subprocess.Popen(command(setup, out, inp, ["--dp", "2", "--max-batch", "1"]),
+                         stderr=subprocess.PIPE, text=True, env=dict(os.environ, MINDSPEC_PROGRESS_S="3600"))
+    parts = [tmp_path / f"out.jsonl.part{i}of2" for i in range(2)]
+    while _in_parts(parts) < 2:
+        assert p.poll() is None, p.stderr.read()
+        time.sleep(0.05)
+    p.send_signal(signal.SIGTERM)
+    code, err = p.wait(timeout=120), p.stderr.read()
+    assert code == 130, err
+    assert "Traceback" not in err
+    summaries = [line for line in err.splitlines() if " left -> " in line]  # one per replica, of its share
+    assert sorted(s.split(" left -> ")[1].split(";")[0] for s in summaries) == [str(q) for q in parts], err
+    assert not _job_processes(str(out)) and not out.exists()  # nothing running; the empty output is removed
+    assert 2 <= _in_parts(parts) < 16
+
+
+def test_data_parallel_tensor_parallel_replicas_equal_dp1(setup, first_run, tmp_path):
+    """`--dp 2 --tp 2`: each replica is itself a tensor-parallel launcher (its own msrun, two ranks; rank 0
+    writes its part): the merged output holds the DP=1 texts, in input order."""
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("\n".join([LINES[0], LINES[3], LINES[8]]) + "\n")
+    code, err = batch(setup, out, inp, extra=["--dp", "2", "--tp", "2", "--max-batch", "1"])
+    assert code == 0, err
+    assert last(err) == f"mindspec batch: 3 lines: 3 done, 0 failed, 0 left -> {out} (merged from 2 parts)", err
+    dp1, recs = by_id(first_run[2]), records(out)
+    assert [r["id"] for r in recs] == ["a", "d", "u"]
+    assert all(r["token_ids"] == dp1[r["id"]]["token_ids"] for r in recs)
+
+
+def _children(pid):
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(c) for c in f.read().split()]
+
+
+def test_a_dying_replica_fails_the_job_with_one_line_and_a_rerun_finishes_it(setup, tmp_path):
+    """Replica 0 is killed mid-job: replica 1 finishes its share, the launcher names the dead replica (exit 2)
+    and merges nothing; the same command then runs only what is missing: every id once, in input order."""
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps({"prompt_ids": [5, 6, i], "max_new_tokens": 100}) + "\n" for i in range(16)))
+    cmd = command(setup, out, inp, ["--dp", "2", "--max-batch", "1"])
+    p = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=dict(os.environ, MINDSPEC_PROGRESS_S="3600"))
+    part0 = tmp_path / "out.jsonl.part0of2"
+    while _in_parts([part0]) < 1:
+        assert p.poll() is None, p.stderr.read()
+        time.sleep(0.05)
+    replica0 = [c for c in _children(p.pid) if b"--dp-replica\x000" in open(f"/proc/{c}/cmdline", "rb").read()]
+    os.kill(replica0[0], signal.SIGKILL)
+    code, err = p.wait(timeout=300), p.stderr.read()
+    assert code == 2 and last(err) == ("mindspec: error: data-parallel replica 0 of 2 died (killed by signal 9); its "
+                                       "part is kept: run the same command again to finish what is missing"), err
+    assert len(records(tmp_path / "out.jsonl.part1of2")) == 8 and _in_parts([part0]) < 8 and not out.exists()
+    code, err = batch(setup, out, inp, extra=["--dp", "2", "--max-batch", "1"])
+    assert code == 0 and "this run: 0 done, 0 failed, 8 skipped" in err, err  # replica 1 had finished
+    assert [r["id"] for r in records(out)] == list(range(1, 17))
