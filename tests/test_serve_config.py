@@ -131,3 +131,74 @@ def test_flags_override_the_file_and_a_missing_file_is_one_line(tmp_path):
     p = subprocess.run([sys.executable, "-m", "mindspec", "serve", "--config", str(tmp_path / "nope.json")],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and p.stderr.count("\n") == 1 and "No such file" in p.stderr, p.stderr
+
+
+def _fuzz_strategies():
+    """(path, body): bodies of each endpoint's shape whose fields are mostly plausible, now and then junk
+    (any JSON value), extreme numbers or unknown keys."""
+    from hypothesis import strategies as st
+    scalar = st.none() | st.booleans() | st.integers(-2 ** 70, 2 ** 70) | st.floats() | st.text(max_size=6)
+    junk = st.recursive(scalar, lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=4), c, max_size=3),
+                        max_leaves=6)
+
+    def mostly(good):
+        return st.one_of(good, good, good, good, junk)
+
+    extreme = st.sampled_from([0, -1, 1e-46, 1e39, 2 ** 31, 2 ** 32 + 1, 2 ** 63, float("nan"), float("inf")])
+    small, prob = st.integers(1, 6), st.floats(0.05, 1.0)
+    prompt = mostly(st.text(min_size=1, max_size=12) | st.lists(st.integers(0, 319), min_size=1, max_size=6))
+    msgs = mostly(st.lists(st.fixed_dictionaries({"role": mostly(st.sampled_from(["user", "system", "assistant"])),
+                                                  "content": mostly(st.text(max_size=10))}), min_size=1, max_size=3))
+    sampling = {"temperature": mostly(st.floats(0, 3) | extreme), "top_p": mostly(prob | extreme),
+                "top_k": mostly(st.integers(0, 400) | extreme), "seed": mostly(st.integers(0, 2 ** 65)),
+                "stop": mostly(st.text(max_size=3)), "repetition_penalty": mostly(st.floats(0.5, 2) | extreme),
+                "k": mostly(st.sampled_from([0, 1, 2, 3, "auto"])), "min_tokens": mostly(st.integers(0, 3)),
+                "stop_token_ids": mostly(st.lists(st.integers(-5, 400), max_size=3)), "ignore_eos": mostly(st.booleans()),
+                "draft_temperature": mostly(prob | extreme)}
+    openai = dict(sampling, max_tokens=mostly(small), stream=mostly(st.booleans()), n=mostly(st.just(1)),
+                  model=mostly(st.text(max_size=6)), logprobs=junk, response_format=junk, unknown_key=junk)
+    tgi = dict(sampling, max_new_tokens=mostly(small), do_sample=mostly(st.booleans()), details=mostly(st.booleans()),
+               return_full_text=mostly(st.booleans()), typical_p=junk, mystery=junk)
+
+    def body(required, optional):
+        return st.fixed_dictionaries(required, optional=optional)
+
+    return st.one_of(
+        st.tuples(st.just("/v1/completions"), body({"prompt": prompt}, openai)),
+        st.tuples(st.just("/v1/chat/completions"), body({"messages": msgs}, openai)),
+        st.tuples(st.sampled_from(["/generate", "/generate_stream", "/", "/infer"]),
+                  body({"inputs": mostly(st.text(min_size=1, max_size=12))},
+                       {"parameters": mostly(body({}, tgi)), "stream": mostly(st.booleans())})),
+        st.tuples(st.sampled_from(["/tokenize", "/detokenize"]),
+                  body({}, {"prompt": prompt, "tokens": prompt, "messages": msgs})),
+        st.tuples(st.sampled_from(["/v1/completions", "/generate", "/tokenize"]), junk))
+
+
+def test_fuzz_never_a_5xx_nor_a_hang(server):
+    """Generated bodies for every endpoint: each gets a 2xx or a 4xx with one line of JSON within the
+    timeout; afterwards greedy and seeded answers are what they were before."""
+    from hypothesis import HealthCheck, given, settings
+    base, err = server
+    greedy = {"prompt": [5, 6, 7, 8], "max_tokens": 6}
+    seeded = {"prompt": "hello", "max_tokens": 6, "temperature": 1.5, "top_p": 0.9, "seed": 3}
+    before = [json.loads(call(base, "/v1/completions", b)[1])["choices"][0]["text"] for b in (greedy, seeded)]
+    seen = {}
+
+    @settings(max_examples=300, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(_fuzz_strategies())
+    def one(case):
+        path, body = case
+        raw = json.dumps(body, allow_nan=True).encode()
+        status, text = call(base, path, raw=raw, timeout=60)
+        assert status < 500, (path, body, status, text)
+        seen[status] = seen.get(status, 0) + 1
+        if status >= 400:
+            assert "\n" not in text.strip() and json.loads(text), (path, body, text)
+
+    one()
+    print(sorted(seen.items()))
+    assert seen.get(200, 0) >= 10 and sum(n for s, n in seen.items() if 400 <= s < 500) >= 10, seen  # both kinds
+    after = [json.loads(call(base, "/v1/completions", b)[1])["choices"][0]["text"] for b in (greedy, seeded)]
+    assert after == before
+    assert "Traceback" not in "".join(err)
