@@ -1,10 +1,13 @@
-"""`mindspec serve` under load: starts the server on 127.0.0.1 (default pair unless --target/--draft),
-reports the time from launch to ready, the first request's latency against a later one's, then sends
-the same requests (the bench prompts, whole completions) with 1, 4 and 8 concurrent clients and
-reports aggregate tokens/s and p50/p95 latency for each, plus the time to the first streamed text.
+"""`mindspec serve` under load: starts the server on 127.0.0.1 (default pair unless --target/--draft)
+twice and reports the time from launch to ready of each (the first start compiles every graph
+unless MindSpore's compile cache already holds them; the second start reads them from the warm
+cache), the first request's latency against the tenth's, then sends the same requests (the bench
+prompts, whole completions) with 1, 4 and 8 concurrent clients and reports aggregate tokens/s and
+p50/p95 latency for each, the time to the first streamed text, and the server's own /metrics
+figures (acceptance, tokens per target call, time to first token).
 
     .venv/bin/python tools/bench_serve.py [--max-new-tokens 64] [--requests 16] [--clients 1,4,8]
-                                          [--max-batch 8] [--target DIR --draft PATH]
+                                          [--max-batch 8] [--max-seq 512] [--target DIR --draft PATH]
 """
 import argparse
 import json
@@ -42,6 +45,42 @@ def pct(xs, q):
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
+def start(cmd):
+    """(process, base URL, seconds from launch to the "serving" line)."""
+    t0 = time.perf_counter()
+    srv = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    line = ""
+    while "serving" not in line:
+        line = srv.stdout.readline()
+        if not line:
+            sys.exit("the server did not start (its errors are above)")
+    return srv, line.split(" on ")[1].split()[0], time.perf_counter() - t0
+
+
+def stop(srv):
+    srv.terminate()
+    srv.wait(timeout=60)
+
+
+def server_figures(base):
+    """The speculative and latency figures of the server's /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+    with urllib.request.urlopen(base + "/metrics", timeout=60) as r:
+        fams = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
+
+    def total(name, suffix="_total"):
+        return sum(s.value for s in fams[name].samples if s.name == name + suffix)
+
+    drafted, accepted = total("mindspec_spec_draft_tokens"), total("mindspec_spec_accepted_tokens")
+    tokens, calls = total("mindspec_generation_tokens"), total("mindspec_spec_target_calls")
+    ttft = total("mindspec_time_to_first_token_seconds", "_sum") / max(
+        total("mindspec_time_to_first_token_seconds", "_count"), 1)
+    ks = {s.labels["k"]: int(s.value) for s in fams["mindspec_spec_k_steps"].samples if s.name.endswith("_total")}
+    return (f"server /metrics: acceptance {accepted / max(drafted, 1):.3f} ({int(accepted)}/{int(drafted)}), "
+            f"{tokens / max(calls, 1):.2f} tokens per target call, mean time to first token {1000 * ttft:.0f} ms, "
+            f"steps by K {dict(sorted(ks.items()))}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--target")
@@ -50,28 +89,25 @@ def main():
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--clients", default="1,4,8")
     ap.add_argument("--max-batch", type=int, default=8)
+    ap.add_argument("--max-seq", type=int, default=512)
     a = ap.parse_args()
-    cmd = [sys.executable, "-m", "mindspec", "serve", "--port", "0", "--max-seq", "512",
+    cmd = [sys.executable, "-m", "mindspec", "serve", "--port", "0", "--max-seq", str(a.max_seq),
            "--max-batch", str(a.max_batch)]
     cmd += ["--target", a.target] if a.target else []
     cmd += ["--draft", a.draft] if a.draft else []
-    t0 = time.perf_counter()
-    srv = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    srv, _, first_start = start(cmd)
+    stop(srv)
+    srv, base, ready_s = start(cmd)
+    print(f"start to ready: first start {first_start:.1f} s (cold unless the compile cache held the graphs), "
+          f"second start {ready_s:.1f} s (warm compile cache)")
     try:
-        line = ""
-        while "serving" not in line:
-            line = srv.stdout.readline()
-            if not line:
-                sys.exit("the server did not start (its errors are above)")
-        ready_s = time.perf_counter() - t0
-        base = line.split(" on ")[1].split()[0]
         url = base + "/v1/chat/completions"
         texts = [p for rows in PROMPT_SETS.values() for p, _ in rows]
         bodies = [{"messages": [{"role": "user", "content": texts[i % len(texts)]}], "max_tokens": a.max_new_tokens}
                   for i in range(a.requests)]
         first = post(url, bodies[0])[1]
         tenth = [post(url, bodies[i % len(bodies)])[1] for i in range(9)][-1]
-        print(f"start to ready {ready_s:.1f} s; first request {first:.2f} s, tenth {tenth:.2f} s")
+        print(f"first request {first:.2f} s, tenth {tenth:.2f} s")
         _, _, ttft = post(url, dict(bodies[0], stream=True))
         print(f"time to first streamed text {1000 * ttft:.0f} ms")
         results = {}
@@ -85,12 +121,12 @@ def main():
             results[c] = tokens / wall
             print(f"{c} clients: {len(done)} requests, {tokens} tokens in {wall:.1f} s = {tokens / wall:.2f} tok/s; "
                   f"latency p50 {statistics.median(lat):.2f} s, p95 {pct(lat, 0.95):.2f} s")
+        print(server_figures(base))
         if 1 in results:
             print("aggregate tokens/s vs one client at a time: " +
                   ", ".join(f"{c} clients {v / results[1]:.2f}x" for c, v in results.items() if c != 1))
     finally:
-        srv.terminate()
-        srv.wait(timeout=60)
+        stop(srv)
 
 
 if __name__ == "__main__":
