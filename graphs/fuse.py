@@ -68,9 +68,11 @@ class _Cast(dict):
         super().__setitem__(key, np.ascontiguousarray(value, dtype=self.dtype))
 
 
-def fused_weights(cfg, get, plan=None, get_slice=None, dtype=np.float32):
+def fused_weights(cfg, get, plan=None, get_slice=None, dtype=np.float32, rot_rows=True):
     """The folded weights of one rank (plan: graphs.tp.ShardPlan; None: the whole model), folded in
-    float32 and each stored in `dtype` as soon as it is made (the peak holds one float32 matrix, not all)."""
+    float32 and each stored in `dtype` as soon as it is made (the peak holds one float32 matrix, not all).
+    rot_rows: the fused QKV also holds rot(q), rot(k) (and zero rows for v), so RoPE needs no rotate-half
+    kernels (see rot_rows_for); else it is q|k|v only."""
     plan = plan or shard_plan(cfg)
     out = _Cast(dtype)
     D = cfg.head_dim
@@ -90,26 +92,44 @@ def fused_weights(cfg, get, plan=None, get_slice=None, dtype=np.float32):
             return read(name) if whole or axis is None else read(name, axis, a, b)
         wq = g("self_attn.q_proj", 0, ha * D, hb * D) / np.sqrt(D)
         wk, wv = g("self_attn.k_proj", 0, ka * D, kb * D), g("self_attn.v_proj", 0, ka * D, kb * D)
-        qkv = np.concatenate([_blocks(wq, q_idx, D), _blocks(wk, kv_idx, D), _blocks(wv, kv_idx, D),
-                              _blocks(rotate_half_rows(wq, hb - ha, D), q_idx, D),
-                              _blocks(rotate_half_rows(wk, kb - ka, D), kv_idx, D),
-                              np.zeros((len(kv_idx) * D, wv.shape[1]), wv.dtype)])
+        qkv = [_blocks(wq, q_idx, D), _blocks(wk, kv_idx, D), _blocks(wv, kv_idx, D)]
+        if rot_rows:
+            qkv += [_blocks(rotate_half_rows(wq, hb - ha, D), q_idx, D), _blocks(rotate_half_rows(wk, kb - ka, D), kv_idx, D),
+                    np.zeros((len(kv_idx) * D, wv.shape[1]), wv.dtype)]
+        qkv = np.concatenate(qkv)
         out[f"qkv.{i}"] = qkv * g("input_layernorm")[None, :]
         if cfg.qkv_bias:  # the same rows of the bias vectors (the norm folds into the weight's columns only)
             def bias(n, a, b):  # 1-D: read whole (small), sliced here
                 return read(f"model.layers.{i}.{n}.bias")[a:b].reshape(-1, 1)
             bq = bias("self_attn.q_proj", ha * D, hb * D) / np.sqrt(D)
             bk, bv = bias("self_attn.k_proj", ka * D, kb * D), bias("self_attn.v_proj", ka * D, kb * D)
-            out[f"qkv_bias.{i}"] = np.concatenate([
-                _blocks(bq, q_idx, D), _blocks(bk, kv_idx, D), _blocks(bv, kv_idx, D),
-                _blocks(rotate_half_rows(bq, hb - ha, D), q_idx, D), _blocks(rotate_half_rows(bk, kb - ka, D), kv_idx, D),
-                np.zeros((len(kv_idx) * D, 1), bv.dtype)]).ravel()
+            b = [_blocks(bq, q_idx, D), _blocks(bk, kv_idx, D), _blocks(bv, kv_idx, D)]
+            if rot_rows:
+                b += [_blocks(rotate_half_rows(bq, hb - ha, D), q_idx, D), _blocks(rotate_half_rows(bk, kb - ka, D), kv_idx, D),
+                      np.zeros((len(kv_idx) * D, 1), bv.dtype)]
+            out[f"qkv_bias.{i}"] = np.concatenate(b).ravel()
         out[f"o.{i}"] = _blocks(g("self_attn.o_proj", 1, ha * D, hb * D), q_idx, D, axis=1)
         out[f"gate_up.{i}"] = np.concatenate([_pad(g("mlp.gate_proj", 0, ia, ib), Il),
                                               _pad(g("mlp.up_proj", 0, ia, ib), Il)]) * \
             g("post_attention_layernorm")[None, :]
         out[f"down.{i}"] = _pad(g("mlp.down_proj", 1, ia, ib), Il, axis=1)
     return dict(out)
+
+
+def rot_rows_for(device):
+    """Whether the fused QKV holds the rotate-half rows on `device`: yes on CPU, where a small model's
+    cost is kernel dispatch (one wider matmul beats a split, a negate and a concat per layer); no on
+    Ascend, where decoding is bandwidth-bound and the rows cost ~10% more weight bytes (Llama-2-70B)."""
+    return device == "CPU"
+
+
+def rank_weight_elements(cfg, plan, rot_rows):
+    """Elements of the folded weights one rank holds (exactly what fused_weights returns for `plan`)."""
+    d, D, L = cfg.hidden_size, cfg.head_dim, cfg.num_hidden_layers
+    q, kv = plan.kv_local * plan.group_local, plan.kv_local  # query and KV head slots
+    qkv = (q + 2 * kv) * D * (2 if rot_rows else 1)  # rows of the fused projection
+    layer = qkv * d + d * q * D + 3 * plan.inter_local * d + (qkv if cfg.qkv_bias else 0)
+    return 2 * plan.vocab_local * d + L * layer  # embedding and LM head (kept apart even when tied)
 
 
 def rope_rows(cfg, max_seq, heads=None, kv_heads=None):

@@ -45,7 +45,7 @@ class LlamaDecoder(nn.Cell):
     `plan` from graphs.tp.shard_plan) the rank's slices are read through `get.__self__.get_slice`
     when it exists."""
 
-    def __init__(self, cfg, get, max_seq, slots=1, dtype=ms.float32, plan=None):
+    def __init__(self, cfg, get, max_seq, slots=1, dtype=ms.float32, plan=None, rot_rows=True):
         super().__init__()
         plan = plan or shard_plan(cfg, tp_size(), tp_rank())
         self.tp, self.V = plan.size, cfg.vocab_size
@@ -55,7 +55,8 @@ class LlamaDecoder(nn.Cell):
         self.N = (self.H + 2 * self.KV) * self.D  # width of the fused q|k|v projection
         self.eps, self.dtype = cfg.rms_norm_eps, dtype
         host = np.float16 if dtype == ms.float16 else np.float32  # numpy has no bfloat16: MindSpore casts
-        w = fused_weights(cfg, get, plan, _slicer(get), host)
+        self.rot_rows = rot_rows  # rotate-half from weight rows (CPU) or computed in the graph (fuse.rot_rows_for)
+        w = fused_weights(cfg, get, plan, _slicer(get), host, rot_rows)
         self.embed = _param(w["embed"], "embed", dtype)
         self.head = _param(w["head"], "head", dtype)
         self.w = ParameterTuple([_param(w[f"{n}.{i}"], f"{n}.{i}", dtype)
@@ -145,8 +146,13 @@ class LlamaDecoder(nn.Cell):
         for i in range(self.L):
             w_qkv, w_o, w_gu, w_down = self.w[4 * i:4 * i + 4]
             qkv = ops.dense(self.norm(x), w_qkv, self.b[i]) if self.qkv_bias else ops.dense(self.norm(x), w_qkv)
-            a, a_rot = ops.split(qkv, self.N, -1)  # [B*T, N] each
-            # RoPE as x*cos + rotate_half(x)*sin, rotate_half precomputed in the weights (v: cos 1, sin 0)
+            if self.rot_rows:  # rotate_half(a) came out of the matmul
+                a, a_rot = ops.split(qkv, self.N, -1)  # [B*T, N] each
+            else:
+                a = qkv  # [B*T, N]
+                x1, x2 = ops.split(a.reshape(B * T, self.H + 2 * self.KV, self.D), self.D // 2, -1)
+                a_rot = ops.concat((-x2, x1), -1).reshape(B * T, self.N)  # rotate_half per head
+            # RoPE as x*cos + rotate_half(x)*sin (v: cos 1, sin 0)
             a = a.reshape(B, T, self.N) * cos + a_rot.reshape(B, T, self.N) * sin
             a = a.reshape(B, T, self.H + 2 * self.KV, self.D).transpose(0, 2, 1, 3)
             q, k, v = ops.split(a, (self.H, self.KV, self.KV), 1)  # [B, H|KV|KV, T, D]

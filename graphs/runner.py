@@ -16,6 +16,7 @@ from mindspore import Tensor
 from mindspec.errors import MindspecError
 from mindspec.device import detect_device, device_id
 from mindspec.spec import PREFILL_CHUNK, round_up
+from .fuse import rot_rows_for
 from .llama import GreedyStep, LlamaDecoder, Logits, Prefill, SampleStep
 from .sampling import TOPK_CAP
 from .tp import tp_layout, tp_size
@@ -81,8 +82,9 @@ class TargetModel:
         self.k_buckets, self.batch_buckets = tuple(sorted(k_buckets)), tuple(sorted(batch_buckets))
         self.max_batch, self.dtype = max_batch, dtype  # weights, activations and KV cache (see llama.py)
         # a verify step writes up to K positions past the last committed one
+        self.rot_rows = rot_rows_for(ms.get_context("device_target"))
         self.decoder = LlamaDecoder(self.cfg, ckpt.get, self.max_seq + max(self.k_buckets), slots=max_batch,
-                                    dtype=getattr(ms, dtype))
+                                    dtype=getattr(ms, dtype), rot_rows=self.rot_rows)
         self.cells = {"greedy": GreedyStep(self.decoder), "sample": SampleStep(self.decoder, TOPK_CAP),
                       "prefill": Prefill(self.decoder, TOPK_CAP), "logits": Logits(self.decoder)}
         for cell in self.cells.values():

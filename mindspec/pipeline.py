@@ -8,7 +8,8 @@ from .engine import Engine
 from .errors import MindspecError
 from .sampling import SamplingParams
 from .sequence import Request, Result
-from .spec import BATCH_BUCKETS, K_BUCKETS, PLAN_DTYPE, SpecConfig, detect_device, resolve_dtype
+from .spec import (BATCH_BUCKETS, K_BUCKETS, PLAN_DTYPE, PREFILL_CHUNK, SpecConfig, detect_device, resolve_dtype,
+                   round_up)
 from .tokenizer import Tokenizer
 
 __all__ = ["Pipeline", "Result", "load"]
@@ -99,9 +100,11 @@ class Pipeline:
                                 f"{self.cfg.max_position_embeddings}")
         if self.device_mem:  # before any weight is loaded, in the dtypes really used (the draft's: its manifest)
             from .plan import check_fits, shape_from_config, shape_from_draft
-            check_fits(shape_from_config(self.cfg, PLAN_DTYPE[self.dtype]),
+            from mindspec.graphs.fuse import rot_rows_for
+            positions = round_up(max_seq, PREFILL_CHUNK) + max(self.spec.k_buckets)  # per slot, as allocated
+            check_fits(shape_from_config(self.cfg, PLAN_DTYPE[self.dtype], rot_rows=rot_rows_for(self.device)),
                        shape_from_draft(self.draft_path) if self.draft_path else None,
-                       tp=self.tp, device_mem=self.device_mem, seq_len=max_seq * max_batch)
+                       tp=self.tp, device_mem=self.device_mem, seq_len=positions * max_batch)
         if max_batch != self.spec.max_batch:
             self.spec = SpecConfig(self.spec.k, self.spec.k_buckets, self._batch_buckets, max_batch)
         self.target = None  # free the old graphs' memory first

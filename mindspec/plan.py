@@ -4,11 +4,14 @@ Memory accounting (decimal GB, as device memory is sold), per device:
 - The target is split over a tensor-parallel group of `tp` devices. Each device holds params/tp of
   the weights and kv_heads/tp of every layer's KV cache (at least one head: KV heads are
   replicated when tp > kv_heads).
-- The draft is one onnxruntime session, so it cannot be sharded: its weights and its whole KV
-  cache sit on ONE device, the first of its TP group. `devices // tp` groups run side by side,
-  each with its own draft.
-- Every sequence needs both caches, so the draft's device bounds how many tokens the group can
-  hold; the spare memory on the other devices of the group is stranded.
+- The draft is one onnxruntime session, so it cannot be sharded, and every rank of a TP group runs
+  its own copy in lock step (each drafts the same tokens, so no rank waits for drafts from another):
+  every device holds the whole draft and its whole KV cache. `devices // tp` groups run side by side.
+- Every sequence needs both caches on every device of its group.
+- When the target's config is known (a checkpoint), the per-device figures are those of the graphs
+  mindspec builds (graphs/fuse.py: the fused QKV width, with the rotate-half rows on CPU; padded head,
+  intermediate and vocabulary slices per rank; embedding and LM head apart); from bare numbers they
+  are estimates (params / tp).
 - `reserve` is the fraction of each device held back (activations, workspace, HCCL buffers).
 
 Speed model (decode, batch 1): one forward pass costs max(bytes read / bandwidth, FLOPs / peak)
@@ -17,6 +20,7 @@ per device (a roofline), plus, for the target at tp > 1, the latency of 2 AllRed
 Verifying K drafts is one target pass over K+1 tokens that reads the weights once, so
 v(K) = t(K+1)/t(1) stays ~1 until the FLOPs catch up with the bytes.
 """
+import dataclasses
 import json
 import math
 import os
@@ -42,6 +46,8 @@ class ModelShape:
     head_dim: int
     weight_bytes: float     # bytes of weights as loaded on the device(s)
     kv_dtype_bytes: float   # bytes per KV-cache element
+    cfg: object = None      # the LlamaConfig when known: per-device figures follow the graphs' layout
+    rot_rows: bool = False  # the target's fused QKV holds rotate-half rows (the CPU graphs)
 
 
 def kv_dtype_bytes(dtype):
@@ -66,9 +72,10 @@ def count_params(cfg, layers=None):
     return emb + (cfg.num_hidden_layers if layers is None else layers) * per_layer + d
 
 
-def shape_from_config(cfg, dtype="fp16", layers=None):
-    return shape(count_params(cfg, layers), layers or cfg.num_hidden_layers, cfg.num_key_value_heads,
-                 cfg.head_dim, dtype)
+def shape_from_config(cfg, dtype="fp16", layers=None, rot_rows=False):
+    m = shape(count_params(cfg, layers), layers or cfg.num_hidden_layers, cfg.num_key_value_heads,
+              cfg.head_dim, dtype)
+    return m if layers else dataclasses.replace(m, cfg=cfg, rot_rows=rot_rows)
 
 
 def shape_from_checkpoint(model_dir, dtype="fp16"):
@@ -107,12 +114,25 @@ def kv_bytes_per_token(m, dtype_bytes=None):
     return 2 * dims[0] * dims[1] * dims[2] * b
 
 
+def target_per_device(target, tp):
+    """(weight bytes, KV bytes per token) of the target on its fullest device at TP=tp."""
+    if target.cfg is None:  # bare numbers: an estimate
+        return target.weight_bytes / tp, kv_bytes_per_token(target) * math.ceil(target.kv_heads / tp) / target.kv_heads
+    from mindspec.graphs.fuse import rank_weight_elements
+    from mindspec.graphs.tp import shard_plan
+    plans = [shard_plan(target.cfg, tp, r) for r in range(tp)]
+    per_element = target.weight_bytes / target.params
+    shard = max(rank_weight_elements(target.cfg, p, target.rot_rows) for p in plans) * per_element
+    kv = 2 * target.layers * max(p.kv_local for p in plans) * target.head_dim * target.kv_dtype_bytes
+    return shard, kv
+
+
 def _per_device(target, draft, tp):
-    """(target weights, target KV bytes/token, draft weights, draft KV bytes/token) on the draft's device."""
-    t_kv = kv_bytes_per_token(target) * math.ceil(target.kv_heads / tp) / target.kv_heads
+    """(target weights, target KV bytes/token, draft weights, draft KV bytes/token) on each device."""
+    shard, t_kv = target_per_device(target, tp)
     if draft is None:
-        return target.weight_bytes / tp, t_kv, 0.0, 0.0
-    return target.weight_bytes / tp, t_kv, draft.weight_bytes, kv_bytes_per_token(draft)
+        return shard, t_kv, 0.0, 0.0
+    return shard, t_kv, draft.weight_bytes, kv_bytes_per_token(draft)
 
 
 def _misfit(target, draft, tp, device_mem, seq_len, reserve):
@@ -125,14 +145,16 @@ def _misfit(target, draft, tp, device_mem, seq_len, reserve):
     if need(tp) <= usable:
         return None
     shard, t_kv, d_w, d_kv = _per_device(target, draft, tp)
-    fixes = [f"--tp {t} (on as many devices)" for t in (2, 4, 8, 16, 32, 64) if t > tp and need(t) <= usable][:1]
+    heads = target.cfg.num_attention_heads if target.cfg else 64  # more ranks than heads is refused
+    fixes = [f"--tp {t} (on as many devices)" for t in (2, 4, 8, 16, 32, 64)
+             if tp < t <= heads and need(t) <= usable][:1]
     max_len = int((usable - shard - d_w) // (t_kv + d_kv))
     if max_len >= 1:
         fixes.append(f"--seq-len {max_len} or less")
     if draft is not None:
         fixes.append("a smaller or quantized draft")
     fixes.append("devices with more memory")
-    where = "the draft's device" if draft is not None else "each device"
+    where = "each device"
     draft_part = f"{d_w / GB:.1f} GB draft + " if draft is not None else ""
     return (f"does not fit: {where} needs {shard / GB:.1f} GB target shard + {draft_part}"
             f"{seq_len * (t_kv + d_kv) / GB:.2f} GB KV cache for one {seq_len}-token sequence = "
@@ -171,16 +193,14 @@ def memory_plan(target, draft, *, tp, devices, device_mem, reserve=0.0, seq_len=
     groups, usable = devices // tp, device_mem * (1 - reserve)
     shard, t_kv, d_w, d_kv = _per_device(target, draft, tp)
     free_draft_dev, free_other = usable - shard - d_w, usable - shard
-    # a token needs t_kv on every device of its group and d_kv on the draft's device
+    # a token needs t_kv + d_kv on every device of its group (each holds a draft)
     tokens = free_draft_dev // (t_kv + d_kv)
     tokens_nd = free_other // t_kv
-    if tp > 1:
-        tokens = min(tokens, tokens_nd)
     return {
         "total_gb": devices * device_mem / GB, "usable_gb": devices * usable / GB,
         "target_gb": target.weight_bytes / GB, "target_shard_gb": shard / GB, "draft_gb": d_w / GB,
-        "kv_gb": (devices * usable - groups * (target.weight_bytes + d_w)) / GB,
-        "kv_gb_without_draft": (devices * usable - groups * target.weight_bytes) / GB,
+        "kv_gb": devices * (usable - shard - d_w) / GB,
+        "kv_gb_without_draft": devices * (usable - shard) / GB,
         "draft_device_free_gb": free_draft_dev / GB, "device_free_gb_without_draft": free_other / GB,
         "kv_bytes_per_token": {"target": kv_bytes_per_token(target), "target_per_device": t_kv,
                                "draft": d_kv},
@@ -239,7 +259,7 @@ def _warnings(mem, speed):
                      f"c = {speed['c']:.2f}); a draft with c <= 0.1 gives about 2x")
     if mem["draft_gb"] and mem["kv_tokens"] < 0.75 * mem["kv_tokens_without_draft"]:
         cut = 1 - mem["kv_tokens"] / mem["kv_tokens_without_draft"]
-        w.append(f"the draft's weights and KV cache on one device cut the KV tokens that fit by {cut:.0%} "
+        w.append(f"the draft's weights and KV cache on every device cut the KV tokens that fit by {cut:.0%} "
                  f"({mem['kv_tokens']:,} vs {mem['kv_tokens_without_draft']:,}): a smaller draft, or one with "
                  "fewer KV heads, leaves more room")
     return w
@@ -317,16 +337,16 @@ def format_plan(p):
 
     kv = p["kv_bytes_per_token"]
     L = [f"{p['devices']} device(s) x {p['device_mem_gb']:.1f} GB, reserve {p['reserve']:.0%}, TP={p['tp']} "
-         f"({groups} group(s), the draft on the first device of each); decimal GB",
+         f"({groups} group(s), the draft on every device); decimal GB",
          "",
          f"{'memory':<44}{'with draft':>13}{'without draft':>15}{'cut':>7}",
          row("total", p["total_gb"]),
-         row(f"target weights ({p['target_shard_gb']:.2f} per device)", p["target_gb"] * groups),
-         row("draft weights", p["draft_gb"] * groups, 0),
+         row(f"target weights ({p['target_shard_gb']:.2f} per device)", p["target_shard_gb"] * p["devices"]),
+         row("draft weights", p["draft_gb"] * p["devices"], 0),
          row("left for KV cache, all devices", p["kv_gb"], p["kv_gb_without_draft"]),
-         row("free on the draft's device", p["draft_device_free_gb"], p["device_free_gb_without_draft"]),
+         row("free per device", p["draft_device_free_gb"], p["device_free_gb_without_draft"]),
          row("KV bytes/token, target (all its devices)", kv["target"], fmt="{:,.0f}"),
-         row("KV bytes/token, draft (its one device)", kv["draft"], 0, fmt="{:,.0f}"),
+         row("KV bytes/token, draft (on every device)", kv["draft"], 0, fmt="{:,.0f}"),
          row("tokens of KV cache that fit", p["kv_tokens"], p["kv_tokens_without_draft"], fmt="{:,}"),
          row(f"concurrent {p['seq_len']}-token sequences", p["max_sequences"], p["max_sequences_without_draft"],
              fmt="{:,}"),
@@ -336,7 +356,7 @@ def format_plan(p):
          f"  target at TP={p['tp']}: reads {p['target_gb_read_per_device']:.2f} GB per device per token + "
          f"{p['allreduces_per_token']} AllReduces = {p['target_ms']:.2f} ms/token"]
     if has_draft:
-        L += [f"  draft on one device: reads {p['draft_gb_read']:.2f} GB per token = {p['draft_ms']:.2f} ms/token; "
+        L += [f"  draft (each rank): reads {p['draft_gb_read']:.2f} GB per token = {p['draft_ms']:.2f} ms/token; "
               f"c = {p['c']:.2f}",
               "  expected speedup E(a,K) / (K*c + v(K)) over the target alone:",
               "  " + f"{'':>8}" + "".join(f"{'K=' + k:>8}" for k in p["verify_cost"]),

@@ -108,13 +108,13 @@ def test_float16_sampling_is_lossless(pipe16, drafts):
 
 
 def test_device_mem_counts_the_dtype_in_use(tiny_target, drafts):
-    from mindspec.plan import check_fits, shape_from_config, shape_from_draft
+    from mindspec.plan import check_fits, shape_from_config, shape_from_draft, target_per_device
     cfg = Checkpoint(tiny_target[0]).config
     assert shape_from_draft(drafts["float16"]).kv_dtype_bytes == 2
     assert shape_from_draft(drafts["float32"]).kv_dtype_bytes == 4
-    # a device that holds the float16 target and not the float32 one
-    f16, f32 = shape_from_config(cfg, "fp16"), shape_from_config(cfg, "fp32")
-    mem = (f16.weight_bytes + f32.weight_bytes) / 2 + 2e4
+    # a device that holds the float16 target (as the CPU graphs fold it) and not the float32 one
+    f16, f32 = (shape_from_config(cfg, d, rot_rows=True) for d in ("fp16", "fp32"))
+    mem = (target_per_device(f16, 1)[0] + target_per_device(f32, 1)[0]) / 2 + 2e4
     check_fits(f16, None, device_mem=mem, seq_len=16)
     with pytest.raises(mindspec.MindspecError, match="does not fit"):
         check_fits(f32, None, device_mem=mem, seq_len=16)

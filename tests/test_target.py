@@ -127,3 +127,16 @@ def test_logits_after_steps_with_rejections(target):
     assert rejected >= 3
     got = m.logits(1, len(seq) - 1, seq[-1:])
     assert np.abs(got - _ref(ckpt, seq)[-1:]).max() < 1e-4
+
+
+def test_rotate_half_in_the_graph_matches_the_reference(target):
+    """The Ascend layout (q|k|v only, rotate-half computed in the graph) on the CPU."""
+    from mindspec.graphs.llama import LlamaDecoder, Logits
+    from mindspore import Tensor
+    ckpt, _ = target
+    seq = [int(x) for x in np.random.default_rng(1).integers(3, 300, 12)]
+    cell = Logits(LlamaDecoder(ckpt.config, ckpt.get, 64, slots=1, rot_rows=False))
+    cell.set_train(False)
+    i32 = lambda a: Tensor(np.asarray(a, np.int32))  # noqa: E731
+    got = cell(i32([seq]), i32([0]), i32([0])).asnumpy()[0]
+    assert np.abs(got - _ref(ckpt, seq)).max() < 1e-4
