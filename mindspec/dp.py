@@ -220,9 +220,9 @@ def launch(argv, input_path, output_path, job, dp, tp=1, nodes=1, node_rank=0):
     here = replicas_here(dp, nodes, node_rank)
     rows = _rows(_read_lines(input_path), input_path)  # a bad input stops here, before any replica starts
     check_parts(output_path, dp)
-    out = Output(output_path, job, input_path)  # locked from here on (one machine) and checked
+    out = Output(output_path, job, input_path, wait=nodes > 1)  # checked, and locked from here on (one machine)
     if nodes > 1:
-        out.close()  # several machines share the output: each locks it only to merge
+        out.close()  # several machines share the output: each locks it only to check it and to merge
     ok = False
     try:
         rcs = _wait(_start(argv, here, tp))

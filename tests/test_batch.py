@@ -682,3 +682,22 @@ def test_a_dying_replica_fails_the_job_with_one_line_and_a_rerun_finishes_it(set
     code, err = batch(setup, out, inp, extra=["--dp", "2", "--max-batch", "1"])
     assert code == 0 and "this run: 0 done, 0 failed, 8 skipped" in err, err  # replica 1 had finished
     assert [r["id"] for r in records(out)] == list(range(1, 17))
+
+
+def test_two_nodes_of_a_data_parallel_job_share_one_output(setup, first_run, tmp_path):
+    """`--dp 2 --nodes 2`, both "machines" here, one output directory (as a shared file system): each node
+    runs its replica; whichever finds every part complete merges, the other says lines were left to it.
+    Every id once, in input order, the DP=1 texts."""
+    out = tmp_path / "out.jsonl"
+    procs = [subprocess.Popen(command(setup, out, extra=["--dp", "2", "--nodes", "2", "--node-rank", str(r),
+                                                         "--max-batch", "1"]), stderr=subprocess.PIPE, text=True)
+             for r in (0, 1)]
+    results = [(p.wait(timeout=600), p.stderr.read()) for p in procs]
+    errs = "\n".join(e for _, e in results)
+    merged = f"mindspec batch: 8 lines: 4 done, 4 failed, 0 left -> {out} (merged from 2 parts)"
+    for code, err in results:  # merged (exit 1: some lines failed), or finished first and left the merge
+        assert (code, last(err)) == (1, merged) or (code == 0 and "lines are left to other nodes" in last(err)), err
+    assert any(code == 1 for code, _ in results), errs
+    recs, dp1 = records(out), by_id(first_run[2])
+    assert [r["id"] for r in recs] == IDS and all(r.get("token_ids") == dp1[r["id"]].get("token_ids") for r in recs)
+    assert not list(tmp_path.glob("out.jsonl.part*"))
