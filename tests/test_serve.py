@@ -379,6 +379,10 @@ def test_unmodified_client_libraries(server, pipe):
     assert out.choices[0].message.content == chat_ref.text
     streamed = hf.chat_completion(messages=msgs, max_tokens=N, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in streamed) == chat_ref.text
+    out = hf.text_generation(TEXT, max_new_tokens=N, details=True)
+    assert out.generated_text == ref.text and [t.id for t in out.details.tokens] == ref.token_ids
+    evs = list(hf.text_generation(TEXT, max_new_tokens=N, stream=True, details=True))
+    assert [e.token.id for e in evs] == ref.token_ids and evs[-1].generated_text == ref.text
 
 
 def test_native_stream_events_carry_token_ids(server, pipe):
