@@ -405,10 +405,11 @@ def init_worker(n=None):
     their msrun logs). Returns (size, rank)."""
     from mindspec.graphs.tp import init_tp
     _die_with_launcher()  # before init_tp: msrun's scheduler never returns from it
+    os.environ.update(rank_device_env(os.environ))  # the replicated ONNX draft runs beside its target shard
     size, rank = init_tp()
     if n is not None and size != int(n):
         raise MindspecError(f"--tp {n} but msrun started {size} ranks")
-    os.environ.update(rank_device_env(os.environ))  # the replicated ONNX draft runs beside its target shard
+    barrier()
     job = os.environ.get(ENV_JOB)
     if job:
         with open(os.path.join(job, f"rank{rank}.pid"), "w", encoding="utf-8") as f:
@@ -422,6 +423,16 @@ def init_worker(n=None):
                 os.close(target)
                 stream.reconfigure(line_buffering=True)
     return size, rank
+
+
+def barrier():
+    """Every rank gets here before any goes on. HCCL sets its links up at the first collective: run one
+    while the ranks are in step (just started), not only after each has spent minutes loading weights."""
+    import numpy as np
+    from mindspec.graphs.tp import all_reduce_sum, tp_size
+    got = int(all_reduce_sum(np.ones(1, np.float32))[0])
+    if got != tp_size():
+        raise MindspecError(f"a collective of {tp_size()} ranks counted {got}")
 
 
 _saved_fds = {}  # rank 0's original stdout/stderr (msrun's log), restored when the command is done
