@@ -338,7 +338,7 @@ def main(argv=None):
                 argv += ["--seed", str(random.randrange(2 ** 31))]  # every rank must draw the same uniforms
             # and the same seeds for the sampled requests of a batch that carry none
             os.environ.setdefault(SEED_ENV, str(random.randrange(2 ** 31)))
-            return _launch(args, lambda: tp.launch(argv, args.tp, topo=_topology(args)))
+            return _launch(args, lambda: tp.launch(argv, args.tp, topo=_topology(args), device=args.device))
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
         return tp.run_worker(lambda: _run(args), args.tp)  # one rank (msrun's scheduler exits inside)
     # SIGTERM = Ctrl-C (MindSpore's own SIGINT handler turns Ctrl-C into SIGTERM): exit 130, and a batch job

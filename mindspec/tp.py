@@ -201,11 +201,11 @@ def _alive(pid):
 
 
 def launch(argv, n, script=None, timeout=CLUSTER_TIMEOUT, log_dir=None, grace=FAILURE_GRACE,
-           stdout=None, stderr=None, topo=None):
+           stdout=None, stderr=None, topo=None, device=None):
     """Run `python -m mindspec ARGV` (or `python SCRIPT ARGV`) on n ranks under msrun; return rank 0's
     exit code, or non-zero with one line on stderr when a rank died. Rank 0's output is streamed to
     stdout/stderr (default: this process's). `topo` (several machines): this machine's share of the n
-    ranks; on a machine without rank 0, 0 when its ranks all ended well."""
+    ranks; on a machine without rank 0, 0 when its ranks all ended well. `device`: --device (None: auto)."""
     stdout, stderr = stdout or sys.stdout, stderr or sys.stderr
     n = int(n)
     if n < 1:
@@ -218,7 +218,7 @@ def launch(argv, n, script=None, timeout=CLUSTER_TIMEOUT, log_dir=None, grace=FA
     log_dir = log_dir or os.path.join(job, "logs")
     env = launcher_env(os.environ, bin_dir, job, os.getpid())
     task = ([script] if script else ["python", "-m", "mindspec"]) + list(argv)
-    cmd = msrun_command(msrun, topo, task, log_dir, timeout, bind_core=_on_ascend())
+    cmd = msrun_command(msrun, topo, task, log_dir, timeout, bind_core=_on_ascend(device))
     out, err = _Tail(os.path.join(job, "rank0.out"), stdout), _Tail(os.path.join(job, "rank0.err"), stderr)
     msrun_log = os.path.join(job, "msrun.log")
     with open(msrun_log, "wb") as f:
@@ -271,9 +271,9 @@ def launch(argv, n, script=None, timeout=CLUSTER_TIMEOUT, log_dir=None, grace=FA
     return 1
 
 
-def _on_ascend():
-    from .spec import detect_device
-    return detect_device() == "Ascend"
+def _on_ascend(device):
+    from .device import detect_device
+    return detect_device(device) == "Ascend"
 
 
 def _signal_group(proc, sig):
