@@ -44,19 +44,41 @@ def config(tiny_target, tiny_draft_ckpt, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(config):
-    """(base URL, stderr lines) of a server configured by the file; --model-name on the command line wins."""
+    """(base URL, stderr lines, what the probes answered while it loaded) of a server configured by the
+    file; --model-name on the command line wins."""
     p = subprocess.Popen([sys.executable, "-m", "mindspec", "serve", "--config", config, "--model-name", "tiny2"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    lines, err = queue.Queue(), []
+    lines, err, listening = queue.Queue(), [], queue.Queue()
+
+    def read_err():
+        for line in p.stderr:
+            err.append(line)
+            if m := re.search(r"listening on (http://\S+);", line):
+                listening.put(m.group(1))
+
     threading.Thread(target=lambda: [lines.put(x) for x in p.stdout], daemon=True).start()
-    threading.Thread(target=lambda: err.extend(p.stderr), daemon=True).start()
+    threading.Thread(target=read_err, daemon=True).start()
     try:
+        base, loading = listening.get(timeout=300), []
+        while lines.empty():  # until "serving": the probes and an inference request, as a balancer would
+            loading.append((call(base, "/v2/health/ready", key=None)[0], call(base, "/v2/health/live", key=None)[0],
+                            call(base, "/v1/completions", {"prompt": "hi"})))
         while not (m := re.search(r"serving tiny2 on (http://127\.0\.0\.1:\d+) \(up to 2 requests", lines.get(timeout=300))):
             pass
-        yield m.group(1), err
+        assert m.group(1) == base
+        yield base, err, loading
     finally:
         p.terminate()
         p.wait(timeout=60)
+
+
+def test_ready_only_after_warm_up(server):
+    """While the model loads and compiles, ready is 503, live 200, inference 503 "still loading"."""
+    _, _, loading = server
+    assert loading and loading[0][:2] == (503, 200)
+    status, text = loading[0][2]
+    assert status == 503 and "still loading" in json.loads(text)["error"]["message"]
+    assert all(live == 200 for _, live, _ in loading) and all(ready in (503, 200) for ready, _, _ in loading)
 
 
 def call(base, path, body=None, key=KEY, raw=None, timeout=120):
@@ -73,7 +95,7 @@ def call(base, path, body=None, key=KEY, raw=None, timeout=120):
 
 
 def test_the_file_sets_the_flags_and_unknown_keys_are_warned(server):
-    base, err = server
+    base, err, _ = server
     status, text = call(base, "/v1/models")
     assert status == 200 and [(m["id"], m["max_model_len"]) for m in json.loads(text)["data"]] == [("tiny2", MAX_SEQ)]
     c = json.loads(call(base, "/v1/completions", {"prompt": [5, 6, 7, 8]})[1])
@@ -87,7 +109,7 @@ def test_the_file_sets_the_flags_and_unknown_keys_are_warned(server):
 
 
 def test_api_key(server):
-    base, _ = server
+    base = server[0]
     for key in (None, "wrong"):
         status, text = call(base, "/v1/completions", {"prompt": [5, 6], "max_tokens": 2}, key=key)
         assert status == 401 and "API key" in json.loads(text)["error"]["message"]
@@ -178,7 +200,7 @@ def test_fuzz_never_a_5xx_nor_a_hang(server):
     """Generated bodies for every endpoint: each gets a 2xx or a 4xx with one line of JSON within the
     timeout; afterwards greedy and seeded answers are what they were before."""
     from hypothesis import HealthCheck, given, settings
-    base, err = server
+    base, err, _ = server
     greedy = {"prompt": [5, 6, 7, 8], "max_tokens": 6}
     seeded = {"prompt": "hello", "max_tokens": 6, "temperature": 1.5, "top_p": 0.9, "seed": 3}
     before = [json.loads(call(base, "/v1/completions", b)[1])["choices"][0]["text"] for b in (greedy, seeded)]
