@@ -56,6 +56,7 @@ from .errors import MindspecError
 ENV_JOB = "MINDSPEC_TP_JOB"  # the launcher's job directory: rank 0's stdout/stderr/exit code, pids
 ENV_LAUNCHER = "MINDSPEC_TP_LAUNCHER"  # the launcher's pid: ranks (and msrun's scheduler) die with it
 CLUSTER_TIMEOUT = 120  # s: msrun's cluster time-out (ranks that never join / stop answering)
+NODES_TIMEOUT = 600  # s: the same over several machines, each started by hand (msrun's own default)
 FAILURE_GRACE = 3  # s: after a rank died msrun kills the others at once, then waits for its scheduler: not for long
 EXIT_GRACE = 1  # s: after every rank recorded its exit code, how long they may take to exit before we stop them
 # HCCL's time-outs (s; CANN's defaults: connect 120, exec 1800). The first collective (HCCL's link set-up)
@@ -106,6 +107,7 @@ def msrun_command(msrun, topo, task, log_dir, timeout=CLUSTER_TIMEOUT, bind_core
            f"--master_addr={topo.master_addr}", f"--master_port={topo.master_port}"]
     if topo.nodes > 1:  # fixed rank ids (node_rank * local + i), so rank 0, the writer, is on node 0
         cmd.append(f"--node_rank={topo.node_rank}")
+    timeout = timeout if topo.nodes == 1 else max(timeout, NODES_TIMEOUT)
     cmd += ["--join=True", f"--cluster_time_out={int(timeout)}", f"--log_dir={log_dir}",
             f"--tail_worker_log={topo.local}"]  # local rank `local` does not exist: tail none
     if bind_core:  # each rank on the cores next to its NPU (msrun >= 2.5 works the map out itself)

@@ -236,6 +236,7 @@ def test_msrun_command_two_nodes_and_core_binding(monkeypatch):
         assert cmd[:6] == ["msrun", "--worker_num=16", "--local_worker_num=8", "--master_addr=10.1.2.3",
                            "--master_port=29500", f"--node_rank={rank}"]
         assert "--bind_core=True" in cmd and cmd[-4:] == ["python", "-m", "mindspec", "batch"]
+        assert "--cluster_time_out=600" in cmd  # machines started by hand join minutes apart
         args = _msrun_parses(cmd, monkeypatch)
         assert (args.worker_num, args.local_worker_num, args.node_rank, args.master_addr, args.master_port,
                 args.bind_core) == (16, 8, rank, "10.1.2.3", 29500, True)
