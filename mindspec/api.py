@@ -3,6 +3,7 @@ POST /), MindIE's native /infer, health probes, /metrics, vLLM's /tokenize, /det
 /version. Each turns its API's body into one flat request (mindspec.request), queues it on the App
 and answers with its formatter (mindspec.formats). Runs on the HTTP thread's event loop."""
 import asyncio
+import hmac
 import json
 import re
 import traceback
@@ -93,8 +94,10 @@ class Api:
         except MindspecError as e:
             return self._answer(name, self.error(getattr(e, "status", 400), e, family, getattr(e, "param", None),
                                                  getattr(e, "allow", None)))
-        except (ConnectionError, asyncio.CancelledError):
-            self.metrics.answered(name, 499)  # the client left (nginx's code for it)
+        except ConnectionError:  # the client left while we read or wrote (nginx's code for it)
+            return self._answer(name, web.Response(status=499))  # aiohttp drops it quietly: nobody listens
+        except asyncio.CancelledError:  # the client left while we waited (aiohttp's handler cancellation)
+            self.metrics.answered(name, 499)
             raise
         except Exception as e:  # a bug: log it, answer one line, keep serving
             traceback.print_exc()
@@ -106,7 +109,7 @@ class Api:
 
     def _check_key(self, request):
         got = request.headers.get("Authorization", "")
-        if got != f"Bearer {self.api_key}":
+        if not hmac.compare_digest(got.encode(), f"Bearer {self.api_key}".encode()):
             raise RequestError("missing or wrong API key (Authorization: Bearer KEY)", 401)
 
     @staticmethod

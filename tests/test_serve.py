@@ -192,6 +192,33 @@ def test_a_non_streamed_request_is_aborted_when_its_client_leaves(server):
     assert post(base, "/v1/completions", {"prompt": IDS, "max_tokens": 2})["choices"][0]["text"] is not None
 
 
+def test_a_stream_whose_client_leaves_is_aborted_quietly(server):
+    """A client that reads one event and leaves, and one that leaves before its error answer: the row is
+    aborted, the log has one line each and no traceback (aiohttp's or ours)."""
+    import socket
+    import time
+    base, _, err, _ = server
+    host, port = base.rsplit("/", 1)[1].split(":")
+    aborted = sum("aborted" in line for line in list(err))
+    body = json.dumps({"inputs": TEXT, "parameters": {"max_new_tokens": MAX_SEQ - 20}}).encode()
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(b"POST /generate_stream HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        got = b""
+        while b"data: " not in got:
+            got += s.recv(4096)
+    for _ in range(5):  # bad requests whose clients do not wait for the answer
+        with socket.create_connection((host, int(port)), timeout=30) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\n{oops")
+    deadline = time.time() + 30
+    while time.time() < deadline and sum("aborted" in line for line in list(err)) == aborted:
+        time.sleep(0.1)
+    assert sum("aborted" in line for line in list(err)) == aborted + 1
+    log = "".join(err)
+    assert "Traceback" not in log and "Unhandled" not in log and "Error handling" not in log, log[-3000:]
+    assert post(base, "/v1/completions", {"prompt": IDS, "max_tokens": 2})["usage"]["completion_tokens"] == 2
+
+
 def test_streams_concatenate_to_the_full_text(server):
     base = server[0]
     body = {"prompt": IDS, "max_tokens": N}
@@ -542,7 +569,7 @@ def test_sigterm_stops_cleanly(server):
     assert p.wait(timeout=60) == 0
     reader.join(timeout=10)
     log = "".join(err)
-    assert "server stopped" in log and "Traceback" not in log, log[-2000:]
+    assert "server stopped" in log and "Traceback" not in log and "Unhandled" not in log, log[-2000:]
 
 
 def test_tensor_parallel_server(pair, pipe):
