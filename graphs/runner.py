@@ -22,10 +22,24 @@ from .sampling import TOPK_CAP
 from .tp import tp_layout, tp_size
 
 
+JIT_LEVELS = {"CPU": None, "Ascend": None}  # None: MindSpore's own default (O0, kernel by kernel)
+JIT_ENV = "MINDSPEC_JIT_LEVEL"  # O0 | O1: try another level without a code change (part of the cache key)
+
+
+def jit_level(device):
+    level = os.environ.get(JIT_ENV) or JIT_LEVELS.get(device)
+    if level not in (None, "O0", "O1"):
+        raise MindspecError(f"{JIT_ENV} must be O0 or O1, got {level!r}")
+    return level
+
+
 def init_mindspore(device=None):
-    """GRAPH_MODE on the detected (or given) device."""
+    """GRAPH_MODE on the detected (or given) device, at its jit level."""
     device = detect_device(device)
     ms.set_context(mode=ms.GRAPH_MODE)
+    level = jit_level(device)
+    if level:
+        ms.set_context(jit_config={"jit_level": level})
     if tp_size() == 1:  # under msrun, init_tp() already set this rank's device id
         ms.set_device(device, 0 if device == "CPU" else device_id())
     return device
@@ -229,9 +243,11 @@ class TargetModel:
 
     def cache_key(self, names):
         """The compile-cache directory name of these graphs: everything a compiled graph depends on,
-        the device, dtype and TP layout included (MindSpore separates cached graphs by rank id, not by world size)."""
-        key = repr((ms.get_context("device_target"), self.fingerprint, self.dtype, self.max_seq, self.max_batch, self.k_buckets, names, TOPK_CAP,
-                    _SOURCE, tp_layout()))
+        the device, jit level, dtype and TP layout included (MindSpore separates cached graphs by rank id,
+        not by world size)."""
+        device = ms.get_context("device_target")
+        key = repr((device, jit_level(device), self.fingerprint, self.dtype, self.max_seq, self.max_batch,
+                    self.k_buckets, names, TOPK_CAP, _SOURCE, tp_layout()))
         return hashlib.sha256(key.encode()).hexdigest()[:16]
 
     def _compile(self, kind, B, K):
