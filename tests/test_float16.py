@@ -82,9 +82,6 @@ def test_float16_speculative_greedy_equals_float16_target_only(pipe16, drafts, d
         spec = pipe16.generate(prompt_ids=ids, max_new_tokens=30, k=4)
         assert spec.token_ids == base.token_ids, (ids, draft_dtype)
         drafted, accepted = drafted + spec.stats["drafted"], accepted + spec.stats["accepted"]
-    rows = pipe16.generate_many([dict(prompt_ids=ids, max_new_tokens=30, k=4) for ids in PROMPTS], max_batch=4)
-    assert [r.token_ids for r in rows] == [pipe16.generate(prompt_ids=ids, max_new_tokens=30, speculate=False)
-                                           .token_ids for ids in PROMPTS]
     assert 0.1 < accepted / drafted < 0.9, accepted / drafted  # rollbacks happen: the test has teeth
 
 
