@@ -541,6 +541,12 @@ def test_http_head_options_chunked_and_limits(server):
             return got.decode()
 
     body = json.dumps({"prompt": IDS, "max_tokens": 3}).encode()
+    with socket.create_connection((host, int(port)), timeout=30) as c:  # curl's Expect: 100-continue
+        c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: "
+                  + str(len(body)).encode() + b"\r\n\r\n")
+        assert c.recv(4096).startswith(b"HTTP/1.1 100 Continue\r\n\r\n")
+        c.sendall(body)
+        assert c.recv(65536).startswith(b"HTTP/1.1 200")
     chunked = b"%x\r\n%s\r\n%x\r\n%s\r\n0\r\n\r\n" % (10, body[:10], len(body) - 10, body[10:])
     out = raw(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
               b"Content-Type: application/json\r\nConnection: close\r\n\r\n" + chunked)
