@@ -186,6 +186,9 @@ def cmd_batch(a):
     if a.tp > 1:  # every rank runs the job in lock step; rank 0 alone reads and writes the output
         from .tp import share
     part = None if a.dp_replica is None else (a.dp_replica, a.dp)  # one data-parallel replica: its share
+    if part is None:
+        from .dp import check_parts
+        check_parts(a.output, 1)  # a --dp run's unmerged parts: its lines would run twice
     return run_batch(lambda: load_pipeline(a), batch_defaults(a), a.input, a.output,
                      share=share, model=a.target, max_batch=a.max_batch, part=part)
 

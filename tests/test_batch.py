@@ -621,6 +621,7 @@ def test_scale_out_flags_that_cannot_work_exit_2_with_one_line(setup, tmp_path):
     assert not out.exists()
     (tmp_path / "o.jsonl.part1of3").write_bytes(b"")  # an unfinished --dp 3 run
     _expect_usage_error(setup, out, "unmerged parts of a --dp 3 run", extra=["--dp", "2"])
+    _expect_usage_error(setup, out, "unmerged parts of a --dp 3 run")  # nor without --dp
     (tmp_path / "o.jsonl.part1of3").unlink()
     _expect_usage_error(setup, out, "no part files beside", extra=["--merge"])
 
