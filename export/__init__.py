@@ -6,7 +6,7 @@ import tempfile
 from mindspec.checkpoint import Checkpoint
 from mindspec.errors import MindspecError
 
-from .manifest import read_manifest, write_manifest
+from .manifest import PROFILES, read_manifest, write_manifest
 from .runtime import DraftSession, providers
 
 __all__ = ["export_draft", "DraftSession", "read_manifest", "providers"]
@@ -14,9 +14,13 @@ QUANTIZE_MODES = (None, "int8", "q8", "q4")
 DTYPES = ("float32", "float16")
 
 
-def export_draft(model_dir, out_path, quantize=None, layers=None, max_seq=None, dtype="float32"):
+def export_draft(model_dir, out_path, quantize=None, layers=None, max_seq=None, dtype=None, profile="cpu"):
     """Export a HF Llama checkpoint as an ONNX draft (+ `<out_path>.json` manifest); returns the manifest.
-    dtype: the weights' and KV cache's (float32 or float16)."""
+    dtype: the weights' and KV cache's (float32 or float16; default float32, float16 for profile ascend).
+    profile: "cpu" (onnxruntime's CPU provider, quantizable) or "ascend" (one CANN graph per shape bucket,
+    the KV cache kept on the device: builder.py, cann_ops.py)."""
+    _check_profile(profile, quantize, dtype)
+    dtype = dtype or ("float16" if profile == "ascend" else "float32")
     if quantize not in QUANTIZE_MODES:
         raise MindspecError(f"--quantize must be one of int8, q8, q4 (or none), got {quantize!r}")
     if dtype not in DTYPES:
@@ -36,7 +40,7 @@ def export_draft(model_dir, out_path, quantize=None, layers=None, max_seq=None, 
         os.remove(out_path + ".json")  # a half-finished export must not look valid
 
     from .builder import build_decoder, save_model
-    model = build_decoder(ckpt, layers, dtype)
+    model = build_decoder(ckpt, layers, dtype, profile, max_seq)
     tmp = tempfile.mkdtemp(prefix=".export-", dir=out_dir)
     try:
         # same basename in the temp dirs: external weights are referenced as "<basename>.data"
@@ -55,4 +59,15 @@ def export_draft(model_dir, out_path, quantize=None, layers=None, max_seq=None, 
                 os.remove(out_path + suffix)  # stale weights of an earlier export
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return write_manifest(out_path, ckpt, layers or n, quantize, max_seq, dtype)
+    return write_manifest(out_path, ckpt, layers or n, quantize, max_seq, dtype, profile)
+
+
+def _check_profile(profile, quantize, dtype):
+    """One-line refusals of what the ascend profile cannot be."""
+    if profile not in PROFILES:
+        raise MindspecError(f"--profile must be one of {', '.join(PROFILES)}, got {profile!r}")
+    if profile == "ascend" and quantize:
+        raise MindspecError(f"--quantize {quantize} does not go with --profile ascend: its MatMulNBits/MatMulInteger "
+                            "are com.microsoft ops CANN cannot run (export the ascend draft in float16)")
+    if profile == "ascend" and dtype not in (None, "float16"):
+        raise MindspecError(f"--profile ascend is float16 (CANN's MatMul takes float16 only), got --dtype {dtype}")

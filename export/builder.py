@@ -12,6 +12,15 @@ The past inputs are a static preallocated cache: the caller passes the whole buf
 shape change, no copy) and only slots s < positions[b] count; the rest is masked, whatever (finite)
 values it holds. Query t of row b sees those slots and new keys t' <= t, so right-padded rows are exact for
 their real tokens. RoPE tables are computed in-graph from the positions: no maximum length baked in.
+
+Profile "ascend" (for CANN's graph mode: ops of cann_ops.py, opset ASCEND_OPSET, float16, one compile per
+static (B, T, S)): the graph writes the cache itself and never returns K/V to the host.
+  inputs   input_ids [B, T], positions [B, T] (absolute position of each token, clipped to the RoPE
+           table), slots [B, T] (the cache slot each token is written to, -1 for padding), last_index [B]
+           (b*T + the token whose logits are returned), past_key_i / past_value_i [B, KV, S, D]
+  outputs  logits [B, V] float32, present_key_i / present_value_i [B, KV, S, D]: the past with the new
+           tokens written in (the runtime binds them to the other half of a double buffer)
+Query t of row b sees the slots s <= positions[b, t] of the updated cache.
 """
 import os
 
@@ -20,6 +29,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 OPSET = 17
+ASCEND_OPSET = 13  # inside the opset range of every op the ascend profile uses (cann_ops.py)
 IR_VERSION = 8  # what opset 17 needs; newer IRs are refused by older runtimes
 _PROTO_LIMIT = 1_800_000_000  # protobuf cannot serialize 2 GB; keep a margin
 NEG = -1e9  # finite mask value: no score row is ever all -inf (NaN softmax)
@@ -117,13 +127,24 @@ def _mask(g, G, S, t):
     return g.op("Concat", [past, new], axis=-1)                                          # [B, 1, G*T, S+T]
 
 
+def _group_queries(g, q, KV, G, D):
+    """q [B, T, KV*G, D] -> [B, KV, G*T, D]: GQA without repeating K/V, the G query heads of a KV head
+    become G*T rows of one matmul (row g*T+t is query t)."""
+    return g.op("Reshape", [g.op("Transpose", [g.op("Reshape", [q, g.i64([0, 0, KV, G, D])])],
+                                 perm=[0, 2, 3, 1, 4]), g.i64([0, KV, -1, D])])
+
+
+def _ungroup(g, a, KV, G, D):
+    """a [B, KV, G*T, D] -> [B, T, KV*G*D], the inverse of _group_queries."""
+    a = g.op("Transpose", [g.op("Reshape", [a, g.i64([0, KV, G, -1, D])])], perm=[0, 3, 1, 2, 4])  # [B, T, KV, G, D]
+    return g.op("Reshape", [a, g.i64([0, 0, KV * G * D])])
+
+
 def _attention(g, i, q, k, v, mask, ST, dims):
     """GQA over the past buffer and the new keys, one joint softmax; returns [B, T, H*D]."""
     H, KV, D = dims
     G = H // KV
-    # GQA without repeating K/V: the G query heads of a KV head become G*T rows of one matmul
-    qg = g.op("Reshape", [g.op("Transpose", [g.op("Reshape", [q, g.i64([0, 0, KV, G, D])])],
-                               perm=[0, 2, 3, 1, 4]), g.i64([0, KV, -1, D])])           # [B, KV, G*T, D]
+    qg = _group_queries(g, q, KV, G, D)                                                 # [B, KV, G*T, D]
     # past scores straight off the buffer (ORT folds the Transpose into the MatMul): never copied;
     # only the small score tensors are concatenated
     sp = g.op("MatMul", [qg, g.op("Transpose", [f"past_key_{i}"], perm=[0, 1, 3, 2])])   # [B, KV, G*T, S]
@@ -131,8 +152,7 @@ def _attention(g, i, q, k, v, mask, ST, dims):
     s = g.op("Add", [g.wide(g.op("Concat", [sp, sn], axis=-1)), mask])                 # [B, KV, G*T, S+T] float32
     pp, pn = g.op("Split", [g.narrow(g.op("Softmax", [s], axis=-1)), ST], n_out=2, axis=-1)  # [.., S], [.., T]
     a = g.op("Add", [g.op("MatMul", [pp, f"past_value_{i}"]), g.op("MatMul", [pn, v])])  # [B, KV, G*T, D]
-    a = g.op("Transpose", [g.op("Reshape", [a, g.i64([0, KV, G, -1, D])])], perm=[0, 3, 1, 2, 4])  # [B, T, KV, G, D]
-    return g.op("Reshape", [a, g.i64([0, 0, H * D])])                                  # [B, T, H*D]
+    return _ungroup(g, a, KV, G, D)                                                     # [B, T, H*D]
 
 
 def _last_rows(g, x, T, d):
@@ -143,19 +163,103 @@ def _last_rows(g, x, T, d):
     return g.op("Gather", [flat, g.op("Add", [base, "last"])], axis=0)                 # [B, d]
 
 
-def build_decoder(ckpt, n_layers=None, dtype="float32"):
+def _cpu_attention(g, cfg):
+    """The cpu profile's per-layer pieces: RoPE from in-graph angles, attention over the past buffer
+    plus the new keys, new K/V as outputs [B, KV, T, D]."""
+    H, KV, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    S, T = g.dim("past_key_0", 2), g.dim("input_ids", 1)                               # scalars
+    t = g.arange(T)                                                                     # [T]
+    cos, sin = _rope_tables(g, cfg, t)
+    mask = _mask(g, H // KV, S, t)                                                      # [B, 1, G*T, S+T]
+    ST = g.op("Concat", [g.op("Unsqueeze", [n, g.i64([0])]) for n in (S, T)], axis=0)  # [2]: split of the scores
+    attend = lambda i, q, k, v: _attention(g, i, q, k, v, mask, ST, (H, KV, D))  # noqa: E731
+    return cos, sin, attend, lambda i, n: f"new_{n}_{i}"
+
+
+def _reshape(g, x, shape):
+    return g.op("Reshape", [x, g.i64(shape)])
+
+
+def _rope_lookup(g, cfg, P):
+    """cos, signed sin [B, T, 1, D] gathered at positions [B, T] from tables of P positions computed
+    here in float64: no float64 on the device, no per-call trigonometry."""
+    D = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, D, 2, dtype=np.float64) / D))
+    ang = np.arange(P, dtype=np.float64)[:, None] * np.concatenate([inv_freq, inv_freq])  # [P, D]
+    sin = np.sin(ang) * np.repeat([-1.0, 1.0], D // 2)                                      # [-sin, sin]
+    return tuple(_reshape(g, g.op("Gather", [g.weight(tab, name), "positions"], axis=0), [0, 0, 1, D])
+                 for tab, name in ((np.cos(ang), "rope_cos"), (sin, "rope_sin")))
+
+
+def _slot_maps(g, G):
+    """From the per-token inputs, over the S cache slots: the additive mask [B, 1, G*T, S] (query t of
+    row b sees slots s <= positions[b, t], its own included), the one-hot write map [B, 1, S, T] (slot s
+    takes token t where slots[b, t] == s; padding has slot -1) and `written` [B, 1, S, 1]. Compared in
+    float32 (CANN compares floats), reshaped rather than unsqueezed (attribute-free ops parse on
+    every CANN version)."""
+    f32 = TensorProto.FLOAT
+    s = g.op("Cast", [g.arange(g.dim("past_key_0", 2))], to=f32)                      # [S]
+    seen = _reshape(g, g.op("Tile", [g.op("Cast", ["positions"], to=f32), g.i64([1, G])]), [0, 1, -1, 1])
+    mask = g.op("Where", [g.op("LessOrEqual", [_reshape(g, s, [1, 1, 1, -1]), seen]),   # [B, 1, G*T, S]
+                          g.const(0.0, dtype=np.float32), g.const(NEG, dtype=np.float32)])
+    slot = _reshape(g, g.op("Cast", ["slots"], to=f32), [0, 1, 1, -1])                 # [B, 1, 1, T]
+    onehot = g.op("Cast", [g.op("Equal", [_reshape(g, s, [1, 1, -1, 1]), slot])], to=g.onnx_dtype)  # [B, 1, S, T]
+    written = g.op("Less", [g.const(0.5, dtype=g.np_dtype),
+                            g.op("ReduceMax", [onehot], axes=[3], keepdims=1)])          # [B, 1, S, 1] bool
+    return mask, onehot, written
+
+
+def _cache_attention(g, i, q, k, v, maps, dims):
+    """The graph writes the new K/V into the cache (present_* = the whole [B, KV, S, D] buffers, bound
+    on the device by the runtime) and attends over it; returns [B, T, H*D]."""
+    H, KV, D = dims
+    mask, onehot, written = maps
+    present = [g.op("Where", [written, g.op("MatMul", [onehot, new]), f"past_{n}_{i}"], out=f"present_{n}_{i}")
+               for n, new in (("key", k), ("value", v))]  # the one-hot MatMul copies each new row exactly
+    qg = _group_queries(g, q, KV, H // KV, D)                                           # [B, KV, G*T, D]
+    s = g.op("MatMul", [qg, g.op("Transpose", [present[0]], perm=[0, 1, 3, 2])])        # [B, KV, G*T, S]
+    p = g.narrow(g.op("Softmax", [g.op("Add", [g.wide(s), mask])], axis=-1))
+    return _ungroup(g, g.op("MatMul", [p, present[1]]), KV, H // KV, D)                # [B, T, H*D]
+
+
+def _ascend_attention(g, cfg, max_seq):
+    """The ascend profile's per-layer pieces: RoPE tables of max_seq positions, the cache written and
+    attended in the graph; K/V stay intermediate."""
+    H, KV, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    cos, sin = _rope_lookup(g, cfg, max_seq)
+    maps = _slot_maps(g, H // KV)
+    attend = lambda i, q, k, v: _cache_attention(g, i, q, k, v, maps, (H, KV, D))  # noqa: E731
+    return cos, sin, attend, lambda i, n: None
+
+
+def _io(cfg, L, kv_dtype, profile):
+    """Graph inputs and outputs of a profile (symbolic B, T, S: each call's shapes are static)."""
+    KV, D, i64 = cfg.num_key_value_heads, cfg.head_dim, TensorProto.INT64
+    vi = helper.make_tensor_value_info
+    if profile == "cpu":
+        ins = [vi("input_ids", i64, ["B", "T"]), vi("positions", i64, ["B"]), vi("last", i64, ["B"])]
+        out, out_len = "new", "T"
+    else:
+        ins = [vi("input_ids", i64, ["B", "T"]), vi("positions", i64, ["B", "T"]), vi("slots", i64, ["B", "T"]),
+               vi("last_index", i64, ["B"])]
+        out, out_len = "present", "S"
+    outs = [vi("logits", TensorProto.FLOAT, ["B", cfg.vocab_size])]
+    for i in range(L):
+        ins += [vi(f"past_{n}_{i}", kv_dtype, ["B", KV, "S", D]) for n in ("key", "value")]
+        outs += [vi(f"{out}_{n}_{i}", kv_dtype, ["B", KV, out_len, D]) for n in ("key", "value")]
+    return ins, outs
+
+
+def build_decoder(ckpt, n_layers=None, dtype="float32", profile="cpu", max_seq=None):
     """ONNX ModelProto of the first `n_layers` layers (all by default) + final norm + LM head, with
-    weights and KV cache in `dtype` (float32 or float16)."""
+    weights and KV cache in `dtype` (float32 or float16). profile "ascend" (cann_ops.py): the cache
+    written in the graph, RoPE tables of `max_seq` positions, opset ASCEND_OPSET."""
     cfg = ckpt.config
     L = cfg.num_hidden_layers if n_layers is None else int(n_layers)
     H, KV, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     g = _Graph(dtype)
-    S, T = g.dim("past_key_0", 2), g.dim("input_ids", 1)                               # scalars
-    t = g.arange(T)                                                                     # [T]
-    cos, sin = _rope_tables(g, cfg, t)
+    cos, sin, attend, kv_name = _cpu_attention(g, cfg) if profile == "cpu" else _ascend_attention(g, cfg, max_seq)
     swap = g.i64(np.concatenate([np.arange(D // 2, D), np.arange(D // 2)]))             # [D]: halves swapped
-    mask = _mask(g, H // KV, S, t)                                                      # [B, 1, G*T, S+T]
-    ST = g.op("Concat", [g.op("Unsqueeze", [n, g.i64([0])]) for n in (S, T)], axis=0)  # [2]: split of the scores
 
     x = g.op("Gather", [g.weight(ckpt.get("model.embed_tokens.weight"), "embed_tokens"), "input_ids"], axis=0)
     eps, inter = cfg.rms_norm_eps, cfg.intermediate_size                                # x [B, T, d]
@@ -174,9 +278,9 @@ def build_decoder(ckpt, n_layers=None, dtype="float32"):
         qk, v = g.op("Split", [qkv, g.i64([H + KV, KV])], n_out=2, axis=2)            # v [B, T, KV, D]
         qk = _rope(g, qk, cos, sin, swap)                                               # q and k rotated together
         q, k = g.op("Split", [qk, g.i64([H, KV])], n_out=2, axis=2)                    # q [B, T, H, D]
-        k = g.op("Transpose", [k], perm=[0, 2, 1, 3], out=f"new_key_{i}")              # [B, KV, T, D]
-        v = g.op("Transpose", [v], perm=[0, 2, 1, 3], out=f"new_value_{i}")            # [B, KV, T, D]
-        a = _attention(g, i, q, k, v, mask, ST, (H, KV, D))                           # [B, T, H*D]
+        k = g.op("Transpose", [k], perm=[0, 2, 1, 3], out=kv_name(i, "key"))           # [B, KV, T, D]
+        v = g.op("Transpose", [v], perm=[0, 2, 1, 3], out=kv_name(i, "value"))         # [B, KV, T, D]
+        a = attend(i, q, k, v)                                                          # [B, T, H*D]
         x = g.op("Add", [x, g.op("MatMul", [a, g.weight(w("self_attn.o_proj").T, f"l{i}.o")])])
         h = _rms_norm(g, x, w("post_attention_layernorm"), eps)
         wgu = np.concatenate([w("mlp.gate_proj"), w("mlp.up_proj")]).T
@@ -184,25 +288,37 @@ def build_decoder(ckpt, n_layers=None, dtype="float32"):
         gate, up = g.op("Split", [gu, g.i64([inter, inter])], n_out=2, axis=-1)
         act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])
         x = g.op("Add", [x, g.op("MatMul", [act, g.weight(w("mlp.down_proj").T, f"l{i}.down")])])
-    x = _last_rows(g, x, T, cfg.hidden_size)                                            # [B, d]
+    d = cfg.hidden_size
+    if profile == "cpu":
+        x = _last_rows(g, x, g.dim("input_ids", 1), d)                                  # [B, d]
+    else:  # the runtime passes b*T + last[b]: no index arithmetic in the graph
+        x = g.op("Gather", [_reshape(g, x, [-1, d]), "last_index"], axis=0)           # [B, d]
     x = _rms_norm(g, x, ckpt.get("model.norm.weight"), eps)
     logits = g.op("MatMul", [x, g.weight(ckpt.get("lm_head.weight").T, "lm_head")],
                   out=None if g.half else "logits")                                     # [B, V]
     if g.half:
         g.op("Cast", [logits], to=TensorProto.FLOAT, out="logits")
+    inputs, outs = _io(cfg, L, g.onnx_dtype, profile)
+    return _model(g, "mindspec_draft", inputs, outs, OPSET if profile == "cpu" else ASCEND_OPSET)
 
-    f32, i64, kv = TensorProto.FLOAT, TensorProto.INT64, g.onnx_dtype
-    inputs = [helper.make_tensor_value_info("input_ids", i64, ["B", "T"]),
-              helper.make_tensor_value_info("positions", i64, ["B"]),
-              helper.make_tensor_value_info("last", i64, ["B"])]
-    outs = [helper.make_tensor_value_info("logits", f32, ["B", cfg.vocab_size])]
-    for i in range(L):
-        inputs += [helper.make_tensor_value_info(f"past_{n}_{i}", kv, ["B", KV, "S", D]) for n in ("key", "value")]
-        outs += [helper.make_tensor_value_info(f"new_{n}_{i}", kv, ["B", KV, "T", D]) for n in ("key", "value")]
-    graph = helper.make_graph(g.nodes, "mindspec_draft", inputs, outs, initializer=g.inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)],
-                              producer_name="mindspec", ir_version=IR_VERSION)
-    return model
+
+def _model(g, name, inputs, outputs, opset):
+    graph = helper.make_graph(g.nodes, name, inputs, outputs, initializer=g.inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)],
+                             producer_name="mindspec", ir_version=IR_VERSION)
+
+
+def build_row_copy(n, shape, dtype="float16"):
+    """A tiny graph for DraftSession.move on the device: cache_j [R, KV, S, D] (j < n) -> moved_j, with
+    the row selected by `dst` [R, 1, 1, 1] (bool) replaced by row `src` [1]; every other row copied."""
+    g = _Graph(dtype)
+    for j in range(n):
+        g.op("Where", ["dst", g.op("Gather", [f"cache_{j}", "src"], axis=0), f"cache_{j}"], out=f"moved_{j}")
+    vi = helper.make_tensor_value_info
+    ins = [vi("src", TensorProto.INT64, [1]), vi("dst", TensorProto.BOOL, [shape[0], 1, 1, 1])]
+    ins += [vi(f"cache_{j}", g.onnx_dtype, list(shape)) for j in range(n)]
+    return _model(g, "mindspec_row_copy", ins, [vi(f"moved_{j}", g.onnx_dtype, list(shape)) for j in range(n)],
+                  ASCEND_OPSET)
 
 
 def needs_external_data(model):

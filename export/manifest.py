@@ -10,6 +10,7 @@ import os
 from mindspec.errors import MindspecError
 
 FORMAT, VERSION = "mindspec-draft", 2  # 2: batched inputs and a static [B, KV, S, D] cache (builder.py)
+PROFILES = ("cpu", "ascend")  # builder.py: the graph's interface and how DraftSession runs it
 INT_KEYS = ("vocab_size", "num_layers", "source_layers", "num_key_value_heads", "head_dim",
             "hidden_size", "max_seq", "onnx_bytes")
 
@@ -34,7 +35,7 @@ def _tokenizer_fingerprint(model_dir):
     return Tokenizer(model_dir).vocab_fingerprint()
 
 
-def write_manifest(onnx_path, ckpt, num_layers, quantize, max_seq, dtype="float32"):
+def write_manifest(onnx_path, ckpt, num_layers, quantize, max_seq, dtype="float32", profile="cpu"):
     cfg = ckpt.config
     m = {"format": FORMAT, "version": VERSION,
          "source": os.path.abspath(ckpt.dir), "source_fingerprint": ckpt.fingerprint(),
@@ -42,6 +43,7 @@ def write_manifest(onnx_path, ckpt, num_layers, quantize, max_seq, dtype="float3
          "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
          "hidden_size": cfg.hidden_size, "quantize": quantize, "max_seq": int(max_seq),
          "dtype": dtype,  # of the weights and the KV cache (the runtime allocates its buffers in it)
+         "profile": profile,
          "tokenizer_fingerprint": _tokenizer_fingerprint(ckpt.dir),
          "onnx_bytes": os.path.getsize(onnx_path), "onnx_sha256": _sha256(onnx_path)}
     with open(manifest_path(onnx_path), "w", encoding="utf-8") as f:
@@ -80,9 +82,10 @@ def read_manifest(onnx_path):
         raise MindspecError(f"{mpath} is not a {FORMAT} version {VERSION} manifest")
     bad = [k for k in INT_KEYS if not isinstance(m.get(k), int) or isinstance(m.get(k), bool) or m[k] < 0]
     m.setdefault("dtype", "float32")  # exports before the dtype field were float32
+    m.setdefault("profile", "cpu")  # and before the profile field, cpu
     if bad or not isinstance(m.get("onnx_sha256"), str) or m.get("quantize") not in (None, "int8", "q8", "q4") \
-            or m["dtype"] not in ("float32", "float16"):
-        what = bad[0] if bad else "onnx_sha256/quantize/dtype"
+            or m["dtype"] not in ("float32", "float16") or m["profile"] not in PROFILES:
+        what = bad[0] if bad else "onnx_sha256/quantize/dtype/profile"
         raise MindspecError(f"garbled draft manifest {mpath} (bad or missing {what})")
     if os.path.getsize(onnx_path) != m["onnx_bytes"] or _sha256(onnx_path) != m["onnx_sha256"]:
         if not _is_onnx(onnx_path):

@@ -33,8 +33,10 @@ def _k(text):
 
 def cmd_export(a):
     from mindspec.export import export_draft
-    m = export_draft(a.model, a.out, quantize=a.quantize, layers=a.layers, max_seq=a.max_seq, dtype=a.dtype)
-    print(f"wrote {a.out} ({m['num_layers']} layers, {m['dtype']}, quantize={m['quantize']}) and {a.out}.json")
+    m = export_draft(a.model, a.out, quantize=a.quantize, layers=a.layers, max_seq=a.max_seq, dtype=a.dtype,
+                     profile=a.profile)
+    print(f"wrote {a.out} ({m['num_layers']} layers, {m['dtype']}, quantize={m['quantize']}, profile {m['profile']}) "
+          f"and {a.out}.json")
 
 
 def cmd_convert(a):
@@ -210,8 +212,12 @@ def parser():
     e.add_argument("--quantize", choices=["int8", "q8", "q4"], default=None)
     e.add_argument("--layers", type=int, default=None, help="keep only the first N layers")
     e.add_argument("--max-seq", type=int, default=None, help="default KV-cache length for the draft")
-    e.add_argument("--dtype", choices=["float32", "float16"], default="float32",
-                   help="weights and KV cache (softmax, norms and logits stay float32; default float32)")
+    e.add_argument("--dtype", choices=["float32", "float16"], default=None,
+                   help="weights and KV cache (softmax, norms and logits stay float32; default float32, "
+                        "float16 with --profile ascend)")
+    e.add_argument("--profile", choices=["cpu", "ascend"], default="cpu",
+                   help="cpu: onnxruntime's CPU provider (default); ascend: CANN graph mode, static shapes, "
+                        "the KV cache kept on the NPU (float16, no --quantize)")
     e.set_defaults(func=cmd_export)
     c = sub.add_parser("convert", help="convert a Llama GGUF file into a Hugging Face directory")
     c.add_argument("--gguf", required=True)
