@@ -6,28 +6,33 @@ import numpy as np
 
 from mindspec.device import detect_device, device_id
 from mindspec.errors import MindspecError
+from mindspec.spec import BATCH_BUCKETS, PREFILL_CHUNK
 
 from .manifest import read_manifest
 
 
-def providers(device=None):
+def providers(device=None, graph=False):
     """onnxruntime's provider list for the draft on `device` ("CPU" or "Ascend", as resolved by
     mindspec.device; None: resolve it here by the rule the target shares). Ascend asks for CANN alone: a fall back to the host is an error
-    (DraftSession checks what onnxruntime chose), never a silent slow run."""
+    (DraftSession checks what onnxruntime chose), never a silent slow run. graph: CANN's graph mode, for
+    the ascend profile (static shapes: one whole-graph compile per (B, T) bucket)."""
     if (device or detect_device()).lower() == "cpu":
         return ["CPUExecutionProvider"]
-    # enable_cann_graph off: B and T change from call to call, a whole-graph build per shape would recompile
-    return [("CANNExecutionProvider", {"device_id": device_id(), "arena_extend_strategy": "kNextPowerOfTwo",
-                                       "enable_cann_graph": False})]
+    # without graph (cpu profile) B, T and the fed cache length change from call to call: a whole-graph
+    # build per shape would recompile. dump_om_model off: CANN reloads a dumped .om by node name and shape
+    # from the working directory, a re-exported draft at the same path could get the old one
+    opts = {"device_id": device_id(), "arena_extend_strategy": "kNextPowerOfTwo", "enable_cann_graph": bool(graph)}
+    return [("CANNExecutionProvider", dict(opts, dump_om_model=False) if graph else opts)]
 
 
-def start_session(onnx_path, options, provider_list):
-    """An InferenceSession on exactly the providers asked for. onnxruntime prints its "Falling back to
-    CPU" notice on stdout (it would corrupt --json): it goes to stderr, and the fall back is an error."""
+def start_session(onnx_path, options, provider_list, model=None):
+    """An InferenceSession on exactly the providers asked for (of `model` bytes when given, named
+    onnx_path in messages). onnxruntime prints its "Falling back to CPU" notice on stdout (it would
+    corrupt --json): it goes to stderr, and the fall back is an error."""
     import onnxruntime as ort
     try:
         with contextlib.redirect_stdout(sys.stderr):
-            session = ort.InferenceSession(onnx_path, options, providers=provider_list)
+            session = ort.InferenceSession(model or onnx_path, options, providers=provider_list)
     except Exception as e:  # noqa: BLE001 - ORT raises its own exception types
         raise MindspecError(f"cannot load draft {onnx_path}: {str(e).splitlines()[0]}") from None
     want = [p[0] if isinstance(p, tuple) else p for p in provider_list]
@@ -39,8 +44,9 @@ def start_session(onnx_path, options, provider_list):
     return session
 
 
-def make_session_options(threads=None):
-    """Spinning off: with two sessions (draft + target) spinning pools fight over the cores."""
+def make_session_options(threads=None, dims=None):
+    """Spinning off: with two sessions (draft + target) spinning pools fight over the cores. dims: symbolic
+    dimensions fixed for the session's life ({"S": cache length})."""
     import onnxruntime as ort
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -50,17 +56,31 @@ def make_session_options(threads=None):
     so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     so.add_session_config_entry("session.inter_op.allow_spinning", "0")
     so.log_severity_level = 3
+    for name, value in (dims or {}).items():
+        so.add_free_dimension_override_by_name(name, int(value))
     return so
 
 
 ATTEND_STEP = 128  # the fed cache length grows in steps of this (one ORT shape per step)
+T_BUCKETS = (1, PREFILL_CHUNK)  # ascend profile: tokens per row and call (a draft step, a prefill chunk)
+
+
+def batch_buckets(max_batch):
+    """Rows per call of the ascend profile: the powers of two below max_batch, and max_batch."""
+    return tuple(b for b in BATCH_BUCKETS if b < max_batch) + (max_batch,)
+
+
+def _bucket(n, buckets):
+    return next(b for b in buckets if b >= n)
 
 
 class DraftSession:
     """An exported draft with a static KV cache of max_batch rows x max_seq positions per layer.
 
     Row r holds one sequence; pos[r] positions of it are cached. Slots past pos[r] are stale (a
-    rollback is moving pos) and masked by the graph, so nothing ever needs clearing."""
+    rollback is moving pos) and masked by the graph, so nothing ever needs clearing. The manifest's
+    profile picks the cache: host numpy buffers fed per call (cpu), or device buffers the graph writes
+    itself, bound with IOBinding (ascend: BoundCache)."""
 
     def __init__(self, onnx_path, max_seq=None, max_batch=1, threads=None, device=None):
         self.manifest = m = read_manifest(onnx_path)
@@ -71,15 +91,21 @@ class DraftSession:
         if isinstance(max_batch, bool) or not isinstance(max_batch, (int, np.integer)) or max_batch < 1:
             raise ValueError(f"max_batch must be a positive integer, got {max_batch!r}")
         self.max_batch = int(max_batch)
-        self.session = start_session(onnx_path, make_session_options(threads), providers(device))
+        bound = m["profile"] == "ascend"  # the cache on the session's device, written by the graph
+        self.session = start_session(onnx_path, make_session_options(threads, {"S": self.max_seq} if bound else None),
+                                     providers(device, graph=bound))
         L, KV, D = m["num_layers"], m["num_key_value_heads"], m["head_dim"]
         self.vocab_size = m["vocab_size"]
+        self.pos = np.zeros(self.max_batch, np.int64)                                    # [R] cached length
+        self.device_kv = BoundCache(self.session, m, self.max_batch, self.max_seq, threads) if bound else None
+        if bound:  # no host copy of the cache (BoundCache)
+            self.keys = self.values = None
+            return
         # np.zeros pages are only touched when written, so a long max_seq costs address space only
         shape, dtype = (self.max_batch, KV, self.max_seq, D), np.dtype(m["dtype"])  # the export's KV dtype
         self.keys = [np.zeros(shape, dtype) for _ in range(L)]                           # [R, KV, S, D]
         self.values = [np.zeros(shape, dtype) for _ in range(L)]                         # [R, KV, S, D]
         self.output_names = ["logits"] + [f"new_{n}_{i}" for i in range(L) for n in ("key", "value")]
-        self.pos = np.zeros(self.max_batch, np.int64)                                    # [R] cached length
 
     def _row(self, row):
         if not 0 <= row < self.max_batch:
@@ -109,6 +135,8 @@ class DraftSession:
         """Row start+b gets tokens[b] at positions pos..pos+len-1 (an empty list: the row sits this
         call out, its logits row is garbage). Returns logits [B, V] after each row's last token."""
         n = self._check(tokens, start)
+        if self.device_kv:
+            return self._forward_bound(tokens, start)
         B, T = len(tokens), int(n.max())
         ids = np.zeros((B, T), np.int64)                                                # [B, T], right-padded
         for b, t in enumerate(tokens):
@@ -146,6 +174,26 @@ class DraftSession:
                 k[row, :, slot], v[row, :, slot] = new[2 * i][b, :, t], new[2 * i + 1][b, :, t]  # [N, KV, D]
         self.pos[start:start + B] += n
 
+    def _forward_bound(self, tokens, start):
+        """The ascend profile: rows 0..Bb-1 run together, Bb the bucket covering every cached row (the
+        buffer a call writes must hold them all), in calls of at most T_BUCKETS[-1] tokens a row.
+        Returns logits [B, V] after each row's last token."""
+        B, chunk = len(tokens), T_BUCKETS[-1]
+        cached = np.flatnonzero(self.pos)
+        todo = [[] for _ in range(_bucket(max(start + B, cached[-1] + 1 if len(cached) else 0),
+                                          self.device_kv.b_buckets))]
+        for b, t in enumerate(tokens):
+            todo[start + b] = [int(x) for x in t]
+        out = np.zeros((B, self.vocab_size), np.float32)                                # [B, V]
+        while any(todo):
+            logits = self.device_kv.run(self.pos, [t[:chunk] for t in todo])           # [Bb, V]
+            for b in range(B):
+                if 0 < len(todo[start + b]) <= chunk:  # the row's last token was in this call
+                    out[b] = logits[start + b]
+            self.pos[:len(todo)] += [min(len(t), chunk) for t in todo]
+            todo = [t[chunk:] for t in todo]
+        return out
+
     def rollback(self, row, pos):
         """Forget row's positions from `pos` on (stale slots are masked, and overwritten later)."""
         row = self._row(row)
@@ -164,7 +212,107 @@ class DraftSession:
         """Copy row src's cached positions into row dst (keeps the running rows contiguous)."""
         src, dst = self._row(src), self._row(dst)
         p = int(self.pos[src])
-        if src != dst:
+        if src != dst and self.device_kv:
+            self.device_kv.move(src, dst)
+        elif src != dst:
             for k, v in zip(self.keys, self.values):
                 k[dst, :, :p], v[dst, :, :p] = k[src, :, :p], v[src, :, :p]            # [KV, p, D]
         self.pos[dst] = p
+
+
+class BoundCache:
+    """The ascend profile's KV cache: OrtValues on the session's device (CANN, or CPU where there is no
+    NPU: the same code path), double-buffered (the present_* buffers call n writes are the past_* call
+    n+1 reads) and bound with IOBinding, so the cache never visits the host: only the small per-token
+    inputs go in and the logits come back. A call runs rows 0..Bb-1 (row-major: a prefix of each
+    buffer); rows beyond keep their stale copy in the other buffer, which only ever matters for rows
+    with nothing cached."""
+
+    def __init__(self, session, m, rows, seq, threads=None):
+        import onnxruntime as ort
+        self.session, self.seq, self.b_buckets = session, seq, batch_buckets(rows)
+        self.vocab, self.table = m["vocab_size"], m["max_seq"]  # table: positions of the graph's RoPE tables
+        self.dtype = np.dtype(m["dtype"])
+        self.where = ("cann", device_id()) if session.get_providers()[0] == "CANNExecutionProvider" else ("cpu", 0)
+        self.names = [f"{n}_{i}" for i in range(m["num_layers"]) for n in ("key", "value")]
+        self.shape = (rows, m["num_key_value_heads"], seq, m["head_dim"])               # [R, KV, S, D]
+        zeros = np.zeros(self.shape, self.dtype)  # stale slots are masked, but must be finite (no NaN scores)
+        self.bufs = [[ort.OrtValue.ortvalue_from_shape_and_type(self.shape, self.dtype, *self.where)
+                      for _ in self.names] for _ in range(2)]
+        for buf in self.bufs[0] + self.bufs[1]:
+            buf.update_inplace(zeros)
+        self.cur, self.hosts, self.bindings, self.seen = 0, {}, {}, []
+        self.threads, self._mover = threads, None
+
+    def _host(self, B, T):
+        """The host side of a (B, T) call: inputs filled in place before each run, logits written by it."""
+        if (B, T) not in self.hosts:
+            self.hosts[B, T] = {"input_ids": np.zeros((B, T), np.int64), "positions": np.zeros((B, T), np.int64),
+                                "slots": np.zeros((B, T), np.int64), "last_index": np.zeros(B, np.int64),
+                                "logits": np.zeros((B, self.vocab), np.float32)}
+        return self.hosts[B, T]
+
+    def _bind(self, io, name, buf, shape, output=False):
+        """Bind `buf` (an OrtValue of this cache, or a host numpy array) by address with `shape`."""
+        where, dtype, ptr = (self.where, self.dtype, buf.data_ptr()) if hasattr(buf, "data_ptr") else \
+            (("cpu", 0), buf.dtype, buf.ctypes.data)
+        (io.bind_output if output else io.bind_input)(name, *where, dtype, list(shape), ptr)
+
+    def _binding(self, B, T):
+        """The IOBinding of a (B, T) call reading buffer `cur` and writing the other, made once."""
+        key = (B, T, self.cur)
+        if key not in self.bindings:
+            io, host = self.session.io_binding(), self._host(B, T)
+            for name in ("input_ids", "positions", "slots", "last_index"):
+                self._bind(io, name, host[name], host[name].shape)
+            self._bind(io, "logits", host["logits"], host["logits"].shape, output=True)
+            rows = (B,) + self.shape[1:]                                                 # [B, KV, S, D]
+            for j, n in enumerate(self.names):
+                self._bind(io, f"past_{n}", self.bufs[self.cur][j], rows)
+                self._bind(io, f"present_{n}", self.bufs[1 - self.cur][j], rows, output=True)
+            self.bindings[key] = io
+        return self.bindings[key], self._host(B, T)
+
+    def run(self, pos, take):
+        """One call over rows 0..len(take)-1: row b's tokens take[b] (a list, maybe empty) at positions
+        pos[b]... Returns the logits [B, V] after each row's last token (valid until the next call)."""
+        B, n = len(take), np.array([len(t) for t in take], np.int64)                   # [B]
+        T = _bucket(int(n.max()), T_BUCKETS)
+        io, h = self._binding(B, T)
+        h["input_ids"][:] = 0
+        for b, t in enumerate(take):
+            h["input_ids"][b, :len(t)] = t
+        p = pos[:B, None] + np.arange(T)                                                 # [B, T]
+        np.minimum(p, self.table - 1, out=h["positions"])  # padding may pass the table: any position will do
+        h["slots"][:] = np.where(np.arange(T) < n[:, None], p, -1)                       # padding writes nowhere
+        h["last_index"][:] = np.arange(B) * T + np.maximum(n - 1, 0)
+        self.session.run_with_iobinding(io)
+        self.seen.append(h["input_ids"].shape + (self.seq,))
+        self.cur ^= 1
+        return h["logits"]
+
+    def move(self, src, dst):
+        """Row dst := row src in every buffer of the cache, on the device (a small graph of its own)."""
+        if self._mover is None:
+            self._mover = self._start_mover()
+        session, host, bindings = self._mover
+        host["src"][0], host["dst"][:] = src, False
+        host["dst"][dst] = True
+        if self.cur not in bindings:
+            io = bindings[self.cur] = session.io_binding()
+            for name in ("src", "dst"):
+                self._bind(io, name, host[name], host[name].shape)
+            for j in range(len(self.names)):
+                self._bind(io, f"cache_{j}", self.bufs[self.cur][j], self.shape)
+                self._bind(io, f"moved_{j}", self.bufs[1 - self.cur][j], self.shape, output=True)
+        session.run_with_iobinding(bindings[self.cur])
+        self.cur ^= 1
+
+    def _start_mover(self):
+        from .builder import build_row_copy
+        model = build_row_copy(len(self.names), self.shape, self.dtype.name).SerializeToString()
+        graph = self.where[0] == "cann"
+        session = start_session("row copy graph", make_session_options(self.threads),
+                                providers("Ascend" if graph else "CPU", graph=graph), model=model)
+        host = {"src": np.zeros(1, np.int64), "dst": np.zeros((self.shape[0], 1, 1, 1), bool)}
+        return session, host, {}
