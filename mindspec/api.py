@@ -22,13 +22,13 @@ EXTENSIONS = ("top_k", "repetition_penalty", "k", "draft_temperature", "min_toke
 IGNORED = frozenset({"user", "stream_options", "priority", "service_tier", "store", "metadata",
                      "parallel_tool_calls", "typical_p", "watermark", "truncate", "adapter_id", "timeout"})
 # known but not implemented: refused unless they hold their "off" value
-OFF = {"n": (1,), "best_of": (1,), "echo": (False,), "logprobs": (False, 0), "top_logprobs": (0,),
+OFF = {"best_of": (1,), "echo": (False,), "logprobs": (False, 0), "top_logprobs": (0,),
        "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},), "suffix": ("",),
        "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
        "function_call": ("none",), "top_n_tokens": (0,), "grammar": ()}
 SAMPLING = ("temperature", "top_p", "seed", "stop") + EXTENSIONS
-COMPLETION_KEYS = frozenset(("model", "prompt", "max_tokens", "stream") + SAMPLING)
-CHAT_KEYS = frozenset(("model", "messages", "max_tokens", "max_completion_tokens", "stream") + SAMPLING)
+COMPLETION_KEYS = frozenset(("model", "prompt", "max_tokens", "stream", "n") + SAMPLING)
+CHAT_KEYS = frozenset(("model", "messages", "max_tokens", "max_completion_tokens", "stream", "n") + SAMPLING)
 TGI_PARAMS = frozenset(("max_new_tokens", "do_sample", "details", "return_full_text", "decoder_input_details")
                        + SAMPLING)
 
@@ -162,28 +162,23 @@ class Api:
         if not self.app.ready.is_set():
             raise RequestError("the model is still loading", 503)
 
-    async def _generate(self, request, kw, fmt, stream):
-        """Queue the request and relay the worker's events: one JSON body, or SSE events. A client that
-        leaves (streamed or not) cancels this handler (aiohttp's handler cancellation), which aborts the
-        request at the engine's next step."""
-        job = self.app.submit(kw)
-        resp = None
+    async def _generate(self, request, kws, fmts, stream):
+        """Queue the requests (one per choice, fmts[i] formats choice i) and relay the worker's events:
+        one JSON body, or SSE events. A client that leaves (streamed or not) cancels this handler
+        (aiohttp's handler cancellation); the requests still running are aborted at the engine's next
+        step, as they are when one choice fails."""
+        jobs = self.app.submit(kws)
+        resp, done = None, [None] * len(jobs)
         try:
-            while True:
-                kind, val = await job.events.get()
-                if kind == "text":
-                    for ev in fmt.chunk(*val) if stream else ():
+            while None in done:
+                tag, (kind, val) = await jobs[0].events.get()
+                fmt = fmts[tag]
+                if kind in ("text", "done"):
+                    if kind == "done":
+                        done[tag] = val
+                    for ev in (fmt.chunk(*val) if kind == "text" else fmt.last(*val)) if stream else ():
                         resp = await _sse(request, resp, ev)
                     continue
-                if kind == "done":
-                    if not stream:
-                        return web.json_response(fmt.response(*val[:2]), dumps=_dumps)
-                    for ev in fmt.last(*val):
-                        resp = await _sse(request, resp, ev)
-                    if fmt.done_marker:
-                        await resp.write(b"data: [DONE]\n\n")
-                    await resp.write_eof()
-                    return resp
                 status, msg = {"error": (getattr(val, "status", 400), val),
                                "fail": (500, f"internal error: {type(val).__name__}: {val}"),
                                "unavailable": (503, "the server is shutting down")}[kind]
@@ -192,9 +187,15 @@ class Api:
                     await resp.write_eof()
                     return resp
                 return self.error(status, msg, fmt.family, getattr(val, "param", None))
-        except BaseException:
-            job.cancelled.set()  # the worker drops it at its next step
-            raise
+            if not stream:
+                return web.json_response(fmts[0].response(done), dumps=_dumps)
+            if fmts[0].done_marker:
+                await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+            return resp
+        finally:
+            for job in jobs:  # those still queued or running are dropped (finished ones are unaffected)
+                job.cancelled.set()
 
     # ---- health, models, metrics, version (MindIE: /health, /health/timed, Triton-style /v2/health/*)
 
@@ -304,7 +305,15 @@ class Api:
             else:
                 raise RequestError("prompt must be a string or a list of token ids (one prompt per request)",
                                    param="prompt")
-        return await self._generate(request, parse(flat, self.app.defaults), OpenAI(self.app, chat), stream)
+        kw, n = parse(flat, self.app.defaults), 1 if body.get("n") is None else body["n"]
+        if type(n) is not int or not 1 <= n <= self.app.max_batch:
+            raise RequestError(f"n must be an integer from 1 to {self.app.max_batch} (the server's --max-batch: "
+                               f"the choices run side by side), got {json.dumps(n)}", param="n")
+        # choice i samples with seed + i (a greedy request gives n equal choices, as vLLM's)
+        kws = [kw if i == 0 or kw.get("seed") is None else dict(kw, seed=kw["seed"] + i) for i in range(n)]
+        first = OpenAI(self.app, chat)
+        fmts = [first] + [OpenAI(self.app, chat, index=i, head=first.head) for i in range(1, n)]
+        return await self._generate(request, kws, fmts, stream)
 
     async def completions(self, request):
         return await self._openai(request, chat=False)
@@ -334,7 +343,7 @@ class Api:
         kw = parse(dict({k: params[k] for k in fields if k in params}, prompt=inputs), self.app.defaults)
         fmt = TGI(self.app, kw, native, params.get("details", False), params.get("decoder_input_details", False),
                   inputs if params.get("return_full_text") else "", listed)
-        return await self._generate(request, kw, fmt, stream)
+        return await self._generate(request, [kw], [fmt], stream)
 
     async def generate(self, request):
         return await self._tgi(request, stream=False)

@@ -30,19 +30,21 @@ class OpenAI:
     `data: [DONE]`)."""
     family, done_marker = "openai", True
 
-    def __init__(self, app, chat):
-        self.app, self.chat, self.sent_role = app, chat, False
-        self.head = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
-                     "object": "chat.completion" if chat else "text_completion",
-                     "created": int(time.time()), "model": app.model_name}
+    def __init__(self, app, chat, index=0, head=None):
+        """index: the choice this formats (OpenAI's n); head: the response's id and times, shared by its choices."""
+        self.app, self.chat, self.index, self.sent_role = app, chat, index, False
+        self.head = head or {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
+                             "object": "chat.completion" if chat else "text_completion",
+                             "created": int(time.time()), "model": app.model_name}
 
-    def _choice(self, text, finish, delta=False):
+    def _choice(self, text, finish, delta=False, index=None):
+        i = self.index if index is None else index
         if not self.chat:
-            return {"index": 0, "text": text, "logprobs": None, "stop_reason": None, "finish_reason": finish}
+            return {"index": i, "text": text, "logprobs": None, "stop_reason": None, "finish_reason": finish}
         msg = {"content": text} if text is not None else {}
         if not delta:
             msg["role"] = "assistant"
-        return {"index": 0, "delta" if delta else "message": msg, "logprobs": None, "finish_reason": finish}
+        return {"index": i, "delta" if delta else "message": msg, "logprobs": None, "finish_reason": finish}
 
     def _stream_head(self):
         return dict(self.head, object="chat.completion.chunk") if self.chat else self.head
@@ -52,8 +54,17 @@ class OpenAI:
                  "total_tokens": len(ids) + len(res.token_ids)}
         return {"usage": usage, "mindspec": res.stats}
 
-    def response(self, ids, res):
-        return dict(self.head, choices=[self._choice(res.text, res.finish_reason)], **self._tail(ids, res))
+    def response(self, done):
+        """done: (prompt ids, Result, tokens) of each choice. With several choices, usage adds them up and
+        "mindspec" lists each one's stats."""
+        ids, results = done[0][0], [res for _, res, _ in done]
+        out = dict(self.head, choices=[self._choice(r.text, r.finish_reason, index=i) for i, r in enumerate(results)],
+                   **self._tail(ids, results[0]))
+        if len(results) > 1:
+            n = sum(len(r.token_ids) for r in results)
+            out["usage"] = {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}
+            out["mindspec"] = [r.stats for r in results]
+        return out
 
     def _role(self):
         """The chat stream's first chunk, once (also when no text comes at all)."""
@@ -95,7 +106,8 @@ class TGI:
             d.update(prompt_tokens=len(ids), prefill=prefill, tokens=[token(pipe, i) for i in res.token_ids])
         return d
 
-    def response(self, ids, res):
+    def response(self, done):
+        ids, res, _ = done[0]
         out = {"generated_text": self.prefix + res.text}
         if self.details:
             out["details"] = self._details(ids, res, full=not self.native)

@@ -28,17 +28,18 @@ TICK = 0.5  # s: how long an idle worker waits for a request before checking sig
 
 class _Job:
     """One request for the worker, created on the HTTP loop. events (an asyncio queue fed from the worker
-    thread): ("text", (delta, [(id, text)])), then ("done", (prompt_ids, Result, [(id, text)])) or
+    thread, shared by the jobs of one HTTP request, each event tagged with its job's index there):
+    ("text", (delta, [(id, text)])), then ("done", (prompt_ids, Result, [(id, text)])) or
     ("error", MindspecError) or ("fail", Exception) or ("unavailable", None)."""
 
-    def __init__(self, rid, kw, put):
-        self.id, self.kw, self.cancelled = rid, kw, threading.Event()
-        self.events, self._put = asyncio.Queue(), put
+    def __init__(self, rid, kw, put, events, tag):
+        self.id, self.kw, self.cancelled, self.tag = rid, kw, threading.Event(), tag
+        self.events, self._put = events, put
         self.t0, self.first = time.perf_counter(), None  # arrival, first text (metrics)
         self.sent = self.shown = 0  # tokens and characters handed to the HTTP side
 
     def put(self, event):
-        self._put(self.events.put_nowait, event)
+        self._put(self.events.put_nowait, (self.tag, event))
 
 
 class App:
@@ -61,16 +62,20 @@ class App:
         eng = self.pipe.engine if self.pipe is not None else None
         return () if eng is None else getattr(eng, attr)
 
-    def submit(self, kw):
+    def submit(self, kws):
+        """Queue the requests of one HTTP request (several: OpenAI's n), all or none; their jobs share
+        one event queue."""
         with self._lock:
             if self.stopping.is_set():
                 raise RequestError("the server is shutting down", 503)
-            if len(self.live) + self.jobs.qsize() >= self.max_batch + self.max_queue:
+            if len(self.live) + self.jobs.qsize() + len(kws) > self.max_batch + self.max_queue:
                 raise RequestError(f"the server is busy: {self.max_batch} requests running and {self.max_queue} "
                                    "waiting; retry later", 429)
-            job = _Job(next(self._ids), kw, self.call)
-            self.jobs.put(job)
-        return job
+            events = asyncio.Queue()
+            jobs = [_Job(next(self._ids), kw, self.call, events, i) for i, kw in enumerate(kws)]
+            for job in jobs:
+                self.jobs.put(job)
+        return jobs
 
     def _take(self, block):
         """The new jobs and the ids of live jobs whose client left (waits up to TICK when idle)."""

@@ -262,7 +262,8 @@ BAD = [  # (path, body or raw bytes, status, words in the message)
     ("/v1/completions", {"prompt": [5] * 200}, 400, "does not fit"),
     ("/v1/completions", {"prompt": [5] * 200, "stream": True}, 400, "does not fit"),
     ("/v1/completions", {"prompt": [5, 999]}, 400, "outside the vocabulary"),
-    ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "not supported"),
+    ("/v1/completions", {"prompt": "hi", "n": 3}, 400, "n must be an integer from 1 to 2 (the server's --max-batch"),
+    ("/v1/completions", {"prompt": "hi", "best_of": 2}, 400, "best_of=2 is not supported"),
     ("/v1/completions", {"prompt": "hi", "stop": 3}, 400, "stop must be"),
     ("/v1/chat/completions", {"messages": "hi"}, 400, "messages must be"),
     ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "content must be a string"),
@@ -284,7 +285,7 @@ BAD = [  # (path, body or raw bytes, status, words in the message)
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, 400, "logprobs="),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 10}}, 400, "logit_bias="),
     ("/v1/completions", {"prompt": "hi", "suffix": "end"}, 400, "suffix="),
-    ("/v1/completions", {"prompt": "hi", "n": True}, 400, "n=true is not supported"),
+    ("/v1/completions", {"prompt": "hi", "n": True}, 400, "n must be an integer"),
     ("/v1/completions", {"prompt": "hi", "temprature": 0.5}, 400, "unknown field 'temprature'"),
     ("/generate", {"inputs": "hi", "parameters": {"max_new_token": 5}}, 422, "unknown field 'parameters.max_new_token'"),
     ("/generate", {"inputs": "hi", "parameters": {"grammar": {"type": "json"}}}, 422, "grammar="),
@@ -417,6 +418,21 @@ def test_native_stream_events_carry_token_ids(server, pipe):
     evs = events(server[0], "/infer", {"inputs": TEXT, "stream": True, "parameters": {"max_new_tokens": N}})
     assert [e["token"]["id"] for e in evs] == ref.token_ids
     assert "".join(e["token"]["text"] for e in evs) == ref.text == evs[-1]["generated_text"]
+
+
+def test_n_choices_run_side_by_side(server):
+    """n = 2: choice i is what one request with seed + i gives, streamed or not; greedy choices are equal."""
+    base = server[0]
+    body = {"prompt": TEXT, "max_tokens": N, "temperature": 2.0, "seed": 40}
+    one = [post(base, "/v1/completions", dict(body, seed=40 + i))["choices"][0]["text"] for i in range(2)]
+    both = post(base, "/v1/completions", dict(body, n=2))
+    assert [c["index"] for c in both["choices"]] == [0, 1] and [c["text"] for c in both["choices"]] == one
+    assert both["usage"]["completion_tokens"] == sum(s["new_tokens"] for s in both["mindspec"])
+    evs = events(base, "/v1/completions", dict(body, n=2, stream=True))
+    assert evs[-1] == "[DONE]" and len({e["id"] for e in evs[:-1]}) == 1
+    assert ["".join(e["choices"][0]["text"] for e in evs[:-1] if e["choices"][0]["index"] == i) for i in (0, 1)] == one
+    chat = post(base, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": N, "n": 2})
+    assert chat["choices"][0]["message"] == chat["choices"][1]["message"] and chat["choices"][1]["index"] == 1
 
 
 def test_stop_token_ids_and_min_tokens(server, pipe):
