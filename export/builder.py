@@ -196,10 +196,11 @@ def _slot_maps(g, G):
     row b sees slots s <= positions[b, t], its own included), the one-hot write map [B, 1, S, T] (slot s
     takes token t where slots[b, t] == s; padding has slot -1) and `written` [B, 1, S, 1]. Compared in
     float32 (CANN compares floats), reshaped rather than unsqueezed (attribute-free ops parse on
-    every CANN version)."""
+    every CANN version), G copies concatenated rather than tiled (CANN documents Tile for some products only)."""
     f32 = TensorProto.FLOAT
     s = g.op("Cast", [g.arange(g.dim("past_key_0", 2))], to=f32)                      # [S]
-    seen = _reshape(g, g.op("Tile", [g.op("Cast", ["positions"], to=f32), g.i64([1, G])]), [0, 1, -1, 1])
+    qpos = g.op("Cast", ["positions"], to=f32)                                          # [B, T]
+    seen = _reshape(g, g.op("Concat", [qpos] * G, axis=1), [0, 1, -1, 1])             # [B, 1, G*T, 1]
     mask = g.op("Where", [g.op("LessOrEqual", [_reshape(g, s, [1, 1, 1, -1]), seen]),   # [B, 1, G*T, S]
                           g.const(0.0, dtype=np.float32), g.const(NEG, dtype=np.float32)])
     slot = _reshape(g, g.op("Cast", ["slots"], to=f32), [0, 1, 1, -1])                 # [B, 1, 1, T]

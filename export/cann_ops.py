@@ -11,10 +11,12 @@ Sources (kept here so the list can be re-checked when onnxruntime-cann or CANN m
   (Older revisions of that file also refused opsets above 15.)
 - OPSETS, DTYPES: the Ascend documentation "Supported ONNX Operators", CANN 8.5.0 (commercial edition,
   hiascend.com/document/detail/en/canncommercial/850/API/aolapi/, pages atlasoxol_09_0080 LessOrEqual,
-  0079 Less, 0092 MatMul, 0123 ReduceMean, 0151 Softmax, 0170 Where): the ONNX parser registers each op
-  for a range of model opsets ("ai.onnx::<opset>::<op>") and some input types only. The document states
-  ONNX 1.12.0 overall; ops not listed in OPSETS were not looked up one by one: the profile's opset 13 is
-  the version CANN's ATC documentation gave for all ops before per-op ranges (v9-v13, CANN 5.x/6.0).
+  0079 Less, 0092 MatMul, 0123 ReduceMean, 0128 ReduceMax, 0151 Softmax, 0165 Tile, 0170 Where): the
+  ONNX parser registers each op for a range of model opsets and some input types only. The document
+  states ONNX 1.12.0 overall; ops not listed in OPSETS were not looked up one by one: the profile's
+  opset 13 is the version CANN's ATC documentation gave for all ops before per-op ranges (v9-v13, CANN
+  5.x/6.0). RESTRICTED: ops the documentation limits to some products. The CANN 8.0.RC2 edition of the
+  list says it applies to Atlas inference products only; the 8.5.0 and 9.0.0 editions no longer do.
 """
 import onnx
 from onnx import TensorProto
@@ -37,8 +39,9 @@ GRAPH_OPS = frozenset({
     "Tanh", "TfIdfVectorizer", "ThresholdedRelu", "Tile", "TopK", "Transpose", "Unsqueeze", "Where", "Xor"})
 MIN_OPSET = 8
 
-OPSETS = {"LessOrEqual": (12, 18), "Less": (8, 18), "MatMul": (8, 18), "ReduceMean": (8, 16),
-          "Softmax": (8, 18), "Where": (8, 18)}  # inclusive model-opset ranges
+OPSETS = {"LessOrEqual": (12, 18), "Less": (8, 18), "MatMul": (8, 18), "ReduceMax": (8, 18), "ReduceMean": (8, 16),
+          "Softmax": (8, 18), "Tile": (8, 18), "Where": (8, 18)}  # inclusive model-opset ranges
+RESTRICTED = {"Tile": "documented for Atlas inference products only (CANN 8.0 and 9.0 pages)"}
 _F16, _F32 = TensorProto.FLOAT16, TensorProto.FLOAT
 DTYPES = {"MatMul": {_F16}, "LessOrEqual": {_F16, _F32}, "Less": {_F16, _F32, TensorProto.INT32},
           "Where": {_F16, _F32, TensorProto.UINT8, TensorProto.INT8, TensorProto.INT32}}
@@ -71,6 +74,8 @@ def problems(model):
         lo, hi = OPSETS.get(n.op_type, (MIN_OPSET, opset))
         if not lo <= opset <= hi:
             out.append(f"{what}: CANN parses it for opsets {lo}-{hi}, the model is opset {opset}")
+        if n.op_type in RESTRICTED:
+            out.append(f"{what}: {RESTRICTED[n.op_type]}")
         if n.input and all(x in inits for x in n.input if x):
             out.append(f"{what}: all inputs are initializers (onnxruntime keeps such nodes off CANN)")
         picks = _TYPED_INPUTS.get(n.op_type, range(len(n.input)))

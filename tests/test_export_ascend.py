@@ -52,6 +52,24 @@ def test_every_node_is_on_the_cann_list(tiny_target, ascend_draft, tmp_path):
     assert any("opsets 8-16, the model is opset 17" in p for p in found), found
 
 
+def _one_node(op, dtype, **inits):
+    """A one-node opset-13 model: op(x [2, 2], x or the named initializers)."""
+    from onnx import helper, numpy_helper
+    vi = lambda n: helper.make_tensor_value_info(n, dtype, None)  # noqa: E731
+    node = helper.make_node(op, ["x"] + (list(inits) or ["x"]), ["y"])
+    graph = helper.make_graph([node], "g", [vi("x")], [vi("y")],
+                              initializer=[numpy_helper.from_array(v, k) for k, v in inits.items()])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+
+
+def test_checker_flags_types_and_restricted_ops():
+    from onnx import TensorProto
+    assert problems(_one_node("MatMul", TensorProto.FLOAT16)) == []
+    assert "input types FLOAT (CANN takes FLOAT16)" in problems(_one_node("MatMul", TensorProto.FLOAT))[0]
+    found = problems(_one_node("Tile", TensorProto.FLOAT, repeats=np.array([1, 2], np.int64)))
+    assert len(found) == 1 and "Atlas inference products only" in found[0], found
+
+
 def test_profile_in_manifest_and_refusals(tiny_target, ascend_draft, tmp_path):
     m = read_manifest(ascend_draft)
     assert (m["profile"], m["dtype"], m["quantize"]) == ("ascend", "float16", None)
