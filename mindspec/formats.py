@@ -9,9 +9,12 @@ import uuid
 
 def pieces(req, sent, shown, final):
     """(id, text) of req's tokens from index `sent` whose text is all out: their text ends within the
-    first `shown` characters streamed (every remaining token when final; the last takes what is left)."""
-    text, out, i = req.text, [], sent
-    n = len(req.output) if final else sent + sum(1 for e in req.ends[sent:] if e <= shown)
+    first `shown` characters streamed, and a later token has text (the bytes of a character cut short
+    may still come to it at the end). When final, every remaining token; the last takes what is left."""
+    text, out, ends = req.text, [], req.ends
+    n = len(req.output) if final else sent + sum(1 for e in ends[sent:] if e <= shown)
+    while not final and n > sent and ends[n - 1] == (ends[n - 2] if n > 1 else 0):
+        n -= 1  # a last token without text of its own waits: the rest of its character may come at the end
     for i in range(sent, n):
         start, end = (min(req.ends[i - 1], len(text)) if i else 0), min(req.ends[i], len(text))
         out.append((req.output[i], text[start:] if final and i == n - 1 else text[start:end]))

@@ -418,6 +418,14 @@ def test_native_stream_events_carry_token_ids(server, pipe):
     evs = events(server[0], "/infer", {"inputs": TEXT, "stream": True, "parameters": {"max_new_tokens": N}})
     assert [e["token"]["id"] for e in evs] == ref.token_ids
     assert "".join(e["token"]["text"] for e in evs) == ref.text == evs[-1]["generated_text"]
+    # byte-level tokens: a length that ends inside a UTF-8 character still streams the whole text
+    long = pipe.generate(prompt=TEXT, max_new_tokens=4 * N, speculate=False)
+    cut = [m for m in range(1, len(long.token_ids)) if pipe.tokenizer.decode(long.token_ids[:m]).endswith("\ufffd")]
+    assert cut  # the tiny model's random bytes end mid-character somewhere
+    for m in cut[:3]:
+        evs = events(server[0], "/generate_stream", {"inputs": TEXT, "parameters": {"max_new_tokens": m}})
+        assert len(evs) == m and "".join(e["token"]["text"] for e in evs) == evs[-1]["generated_text"]
+        assert evs[-1]["generated_text"] == pipe.generate(prompt=TEXT, max_new_tokens=m, speculate=False).text
 
 
 def test_n_choices_run_side_by_side(server):
