@@ -225,8 +225,8 @@ class BoundCache:
     NPU: the same code path), double-buffered (the present_* buffers call n writes are the past_* call
     n+1 reads) and bound with IOBinding, so the cache never visits the host: only the small per-token
     inputs go in and the logits come back. A call runs rows 0..Bb-1 (row-major: a prefix of each
-    buffer); rows beyond keep their stale copy in the other buffer, which only ever matters for rows
-    with nothing cached."""
+    buffer) and Bb covers every row with something cached, so the buffer it writes holds them all: the
+    rows beyond are stale there, and empty."""
 
     def __init__(self, session, m, rows, seq, threads=None):
         import onnxruntime as ort

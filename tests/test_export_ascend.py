@@ -83,7 +83,8 @@ def test_profile_in_manifest_and_refusals(tiny_target, ascend_draft, tmp_path):
     (tmp_path / "b.onnx.json").write_text(json.dumps(bad))
     with pytest.raises(MindspecError, match="bad or missing .*profile"):
         read_manifest(str(tmp_path / "b.onnx"))
-    assert providers("Ascend", graph=True)[0][1]["enable_cann_graph"] is True
+    graph = providers("Ascend", graph=True)[0][1]
+    assert graph["enable_cann_graph"] is True and graph["dump_om_model"] is False
     assert providers("Ascend")[0][1]["enable_cann_graph"] is False  # the cpu profile keeps kernel mode
 
 
