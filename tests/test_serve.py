@@ -22,6 +22,7 @@ TEXT = "hello world"
 N = 12
 MAX_SEQ = 128
 MAX_CONN = 24
+HI = [{"role": "user", "content": "hi"}]
 
 
 @pytest.fixture(scope="module")
@@ -277,23 +278,22 @@ BAD = [  # (path, body or raw bytes, status, words in the message)
     ("/v1/completions", {"prompt": "hi", "k": 1.0}, 400, "k must be an integer"),
     ("/v1/completions", {"prompt": "hi", "k": True}, 400, "k must be an integer"),
     # fields that would otherwise be silently ignored: named in a 400
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
-     400, "response_format="),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
-     400, "tools="),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400, "top_logprobs="),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, 400, "logprobs="),
+    ("/v1/chat/completions", {"messages": HI, "response_format": {"type": "json_object"}}, 400, "response_format="),
+    ("/v1/chat/completions", {"messages": HI, "tools": [{"type": "function"}]}, 400, "tools="),
+    ("/v1/chat/completions", {"messages": HI, "top_logprobs": 2}, 400, "top_logprobs="),
+    ("/v1/chat/completions", {"messages": HI, "logprobs": True}, 400, "logprobs="),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 10}}, 400, "logit_bias="),
     ("/v1/completions", {"prompt": "hi", "suffix": "end"}, 400, "suffix="),
     ("/v1/completions", {"prompt": "hi", "n": True}, 400, "n must be an integer"),
     ("/v1/completions", {"prompt": "hi", "temprature": 0.5}, 400, "unknown field 'temprature'"),
-    ("/generate", {"inputs": "hi", "parameters": {"max_new_token": 5}}, 422, "unknown field 'parameters.max_new_token'"),
+    ("/generate", {"inputs": "hi", "parameters": {"max_new_token": 5}}, 422,
+     "unknown field 'parameters.max_new_token'"),
     ("/generate", {"inputs": "hi", "parameters": {"grammar": {"type": "json"}}}, 422, "grammar="),
     ("/generate", {"inputs": "hi", "params": {}}, 422, "unknown field 'params'"),
     ("/v1/completions", {"prompt": IDS, "max_tokens": MAX_SEQ}, 400, "max_tokens=128 does not fit: the 4-token prompt"),
     ("/generate", {"inputs": "hi", "parameters": {"max_new_tokens": MAX_SEQ}}, 422, "max_new_tokens=128 does not fit"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "role 'wizard' is not one of"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "prompt": "hi"}, 400,
+    ("/v1/chat/completions", {"messages": HI, "prompt": "hi"}, 400,
      "either \"prompt\" or \"messages\", not both"),
     ("/v1/completions", {"prompt": ["one", "two"]}, 400, "prompt is a list of 2 prompts: send one prompt per request"),
     ("/v1/completions", {"prompt": "hi", "min_tokens": -1}, 400, "min_tokens must be an integer in [0, max_tokens]"),
@@ -439,7 +439,7 @@ def test_n_choices_run_side_by_side(server):
     evs = events(base, "/v1/completions", dict(body, n=2, stream=True))
     assert evs[-1] == "[DONE]" and len({e["id"] for e in evs[:-1]}) == 1
     assert ["".join(e["choices"][0]["text"] for e in evs[:-1] if e["choices"][0]["index"] == i) for i in (0, 1)] == one
-    chat = post(base, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": N, "n": 2})
+    chat = post(base, "/v1/chat/completions", {"messages": HI, "max_tokens": N, "n": 2})
     assert chat["choices"][0]["message"] == chat["choices"][1]["message"] and chat["choices"][1]["index"] == 1
 
 

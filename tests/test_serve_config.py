@@ -63,7 +63,8 @@ def server(config):
         while lines.empty():  # until "serving": the probes and an inference request, as a balancer would
             loading.append((call(base, "/v2/health/ready", key=None)[0], call(base, "/v2/health/live", key=None)[0],
                             call(base, "/v1/completions", {"prompt": "hi"})))
-        while not (m := re.search(r"serving tiny2 on (http://127\.0\.0\.1:\d+) \(up to 2 requests", lines.get(timeout=300))):
+        serving = r"serving tiny2 on (http://127\.0\.0\.1:\d+) \(up to 2 requests"
+        while not (m := re.search(serving, lines.get(timeout=300))):
             pass
         assert m.group(1) == base
         yield base, err, loading
@@ -126,8 +127,10 @@ BAD_CONFIGS = [  # (file content, the one line expected)
     ({"ServerConfig": {"httpsEnabled": True}}, "ServerConfig.httpsEnabled: must be false"),
     ({"BackendConfig": {"ModelDeployConfig": {"ModelConfig": [{"worldSize": 0}]}}},
      "BackendConfig.ModelDeployConfig.ModelConfig[0].worldSize: must be an integer >= 1, got 0"),
-    ({"BackendConfig": {"ScheduleConfig": {"maxBatchSize": 2.5}}}, "BackendConfig.ScheduleConfig.maxBatchSize: must be"),
-    ({"mindspec": {"speculationGamma": "fast"}}, 'mindspec.speculationGamma: must be an integer >= 1 and <= 8, got "fast"'),
+    ({"BackendConfig": {"ScheduleConfig": {"maxBatchSize": 2.5}}},
+     "BackendConfig.ScheduleConfig.maxBatchSize: must be"),
+    ({"mindspec": {"speculationGamma": "fast"}},
+     'mindspec.speculationGamma: must be an integer >= 1 and <= 8, got "fast"'),
     ("{not json", "not valid JSON"),
     ([1, 2], "must be a JSON object"),
 ]
@@ -175,7 +178,8 @@ def _fuzz_strategies():
                 "top_k": mostly(st.integers(0, 400) | extreme), "seed": mostly(st.integers(0, 2 ** 65)),
                 "stop": mostly(st.text(max_size=3)), "repetition_penalty": mostly(st.floats(0.5, 2) | extreme),
                 "k": mostly(st.sampled_from([0, 1, 2, 3, "auto"])), "min_tokens": mostly(st.integers(0, 3)),
-                "stop_token_ids": mostly(st.lists(st.integers(-5, 400), max_size=3)), "ignore_eos": mostly(st.booleans()),
+                "stop_token_ids": mostly(st.lists(st.integers(-5, 400), max_size=3)),
+                "ignore_eos": mostly(st.booleans()),
                 "draft_temperature": mostly(prob | extreme)}
     openai = dict(sampling, max_tokens=mostly(small), stream=mostly(st.booleans()), n=mostly(st.just(1)),
                   model=mostly(st.text(max_size=6)), logprobs=junk, response_format=junk, unknown_key=junk)
