@@ -581,11 +581,17 @@ def test_http_head_options_chunked_and_limits(server):
     t0 = time.time()
     assert raw(b"GET /health HTTP/1.1\r\nHost: x\r\n") == ""  # closed, unanswered, after the read timeout
     assert 2 < time.time() - t0 < 10
+    def threads():
+        with open(f"/proc/{server[1].pid}/status") as f:
+            return int(next(line.split()[1] for line in f if line.startswith("Threads:")))
+
+    before = threads()
     idle = [socket.create_connection((host, int(port)), timeout=30) for _ in range(MAX_CONN)]
     try:
         time.sleep(0.3)
         out = raw(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
         assert out.startswith("HTTP/1.1 503") and "too many connections" in out, out
+        assert threads() <= before + 2  # idle connections cost no thread each
     finally:
         for s in idle:
             s.close()
