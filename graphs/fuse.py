@@ -1,9 +1,11 @@
 """Fold a Llama checkpoint into few, wide matrices (numpy, at load time).
 
 Per layer: one q|k|v|rot(q)|rot(k) projection with the input RMSNorm weight and the 1/sqrt(D)
-attention scale folded in (and its bias vector, same rows, for models with q/k/v biases), o_proj, one gate|up projection with the post-attention norm folded in,
-and down_proj. RoPE then costs two multiplies and an add: out = a*cos + a_rot*sin, where
-a_rot = rotate_half(a) comes straight out of the matmul (rows rotated in the weight).
+attention scale folded in (and its bias vector, same rows, for models with q/k/v biases), o_proj,
+one gate|up projection with the post-attention norm folded in, and down_proj. RoPE then costs two
+multiplies and an add: out = a*cos + a_rot*sin, where a_rot = rotate_half(a) comes straight out of
+the matmul (rows rotated in the weight) on CPU, or from a split and a concat in the graph on Ascend
+(rot_rows_for).
 
 Under tensor parallelism (graphs/tp.py) each rank folds only its slice, read straight from the
 safetensors files (`get_slice`), so no rank holds the full model: its query heads (laid out in the
@@ -94,8 +96,8 @@ def fused_weights(cfg, get, plan=None, get_slice=None, dtype=np.float32, rot_row
         wk, wv = g("self_attn.k_proj", 0, ka * D, kb * D), g("self_attn.v_proj", 0, ka * D, kb * D)
         qkv = [_blocks(wq, q_idx, D), _blocks(wk, kv_idx, D), _blocks(wv, kv_idx, D)]
         if rot_rows:
-            qkv += [_blocks(rotate_half_rows(wq, hb - ha, D), q_idx, D), _blocks(rotate_half_rows(wk, kb - ka, D), kv_idx, D),
-                    np.zeros((len(kv_idx) * D, wv.shape[1]), wv.dtype)]
+            qkv += [_blocks(rotate_half_rows(wq, hb - ha, D), q_idx, D),
+                    _blocks(rotate_half_rows(wk, kb - ka, D), kv_idx, D), np.zeros((len(kv_idx) * D, wv.shape[1]), wv.dtype)]
         qkv = np.concatenate(qkv)
         out[f"qkv.{i}"] = qkv * g("input_layernorm")[None, :]
         if cfg.qkv_bias:  # the same rows of the bias vectors (the norm folds into the weight's columns only)
@@ -105,8 +107,8 @@ def fused_weights(cfg, get, plan=None, get_slice=None, dtype=np.float32, rot_row
             bk, bv = bias("self_attn.k_proj", ka * D, kb * D), bias("self_attn.v_proj", ka * D, kb * D)
             b = [_blocks(bq, q_idx, D), _blocks(bk, kv_idx, D), _blocks(bv, kv_idx, D)]
             if rot_rows:
-                b += [_blocks(rotate_half_rows(bq, hb - ha, D), q_idx, D), _blocks(rotate_half_rows(bk, kb - ka, D), kv_idx, D),
-                      np.zeros((len(kv_idx) * D, 1), bv.dtype)]
+                b += [_blocks(rotate_half_rows(bq, hb - ha, D), q_idx, D),
+                      _blocks(rotate_half_rows(bk, kb - ka, D), kv_idx, D), np.zeros((len(kv_idx) * D, 1), bv.dtype)]
             out[f"qkv_bias.{i}"] = np.concatenate(b).ravel()
         out[f"o.{i}"] = _blocks(g("self_attn.o_proj", 1, ha * D, hb * D), q_idx, D, axis=1)
         out[f"gate_up.{i}"] = np.concatenate([_pad(g("mlp.gate_proj", 0, ia, ib), Il),

@@ -206,7 +206,8 @@ class SampleStep(nn.Cell):
     q [B, K, V] the processed draft distributions the drafts were sampled from (K = 0: [B, 1, V],
     unused); u_acc [B, K] (K = 0: [B, 1], unused) and u_smp [B, K+1] uniforms in [0, 1);
     temperature, top_k (int32), top_p, penalty [B]; seen [B, V] float32 (1: token committed).
-    Returns n_accepted [B], next [B]."""
+    Returns n_accepted [B], next [B] and exact (0-d bool: the top-k candidates held every row's kept
+    set; when not, run the cell with cap None, the exact bisection, on the same inputs)."""
 
     def __init__(self, decoder, cap=TOPK_CAP):
         super().__init__()
@@ -218,17 +219,18 @@ class SampleStep(nn.Cell):
         logits = self.decoder.head_logits(self.decoder(ids, slots, pos)).reshape(B, T, V)
         drafts = ids[:, 1:]  # [B, K]
         seen_all = seen_mask(seen, drafts, V) if T > 1 else (seen > 0).reshape(B, 1, V)
-        p = process(logits, temperature, top_k, top_p, penalty, seen_all, self.cap)  # [B, K+1, V]
+        p, exact = process(logits, temperature, top_k, top_p, penalty, seen_all, self.cap)  # [B, K+1, V]
         if T == 1:
-            return ops.zeros((B,), ms.int32), sample(p.reshape(B, V), u_smp[:, 0])
-        return speculative_accept(p, q, drafts, n_valid, u_acc, u_smp)
+            return ops.zeros((B,), ms.int32), sample(p.reshape(B, V), u_smp[:, 0]), exact
+        n, nxt = speculative_accept(p, q, drafts, n_valid, u_acc, u_smp)
+        return n, nxt, exact
 
 
 class Prefill(nn.Cell):
     """A prompt chunk of one row: ids [1, C] at pos [1] of slot [1] (padding after the real tokens lands
     in stale positions: masked, later overwritten); the next token is sampled after index last [1]
     with u [1] and the row's sampling parameters (as SampleStep; temperature 0 = greedy). Only that
-    position goes through the LM head. Returns next [1] int32."""
+    position goes through the LM head. Returns next [1] int32 and exact (as SampleStep)."""
 
     def __init__(self, decoder, cap=TOPK_CAP):
         super().__init__()
@@ -238,5 +240,5 @@ class Prefill(nn.Cell):
         h = ops.gather(self.decoder(ids, slots, pos), last, 0)  # [1, d]
         V = seen.shape[1]
         logits = self.decoder.head_logits(h).reshape(1, 1, V)
-        p = process(logits, temperature, top_k, top_p, penalty, (seen > 0).reshape(1, 1, V), self.cap)
-        return sample(p.reshape(1, V), u)
+        p, exact = process(logits, temperature, top_k, top_p, penalty, (seen > 0).reshape(1, 1, V), self.cap)
+        return sample(p.reshape(1, V), u), exact

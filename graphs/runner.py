@@ -99,8 +99,11 @@ class TargetModel:
         self.rot_rows = rot_rows_for(ms.get_context("device_target"))
         self.decoder = LlamaDecoder(self.cfg, ckpt.get, self.max_seq + max(self.k_buckets), slots=max_batch,
                                     dtype=getattr(ms, dtype), rot_rows=self.rot_rows)
+        # *_exact: the rare rerun when the top-k candidates did not hold a row's kept set (graphs/sampling.py);
+        # compiled on first need
         self.cells = {"greedy": GreedyStep(self.decoder), "sample": SampleStep(self.decoder, TOPK_CAP),
-                      "prefill": Prefill(self.decoder, TOPK_CAP), "logits": Logits(self.decoder)}
+                      "sample_exact": SampleStep(self.decoder, None), "prefill": Prefill(self.decoder, TOPK_CAP),
+                      "prefill_exact": Prefill(self.decoder, None), "logits": Logits(self.decoder)}
         for cell in self.cells.values():
             cell.set_train(False)
         self.fingerprint = ckpt.fingerprint()
@@ -119,6 +122,14 @@ class TargetModel:
         out = self.cells[kind](*args)
         self.compile_s += time.perf_counter() - t
         self.compiled.add(key)
+        return out
+
+    def _sampled(self, kind, shape, *args):
+        """The outputs of a sampling graph, from its exact variant when the fast one's top-k candidates
+        did not hold a row's kept set (the same inputs again: the K/V it writes are the same)."""
+        *out, exact = self._run(kind, shape, *args)
+        if not bool(exact.asnumpy()):
+            *out, _ = self._run(kind + "_exact", shape, *args)
         return out
 
     @staticmethod
@@ -151,9 +162,9 @@ class TargetModel:
             raise MindspecError(f"prompt would exceed the target's max_seq {self.max_seq}")
         chunk = np.zeros((1, PREFILL_CHUNK), np.int32)
         chunk[0, :n] = ids
-        out = self._run("prefill", (1, PREFILL_CHUNK), self._i32(chunk), self._i32([slot]), self._i32([pos]),
-                        self._i32([n - 1]), self._f32(np.asarray(s.u_smp).reshape(1)), *self._params(s))
-        return int(out.asnumpy()[0])
+        args = (self._i32(chunk), self._i32([slot]), self._i32([pos]), self._i32([n - 1]),
+                self._f32(np.asarray(s.u_smp).reshape(1)), *self._params(s))
+        return int(self._sampled("prefill", (1, PREFILL_CHUNK), *args)[0].asnumpy()[0])
 
     def step(self, ids, slots, pos, n_valid, s=None):
         """One decode (K = 0) or verify step over n rows: ids [n, K+1] (last committed token + K drafts),
@@ -190,10 +201,11 @@ class TargetModel:
             q = s.q if K else np.zeros((n, 1, V), np.float32)
             u_acc = s.u_acc if K else np.zeros((n, 1), np.float32)
             top_k = np.minimum(np.asarray(s.top_k, np.int64), V)  # k >= V means off; keeps int32 in range
-            acc, nxt = self._run("sample", (B, T), *head, self._f32(rows(q)), self._f32(rows(u_acc, 0.5)),
-                                 self._f32(rows(s.u_smp, 0.5)), self._f32(rows(s.temperature)),
-                                 self._i32(rows(top_k)), self._f32(rows(s.top_p, 1)), self._f32(rows(s.penalty, 1)),
-                                 self._seen(None if s.seen is None else rows(s.seen), B))
+            acc, nxt = self._sampled("sample", (B, T), *head, self._f32(rows(q)), self._f32(rows(u_acc, 0.5)),
+                                     self._f32(rows(s.u_smp, 0.5)), self._f32(rows(s.temperature)),
+                                     self._i32(rows(top_k)), self._f32(rows(s.top_p, 1)),
+                                     self._f32(rows(s.penalty, 1)),
+                                     self._seen(None if s.seen is None else rows(s.seen), B))
         return acc.asnumpy()[at].astype(np.int64), nxt.asnumpy()[at].astype(np.int64)
 
     def logits(self, slot, pos, ids):

@@ -6,10 +6,12 @@ top-p / repetition-penalty values, and a seeded request is reproducible. Process
 mindspec.sampling.process_logits (HF order and semantics), acceptance matches
 mindspec.acceptance.speculative_accept. Only token ids and counts leave the graph.
 
-Top-k/top-p without a full sort (a CPU sort of the vocabulary costs ~20x the rest): the thresholds
-come from the `cap` largest logits (ops.topk) and the softmax normaliser over the whole vocabulary.
-That is exact whenever the kept set fits in the candidates (top_k <= cap, or the candidates hold
-top_p of the mass); otherwise an in-graph branch recomputes them from a full sort.
+Top-k/top-p without a full sort (a CPU sort of the vocabulary costs ~20x the rest, and sorting float32
+is lossy on Ascend): the thresholds come from the `cap` largest logits (ops.topk) and the softmax
+normaliser over the whole vocabulary. That is exact whenever the kept set fits in the candidates
+(top_k <= cap, or the candidates hold top_p of the mass), and the graph says whether it did; when it
+did not (rare), the caller runs the exact variant (cap None), which finds the thresholds by bisection
+on the logit values: sort-free, the same kernels on every call, no branch inside the graph.
 """
 import mindspore as ms
 from mindspore import Tensor, ops
@@ -17,6 +19,7 @@ from mindspore import Tensor, ops
 NEG = -1e9  # finite "minus infinity": exp() underflows to exactly 0 in float32
 BIG = 3e38  # "+infinity" for min-reductions
 TOPK_CAP = 2048  # topk costs ~6 ms at 1024-2048 on 5 x 49152 (2 CPU cores), a full sort ~55 ms
+BISECT_STEPS = 64  # halvings of the logit range: adjacent float32 values for any realistic range
 
 
 def _cut(s, x, top_k, top_p):
@@ -41,29 +44,58 @@ def _cut(s, x, top_k, top_p):
     return cut, fits.all()
 
 
-def _truncate(x, top_k, top_p, cap):
-    """x [B, T, V] with every token below its row's top-k / top-p threshold set to NEG."""
+def _bisect(x, weight, target):
+    """The largest value v of x [B, T, V] with sum(weight[x >= v]) >= target [B, T, 1]: bisection on
+    the value (invariant: enough weight at or above lo, not enough at or above hi), then snapped to
+    the largest x below hi, which is v once [lo, hi) holds a single value of x."""
+    lo = x.min(-1, keepdims=True) - 1.0  # [B, T, 1]: every token at or above it
+    hi = x.max(-1, keepdims=True) + 1.0  # none at or above it
+    for _ in range(BISECT_STEPS):
+        mid = (lo + hi) * 0.5
+        ok = (weight * (x >= mid).astype(ms.float32)).sum(-1, keepdims=True) >= target
+        lo, hi = ops.select(ok, mid, lo), ops.select(ok, hi, mid)
+    return ops.select(x < hi, x, ops.full_like(x, -BIG)).max(-1, keepdims=True)
+
+
+def _exact_cut(x, top_k, top_p):
+    """_cut's threshold found without candidates (x [B, T, V]; top_k, top_p [B, 1, 1]): the k-th
+    largest logit, then the smallest logit of the smallest top set holding top_p of the mass."""
     V = x.shape[-1]
-    if cap < V:
-        cut, exact = _cut(ops.topk(x, cap, -1, True, True)[0], x, top_k, top_p)
-        if not exact:  # the kept set does not fit in the candidates: full sort (rare, slow on CPU)
-            cut, exact = _cut(ops.sort(x, -1, True)[0], x, top_k, top_p)
+    k = top_k + (top_k <= 0).astype(ms.int32) * V  # 0 (off) -> V
+    k = ops.broadcast_to(ops.minimum(k, V), x.shape[:-1] + (1,)).astype(ms.float32)  # [B, T, 1]
+    kth = _bisect(x, ops.ones_like(x), k)
+    kth = ops.select(k >= V, ops.full_like(kth, -BIG), kth)
+    m = x.max(-1, keepdims=True)
+    p = ops.exp(x - m) * (x >= kth).astype(ms.float32)
+    p = p / p.sum(-1, keepdims=True)  # [B, T, V] probabilities after top-k
+    cut_p = ops.minimum(_bisect(x, p, ops.broadcast_to(top_p, kth.shape)), m)  # the top token always stays
+    return ops.select(ops.broadcast_to(top_p < 1, kth.shape), ops.maximum(cut_p, kth), kth)
+
+
+def _truncate(x, top_k, top_p, cap):
+    """x [B, T, V] with every token below its row's top-k / top-p threshold set to NEG, and whether
+    that is exact (0-d bool): always with cap None (bisection), else when the cap candidates held
+    every row's kept set."""
+    V = x.shape[-1]
+    if cap is None or cap >= V:
+        cut, exact = _exact_cut(x, top_k, top_p), Tensor(True)
     else:
-        cut, exact = _cut(ops.sort(x, -1, True)[0], x, top_k, top_p)
-    return ops.select(x >= cut, x, ops.full_like(x, NEG))
+        cut, exact = _cut(ops.topk(x, cap, -1, True, True)[0], x, top_k, top_p)
+    return ops.select(x >= cut, x, ops.full_like(x, NEG)), exact
 
 
 def process(x, temperature, top_k, top_p, penalty, seen, cap):
-    """logits x [B, T, V] float32 -> probabilities [B, T, V]. Per row: temperature [B] (0: greedy, the
-    one-hot argmax of the penalised logits), top_k [B] int32 (0: off), top_p [B], penalty [B]
-    (1: off); seen [B, T, V] bool (token already in the sequence at that position)."""
+    """logits x [B, T, V] float32 -> (probabilities [B, T, V], exact: 0-d bool, see _truncate). Per
+    row: temperature [B] (0: greedy, the one-hot argmax of the penalised logits), top_k [B] int32
+    (0: off), top_p [B], penalty [B] (1: off); seen [B, T, V] bool (token already in the sequence at
+    that position); cap: top-k candidates (None: the exact bisection)."""
     B = x.shape[0]
     temperature, penalty = temperature.reshape(B, 1, 1), penalty.reshape(B, 1, 1)
     x = ops.select(seen, ops.select(x > 0, x / penalty, x * penalty), x)
     hot = (temperature > 0).astype(ms.float32)  # [B, 1, 1]: 1 sampling, 0 greedy
     greedy = ops.one_hot(ops.argmax(x, -1), x.shape[-1], Tensor(1.0, ms.float32), Tensor(0.0, ms.float32))
-    x = _truncate(x / (temperature + 1.0 - hot), top_k.reshape(B, 1, 1), top_p.reshape(B, 1, 1), cap)
-    return ops.softmax(x, -1) * hot + greedy * (1.0 - hot)
+    x, exact = _truncate(x / (temperature + 1.0 - hot), top_k.reshape(B, 1, 1), top_p.reshape(B, 1, 1), cap)
+    return ops.softmax(x, -1) * hot + greedy * (1.0 - hot), exact
 
 
 def sample(probs, u):

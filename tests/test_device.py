@@ -70,7 +70,8 @@ def test_visible_devices_and_wheel_architecture(tmp_path):
     a = ascend_env({"ASCEND_RT_VISIBLE_DEVICES": "1,3", "ASCEND_HOME_PATH": "/t"}, root, dev,
                    ms_arch="x86_64", host_arch="aarch64")
     assert a.npus == [1, 3]
-    assert a.missing() == ["the installed MindSpore has x86_64 binaries on this aarch64 host (install the aarch64 wheel)"]
+    assert a.missing() == ["the installed MindSpore has x86_64 binaries on this aarch64 host "
+                           "(install the aarch64 wheel)"]
     assert mindspore_arch() == elf_arch(sys.executable) == "x86_64"  # this machine: consistent
     assert elf_arch(__file__) is None
 

@@ -18,7 +18,7 @@ from conftest import make_tiny_checkpoint
 
 V = 16  # vocabulary of the statistical tests: 256 cells for two tokens
 CONTEXT = [3, 7, 11, 5]
-CAP = 4  # top-k candidates in the graph: small, so both the fast path and the full-sort fallback run
+CAP = 4  # top-k candidates in the graph: small, so both the fast path and the exact (bisection) rerun run
 
 
 def _probs(*rows):
@@ -189,8 +189,10 @@ class Batch:
     def __init__(self, ckpt, rows):
         from mindspec.graphs.llama import LlamaDecoder, SampleStep
         self.decoder = LlamaDecoder(ckpt.config, ckpt.get, max_seq=32, slots=rows)
-        self.B, self.cell = rows, SampleStep(self.decoder, cap=CAP)
+        self.B, self.cell, self.exact = rows, SampleStep(self.decoder, cap=CAP), SampleStep(self.decoder, cap=None)
         self.cell.set_train(False)
+        self.exact.set_train(False)
+        self.reruns = 0  # calls whose candidates did not hold every row's kept set
 
     def verify(self, ids, start, q, u, params, seen=None):
         """ids [B, K+1], q [B, K, V], u [B, K+1] (the last column: the sample uniform), params: one
@@ -202,11 +204,14 @@ class Batch:
         f32 = lambda a: Tensor(np.ascontiguousarray(a, np.float32))  # noqa: E731
         i32 = lambda a: Tensor(np.ascontiguousarray(a, np.int32))  # noqa: E731
         u = np.asarray(u, np.float32)
-        n, nxt = self.cell(i32(ids), i32(np.arange(B)), i32(np.full(B, start)), i32(np.full(B, K)), f32(q),
-                           f32(u[:, :K]), f32(np.repeat(u[:, K:], K + 1, 1)),
-                           f32([p.temperature for p in row]), i32([p.top_k for p in row]),
-                           f32([p.top_p for p in row]), f32([p.repetition_penalty for p in row]),
-                           f32(np.zeros((B, V)) if seen is None else seen))
+        args = (i32(ids), i32(np.arange(B)), i32(np.full(B, start)), i32(np.full(B, K)), f32(q),
+                f32(u[:, :K]), f32(np.repeat(u[:, K:], K + 1, 1)), f32([p.temperature for p in row]),
+                i32([p.top_k for p in row]), f32([p.top_p for p in row]), f32([p.repetition_penalty for p in row]),
+                f32(np.zeros((B, V)) if seen is None else seen))
+        n, nxt, exact = self.cell(*args)
+        if not exact.asnumpy():  # as TargetModel does
+            self.reruns += 1
+            n, nxt, _ = self.exact(*args)
         return n.asnumpy(), nxt.asnumpy()
 
     def fill(self, ids):
@@ -231,7 +236,7 @@ def batch(pair):
 # ---- the fused graph equals the pure function ----------------------------------------------------
 
 GRAPH_CASES = [  # (K, params of the rows, in turn): one graph, any mix of rows; fast top-k path when
-    # top_k <= CAP, else the full sort
+    # top_k <= CAP and top-p sets within CAP, else the exact rerun
     (1, [SamplingParams(1.0), SamplingParams(0.6), SamplingParams(0.0)]),
     (2, [SamplingParams(0.8, top_k=3, top_p=0.9), SamplingParams(0.8, top_k=6, top_p=0.9),
          SamplingParams(1.3, top_p=0.6), SamplingParams(1.0, top_k=2), SamplingParams(0.0)]),
@@ -246,7 +251,7 @@ CHECKED = 24  # rows per call compared with the pure function (the numpy referen
 def test_fused_verify_graph_equals_pure_function(pair, batch):
     ckpt = pair[0]
     rng = np.random.default_rng(7)
-    outcomes = set()
+    outcomes, reruns = set(), batch.reruns
     for k, param_list in GRAPH_CASES:
         prefix = rng.integers(0, V, (ROWS, 5))  # [B, 5]: the last one is fed with the drafts
         batch.fill(prefix[:, :-1])
@@ -266,6 +271,7 @@ def test_fused_verify_graph_equals_pure_function(pair, batch):
             assert (n[r], nxt[r]) == want, (params, r, seq)
             outcomes.add(n[r] == k)
     assert outcomes == {True, False}  # both the recovered and the bonus path were compared
+    assert batch.reruns - reruns == 2  # the cases with top_k > CAP went through the exact bisection
 
 
 # ---- statistical losslessness --------------------------------------------------------------------
