@@ -85,7 +85,8 @@ def shape_from_checkpoint(model_dir, dtype="fp16"):
 
 def shape_from_draft(path, dtype="fp16"):
     """A draft from a checkpoint dir (weights in `dtype`) or an exported .onnx (its real file size;
-    the KV cache in the manifest's dtype, which the runtime allocates)."""
+    the KV cache in the manifest's dtype, which the runtime allocates, twice for the ascend profile,
+    whose device-side cache is double-buffered)."""
     if os.path.isdir(path):
         return shape_from_checkpoint(path, dtype)
     from mindspec.export import read_manifest
@@ -97,8 +98,9 @@ def shape_from_draft(path, dtype="fp16"):
     except MindspecError:  # source checkpoint moved away: estimate from the file size
         params = weight_bytes / (_ONNX_WEIGHT_BYTES[m["quantize"]] if m["quantize"] else
                                  DTYPE_BYTES[PLAN_DTYPE[m["dtype"]]])
+    copies = 2 if m.get("profile") == "ascend" else 1
     return ModelShape(float(params), m["num_layers"], m["num_key_value_heads"], m["head_dim"], weight_bytes,
-                      DTYPE_BYTES[PLAN_DTYPE[m["dtype"]]])
+                      copies * DTYPE_BYTES[PLAN_DTYPE[m["dtype"]]])
 
 
 def kv_bytes_per_token(m, dtype_bytes=None):
