@@ -361,6 +361,19 @@ def test_unknown_routes_and_methods_then_still_serving(server):
     assert post(base, "/v1/completions", {"prompt": IDS, "max_tokens": 3})["usage"]["completion_tokens"] == 3
 
 
+def test_extreme_sampling_values_act_as_their_limits(server):
+    """Values that once passed validation and then vanished inside the float32 graph (issue reports:
+    random words, EOS repeated) behave as their limits: a tiny top_p or temperature keeps the argmax."""
+    base = server[0]
+    greedy = post(base, "/v1/completions", {"prompt": IDS, "max_tokens": N})["choices"][0]["text"]
+    for extreme in ({"top_p": 1e-46}, {"temperature": 1e-46}, {"top_k": 1}, {"top_p": 1e-46, "repetition_penalty": 1}):
+        body = dict({"prompt": IDS, "max_tokens": N, "temperature": 1.0, "seed": 5}, **extreme)
+        assert post(base, "/v1/completions", body)["choices"][0]["text"] == greedy, extreme
+    for top_k in (2 ** 31, 2 ** 32 + 1):
+        status, text = call(base, "/v1/completions", {"prompt": IDS, "temperature": 0.7, "top_k": top_k})
+        assert status == 400 and "top_k must be an integer in [0, 2147483647]" in text
+
+
 def test_seeded_sampling_repeats(server):
     base = server[0]
     body = {"prompt": IDS, "max_tokens": N, "temperature": 3.0, "top_p": 0.95}
