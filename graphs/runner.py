@@ -6,7 +6,7 @@ import hashlib
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import numpy as np
@@ -95,6 +95,11 @@ class TargetModel:
         self.max_seq = round_up(max_seq, PREFILL_CHUNK)
         self.k_buckets, self.batch_buckets = tuple(sorted(k_buckets)), tuple(sorted(batch_buckets))
         self.max_batch, self.dtype = max_batch, dtype  # weights, activations and KV cache (see llama.py)
+        # One row of one token runs its matmuls with M = 1, a kernel whose rounding differs from the
+        # M >= 2 one every verify call uses; in half precision that flips near-tied argmaxes (measured:
+        # 2 of 10 default-model prompts). So a half-precision decode of one row runs as a verify of
+        # the smallest bucket with no valid draft: the same kernels as speculation (see _widen).
+        self.wide_decode = dtype != "float32"
         # a verify step writes up to K positions past the last committed one
         self.rot_rows = rot_rows_for(ms.get_context("device_target"))
         self.decoder = LlamaDecoder(self.cfg, ckpt.get, self.max_seq + max(self.k_buckets), slots=max_batch,
@@ -171,7 +176,7 @@ class TargetModel:
         slots, pos, n_valid [n]; s: RowSampling, None when every row is plain greedy. Rows are padded
         to the batch bucket (a bucket of every slot puts each row at its slot's index). Returns
         (n_accepted [n], next [n]) int arrays."""
-        ids = np.asarray(ids, np.int32)
+        ids, s = self._widen(np.asarray(ids, np.int32), s)
         n, T = ids.shape
         K = T - 1
         assert K == 0 or K in self.k_buckets, (K, self.k_buckets)
@@ -208,6 +213,24 @@ class TargetModel:
                                      self._seen(None if s.seen is None else rows(s.seen), B))
         return acc.asnumpy()[at].astype(np.int64), nxt.asnumpy()[at].astype(np.int64)
 
+    def _decode_k(self, B, K):
+        """The K a step of batch bucket B and K drafts really runs (see wide_decode)."""
+        return self.k_buckets[0] if K == 0 and B == 1 and self.wide_decode else K
+
+    def _widen(self, ids, s):
+        """ids [n, 1] of a one-row decode -> [n, 1 + k] (the token repeated: dummy drafts, never valid, their
+        K/V past the row's position, stale) and its RowSampling padded to k drafts; else unchanged."""
+        n, T = ids.shape
+        k = self._decode_k(next(b for b in self.batch_buckets if b >= n), T - 1)
+        if k == T - 1:
+            return ids, s
+        if s is not None:
+            V = self.cfg.vocab_size
+            u_smp = np.concatenate([np.asarray(s.u_smp, np.float32)[:, :1], np.full((n, k), 0.5, np.float32)], 1)
+            s = replace(s, q=np.full((n, k, V), 1.0 / V, np.float32), u_acc=np.full((n, k), 0.5, np.float32),
+                        u_smp=u_smp)
+        return np.repeat(ids, k + 1, 1), s
+
     def logits(self, slot, pos, ids):
         """Full logits [T, V] of ids fed at pos of slot (tests and numerical checks)."""
         T = len(ids)
@@ -221,7 +244,7 @@ class TargetModel:
         in a fixed order."""
         names = [("prefill", 1, PREFILL_CHUNK)]
         for B in batch_sizes:
-            for K in ks:
+            for K in dict.fromkeys(self._decode_k(B, K) for K in ks):
                 names += [(kind, B, K + 1) for kind, on in (("greedy", greedy), ("sample", sample)) if on]
         return names
 

@@ -18,6 +18,8 @@ from mindspec.export import DraftSession, export_draft
 from mindspec.graphs.runner import TargetModel, init_mindspore
 from mindspec.reference import reference_logits
 
+from conftest import make_tiny_checkpoint
+
 PROMPTS = [[5, 6, 7], [100, 3, 250, 17, 9], list(range(10, 50)), [300, 301, 302, 7, 7, 7, 7]]
 ENV = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
 
@@ -130,3 +132,24 @@ def test_tp2_float16_equals_tp1_float16(tiny_target, drafts, pipe16, tmp_path):
                        capture_output=True, text=True, env=dict(ENV, MINDSPEC_HOME=str(tmp_path)), timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
     assert json.loads(p.stdout.strip().splitlines()[-1])["token_ids"] == want
+
+
+def test_one_row_decode_takes_the_kernels_of_verification(tmp_path):
+    """A matmul of one row (M = 1) rounds differently from one of several rows (at a hidden size of
+    a few hundred, as real models): the same position's logits from a 1-token and a 3-token call
+    differ. In half precision a one-row decode therefore runs as a verify call with no valid draft,
+    so target-only and speculative steps share kernels."""
+    init_mindspore()
+    ckpt = Checkpoint(make_tiny_checkpoint(tmp_path / "wide", hidden=512, inter=768, layers=1, heads=8,
+                                           kv_heads=2)[0])
+    m = TargetModel(ckpt, max_seq=64, k_buckets=(2, 4), dtype="float16")
+    seq = [int(x) for x in np.random.default_rng(5).integers(3, 300, 9)]
+    m.logits(0, 0, seq[:8])
+    one, three = m.logits(0, 8, seq[8:9]), m.logits(0, 8, seq[8:9] + [5, 6])[:1]
+    assert not np.array_equal(one, three)  # the rounding this avoids
+    names = m.graph_names([1, 2], [0, 2])
+    assert ("greedy", 1, 3) in names and ("greedy", 1, 1) not in names and ("greedy", 2, 1) in names
+    acc, nxt = m.step([seq[8:9]], [0], [8], [0])
+    assert acc.tolist() == [0] and nxt.tolist() == [int(three.argmax())]
+    assert TargetModel(ckpt, max_seq=64, k_buckets=(2,)).graph_names([1], [0]) == [("prefill", 1, 32),
+                                                                                   ("greedy", 1, 1)]  # float32
