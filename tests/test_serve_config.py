@@ -228,3 +228,43 @@ def test_fuzz_never_a_5xx_nor_a_hang(server):
     after = [json.loads(call(base, "/v1/completions", b)[1])["choices"][0]["text"] for b in (greedy, seeded)]
     assert after == before
     assert "Traceback" not in "".join(err)
+
+
+def test_fuzz_raw_bytes_on_the_socket(server):
+    """Junk and half-HTTP on the socket: an HTTP 4xx at once (or, for what could still become a request,
+    nothing yet), never a 5xx or a traceback; the server answers normally afterwards."""
+    import socket
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+    base, err, _ = server
+    host, port = base.rsplit("/", 1)[1].split(":")
+    line = st.sampled_from([b"GET / HTTP/1.1", b"POST /v1/completions HTTP/1.1", b"BREW /pot HTTP/1.1", b"GET",
+                            b"POST /generate HTTP/9.9", b"\x16\x03\x01\x02\x00"])  # the last: a TLS hello
+    header = st.sampled_from([b"Host: x", b"Content-Length: 5", b"Content-Length: -3", b"Content-Length: 99999999999",
+                              b"Transfer-Encoding: chunked", b"Transfer-Encoding: gzip", b"X: " + b"a" * 9000,
+                              b"Expect: 100-continue", b"Authorization: Bearer " + KEY.encode(), b": empty name"])
+    request = st.builds(lambda first, hs, body: first + b"\r\n" + b"\r\n".join(hs) + b"\r\n\r\n" + body,
+                        line, st.lists(header, max_size=4), st.binary(max_size=40))
+
+    seen = []
+
+    @settings(max_examples=60, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
+    @given(request | st.binary(max_size=200))
+    def one(data):
+        got = b""
+        with socket.create_connection((host, int(port)), timeout=1) as c:
+            c.sendall(data)
+            try:
+                while chunk := c.recv(65536):
+                    got += chunk
+            except socket.timeout:  # a request still incomplete (or kept alive): the server waits for more
+                pass
+        status = got.split(b" ", 2)[1] if got.startswith(b"HTTP/1.") else b""
+        assert got == b"" or status[:1] in (b"1", b"2", b"4"), (data, got[:300])
+        seen.append(status[:1])
+
+    one()
+    assert seen.count(b"4") >= 20, seen  # most junk is answered, not just dropped
+    assert call(base, "/v1/completions", {"prompt": [5, 6, 7, 8], "max_tokens": 2})[0] == 200
+    log = "".join(err)
+    assert "Traceback" not in log and "Unhandled" not in log and "Error handling" not in log, log[-3000:]
