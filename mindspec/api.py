@@ -246,13 +246,18 @@ class Api:
         self._check_ready()
         body = await self._body(request)
         _check_keys(body, {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt"})
+        if body.get("add_special_tokens") not in (None, True):  # the tokenizer's own rule (BOS) always applies
+            raise RequestError("add_special_tokens=false is not supported", param="add_special_tokens")
+        generation_prompt = body.get("add_generation_prompt", True)
+        if not isinstance(generation_prompt, bool):
+            raise RequestError("add_generation_prompt must be true or false", param="add_generation_prompt")
         self._openai_model(body)
         tok = self.app.pipe.tokenizer
         if (body.get("prompt") is None) == (body.get("messages") is None):
             raise RequestError("give exactly one of \"prompt\" or \"messages\"")
         kw = parse({k: body[k] for k in ("prompt", "messages") if body.get(k) is not None})
         text = kw["prompt"] if "prompt" in kw else tok.apply_chat_template(
-            kw["messages"], add_generation_prompt=body.get("add_generation_prompt", True) is not False)
+            kw["messages"], add_generation_prompt=generation_prompt)
         ids = tok.encode(text)
         return web.json_response({"count": len(ids), "max_model_len": self.app.pipe.max_seq, "tokens": ids,
                                   "token_strs": None})

@@ -302,6 +302,8 @@ BAD = [  # (path, body or raw bytes, status, words in the message)
     ("/v1/completions", {"prompt": "hi", "ignore_eos": "yes"}, 400, "ignore_eos must be true or false"),
     ("/v1/completions", b"[" * 100000 + b"]" * 100000, 400, "not valid JSON"),
     ("/tokenize", {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}, 400, "exactly one of"),
+    ("/tokenize", {"prompt": "hi", "add_special_tokens": False}, 400, "add_special_tokens=false is not supported"),
+    ("/tokenize", {"messages": HI, "add_generation_prompt": "yes"}, 400, "add_generation_prompt must be"),
 ]
 
 
@@ -548,6 +550,9 @@ def test_tokenize_detokenize_version(server, pipe):
                  "token_strs": None}
     chat = post(base, "/tokenize", {"messages": [{"role": "user", "content": "Hi"}]})["tokens"]
     assert chat == pipe.tokenizer.encode(pipe.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}]))
+    bare = post(base, "/tokenize", {"messages": [{"role": "user", "content": "Hi"}], "add_generation_prompt": False})
+    assert bare["tokens"] == pipe.tokenizer.encode(pipe.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], add_generation_prompt=False)) != chat
     assert post(base, "/detokenize", {"tokens": t["tokens"]}) == {"prompt": TEXT}
     assert call(base, "/detokenize", {"tokens": [10 ** 6]})[0] == 400
     assert json.loads(call(base, "/version")[1]) == {"version": mindspec.__version__}
