@@ -12,7 +12,7 @@ from aiohttp import web
 
 from . import __version__
 from .errors import MindspecError
-from .formats import TGI, OpenAI
+from .formats import TGI, OpenAI, openai_error, tgi_error
 from .request import RequestError, parse
 
 MAX_BODY = 4 * 2 ** 20  # MindIE's limit on a request's text: 4 MB
@@ -120,14 +120,11 @@ class Api:
         headers = {"Allow": allow} if allow else None
         if family == "tgi":
             status = 422 if status == 400 else status
-            kind = "validation" if status < 500 else ("overloaded" if status == 503 else "generation")
-            return web.json_response({"error": msg, "error_type": kind}, status=status, headers=headers)
-        kind = "invalid_request_error" if status < 500 else "server_error"
+            return web.json_response(tgi_error(status, msg), status=status, headers=headers)
         if param is None and status < 500:  # the field a message starts with ("temperature must be ...")
             m = re.match(r"(?:unknown field ')?(\w+)", msg)
             param = m.group(1) if m and m.group(1) in _FIELDS else None
-        return web.json_response({"error": {"message": msg, "type": kind, "param": param, "code": status}},
-                                 status=status, headers=headers)
+        return web.json_response(openai_error(status, msg, param), status=status, headers=headers)
 
     # ---- plumbing
 

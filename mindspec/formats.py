@@ -7,6 +7,18 @@ import time
 import uuid
 
 
+def openai_error(status, message, param=None):
+    """OpenAI's error body (also the shape of the errors that are no API's own: transport, routing)."""
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return {"error": {"message": " ".join(str(message).split()), "type": kind, "param": param, "code": status}}
+
+
+def tgi_error(status, message):
+    """TGI's and MindIE's error body."""
+    kind = "validation" if status < 500 else ("overloaded" if status == 503 else "generation")
+    return {"error": " ".join(str(message).split()), "error_type": kind}
+
+
 def pieces(req, sent, shown, final):
     """(id, text) of req's tokens from index `sent` whose text is all out: their text ends within the
     first `shown` characters streamed, and a later token has text (the bytes of a character cut short

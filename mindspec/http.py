@@ -14,12 +14,11 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
 from .errors import MindspecError
-
+from .formats import openai_error
 
 
 def _json_error(status, message):
-    return json.dumps({"error": {"message": " ".join(str(message).split()), "type": "invalid_request_error"
-                                 if status < 500 else "server_error", "param": None, "code": status}})
+    return json.dumps(openai_error(status, message))
 
 
 class _Protocol(RequestHandler):
