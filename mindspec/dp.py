@@ -15,6 +15,7 @@ Several machines (`--nodes N --node-rank R`, D a multiple of N): machine R runs 
 on its own devices; the parts meet on a shared file system, and the launcher that finds every part
 complete merges (the others say so and exit 0), or `mindspec batch --merge` with the job's flags."""
 import ctypes
+import fcntl
 import glob
 import os
 import random
@@ -148,10 +149,29 @@ def merge_command(input_path, output_path, job):
         out.close(failed=not ok)  # an output this created and left empty is removed
 
 
+def _running(paths):
+    """The first part whose lock a running replica holds (on another machine, or a job started by hand)."""
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return path
+        finally:
+            os.close(fd)
+    return None
+
+
 def _finish(out, rows, d, node=False):
-    """Merge and print the summary of the whole output; the job's exit code. Lines with no record yet: an
-    error, unless other machines may still be running their replicas."""
-    left = merge(out, rows, d)
+    """Merge and print the summary of the whole output; the job's exit code. Lines with no record yet, or
+    a part still being written: an error, unless other machines may still be running their replicas."""
+    busy = _running(parts_found(out.path).get(d, []))
+    if busy and not node:
+        raise MindspecError(f"{busy} is being written by a running replica; merge once it has ended")
+    left = len(rows) if busy else merge(out, rows, d)
     if left and node:
         print(f"mindspec batch: this node's replicas are done; {left} of {len(rows)} lines are left to other nodes: "
               f"the last to finish merges (or run the job with --merge)", file=sys.stderr, flush=True)

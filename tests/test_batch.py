@@ -599,6 +599,10 @@ def test_merge_in_input_order_once_and_only_when_complete(tmp_path, capsys, monk
         dp.merge_command(inp, str(out), job)
     assert _batch(inp, out, part=(1, 2)) == 1  # lines 2, 4 (4 fails)
     part1 = tmp_path / "o.jsonl.part1of2"
+    with open(part1, "rb") as f:  # a replica (started by hand, or on another machine) still writes it
+        fcntl.flock(f, fcntl.LOCK_EX)
+        with pytest.raises(MindspecError, match="part1of2 is being written by a running replica"):
+            dp.merge_command(inp, str(out), job)
     part1.write_bytes(part1.read_bytes() + _rec(4, job, **OK))  # a retry that worked, after the error
     out.write_bytes(_rec(2, job, **dict(OK, text="earlier")))  # a merge cut short after id 2
     assert dp.merge_command(inp, str(out), job) == 0
