@@ -83,8 +83,8 @@ def check_parts(output_path, dp):
     """Parts of a run with another --dp would hold lines this run also gives out: refuse."""
     other = sorted(d for d in parts_found(output_path) if d != dp)
     if other:
-        raise MindspecError(f"{output_path} has unmerged parts of a --dp {other[0]} run: finish it with --dp {other[0]}, "
-                            f"or merge them with --merge")
+        raise MindspecError(f"{output_path} has unmerged parts of a --dp {other[0]} run: finish it with "
+                            f"--dp {other[0]}, or merge them with --merge")
 
 
 def _collect(output, d):
@@ -198,12 +198,10 @@ def _die_with_parent(parent):
 
 
 def _start(argv, here, tp):
-    procs, me = {}, os.getpid()
-    for local, i in enumerate(here):
-        env = replica_env(os.environ, local, tp, random.randrange(2 ** 31))
-        procs[i] = subprocess.Popen(replica_command(argv, i), env=env, stdin=subprocess.DEVNULL,
-                                    preexec_fn=_die_with_parent(me))
-    return procs
+    envs = [replica_env(os.environ, local, tp, random.randrange(2 ** 31)) for local in range(len(here))]  # all, or none
+    return {i: subprocess.Popen(replica_command(argv, i), env=env, stdin=subprocess.DEVNULL,
+                                preexec_fn=_die_with_parent(os.getpid()))
+            for i, env in zip(here, envs)}
 
 
 def _wait(procs):
