@@ -1,15 +1,16 @@
 """float32 against float16 on the default pair: target-only and speculative tokens/s, peak memory (RSS),
 and how many prompts float16 reproduces exactly against float32 (greedy).
 
-Each dtype runs in its own process (peak RSS is per process): the target in that dtype, the default
-8-bit draft exported in that dtype. One run each; tokens/s over all prompts after a warm-up.
+Speed: both pipelines in one process, prompt by prompt in turn (float32 then float16, target-only then
+speculative), so machine noise hits both alike; tokens/s over all prompts after a warm-up. Memory: peak
+RSS of a separate process per dtype that loads the pair and generates once. The draft of each dtype
+is the default model's q8 draft exported in it.
 
     .venv/bin/python tools/bench_dtype.py [--prompts 10] [--max-new-tokens 64] [--out docs/bench-dtype.json]
 """
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 
@@ -18,10 +19,13 @@ PROMPTS = ["Once upon a time, in a small village by the sea,", "The three primar
            "List five fruits that are red.", "Explain photosynthesis to a ten-year-old.",
            "The quick brown fox", "def fibonacci(n):", "In 1969, the first humans landed on",
            "Give me a haiku about autumn leaves."]
+DTYPES = ("float32", "float16")
+MODES = {"target-only": dict(speculate=False), "speculative": {}}
 
 
 def drafts():
-    """{dtype: the default model's q8 draft exported in it} (exported once, before any measurement)."""
+    """(target dir, {dtype: the default model's q8 draft exported in it}), exported once, before any
+    measurement."""
     from mindspec.default import default_pair
     from mindspec.export import export_draft
     target, default = default_pair()
@@ -32,23 +36,15 @@ def drafts():
     return target, out
 
 
-def child(dtype, n, max_new):
-    import mindspec
-    target, paths = drafts()
-    draft = paths[dtype]
-    pipe = mindspec.load(target=target, draft=draft, max_seq=256, dtype=dtype)
-    prompts = PROMPTS[:n]
-    out = {"dtype": dtype}
-    for mode, kw in (("target-only", dict(speculate=False)), ("speculative", {})):
-        pipe.generate(prompt=prompts[0], chat=True, max_new_tokens=8, **kw)  # compile
-        tokens, wall, ids = 0, 0.0, []
-        for p in prompts:
-            r = pipe.generate(prompt=p, chat=True, max_new_tokens=max_new, **kw)
-            tokens, wall = tokens + r.stats["new_tokens"], wall + r.stats["wall_s"]
-            ids.append(r.token_ids)
-        out[mode] = {"tokens_per_s": tokens / wall, "token_ids": ids}
-    out["max_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
-    print(json.dumps(out))
+def peak_rss(dtype):
+    """A child's peak RSS in GB: load the pair in `dtype`, generate 16 tokens."""
+    code = ("import resource, sys; sys.path.insert(0, sys.argv[1]); import bench_dtype as b, mindspec; "
+            "t, d = b.drafts(); p = mindspec.load(target=t, draft=d[sys.argv[2]], max_seq=256, dtype=sys.argv[2]); "
+            "p.generate(prompt=b.PROMPTS[0], chat=True, max_new_tokens=16); "
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20)")
+    out = subprocess.run([sys.executable, "-c", code, os.path.dirname(os.path.abspath(__file__)), dtype],
+                         stdout=subprocess.PIPE, text=True, check=True).stdout
+    return float(out.strip().splitlines()[-1])
 
 
 def main():
@@ -56,23 +52,35 @@ def main():
     ap.add_argument("--prompts", type=int, default=10)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--out", default=None)
-    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
-    if a.child:
-        return child(a.child, a.prompts, a.max_new_tokens)
-    drafts()
-    res = {}
-    for dtype in ("float32", "float16"):
-        p = subprocess.run([sys.executable, __file__, "--child", dtype, "--prompts", str(a.prompts),
-                            "--max-new-tokens", str(a.max_new_tokens)], stdout=subprocess.PIPE, text=True, check=True)
-        res[dtype] = json.loads(p.stdout.strip().splitlines()[-1])
+    import mindspec
+    target, paths = drafts()
+    rss = {d: peak_rss(d) for d in DTYPES}
+    pipes = {d: mindspec.load(target=target, draft=paths[d], max_seq=256, dtype=d) for d in DTYPES}
+    res = {d: {m: {"tokens": 0, "wall_s": 0.0, "token_ids": []} for m in MODES} for d in DTYPES}
+    for d in DTYPES:
+        for kw in MODES.values():
+            pipes[d].generate(prompt=PROMPTS[0], chat=True, max_new_tokens=8, **kw)  # compile
+    for p in PROMPTS[:a.prompts]:
+        for d in DTYPES:
+            for m, kw in MODES.items():
+                r = pipes[d].generate(prompt=p, chat=True, max_new_tokens=a.max_new_tokens, **kw)
+                acc = res[d][m]
+                acc["tokens"] += r.stats["new_tokens"]
+                acc["wall_s"] += r.stats["wall_s"]
+                acc["token_ids"].append(r.token_ids)
+        print(".", end="", file=sys.stderr, flush=True)
+    for d in DTYPES:
+        for m in MODES:
+            res[d][m]["tokens_per_s"] = res[d][m]["tokens"] / res[d][m]["wall_s"]
+        res[d]["max_rss_gb"] = rss[d]
     f32, f16 = res["float32"], res["float16"]
     same = sum(x == y for x, y in zip(f32["target-only"]["token_ids"], f16["target-only"]["token_ids"]))
     exact = {d: sum(x == y for x, y in zip(res[d]["target-only"]["token_ids"], res[d]["speculative"]["token_ids"]))
-             for d in res}
-    print("| dtype | target-only tok/s | speculative tok/s | peak RSS GB |")
+             for d in DTYPES}
+    print("\n| dtype | target-only tok/s | speculative tok/s | peak RSS GB |")
     print("|---|---|---|---|")
-    for d in ("float32", "float16"):
+    for d in DTYPES:
         r = res[d]
         print(f"| {d} | {r['target-only']['tokens_per_s']:.1f} | {r['speculative']['tokens_per_s']:.1f} | "
               f"{r['max_rss_gb']:.2f} |")
@@ -81,9 +89,8 @@ def main():
           f"float16 {exact['float16']}/{a.prompts}")
     if a.out:
         with open(a.out, "w") as f:
-            json.dump({"max_new_tokens": a.max_new_tokens, "identical_prompts": same, "prompts": a.prompts,
-                       "speculative_equals_target_only": exact,
-                       **{d: {k: v for k, v in r.items() if k != "dtype"} for d, r in res.items()}}, f, indent=1)
+            json.dump({"max_new_tokens": a.max_new_tokens, "prompts": a.prompts, "identical_prompts": same,
+                       "speculative_equals_target_only": exact, **res}, f, indent=1)
 
 
 if __name__ == "__main__":
