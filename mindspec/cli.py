@@ -8,9 +8,10 @@ import sys
 
 from .errors import MindspecError
 from .request import SEED_ENV
-from .device import CHOICES
+from .device import CHOICES, DEVICE_ENV, check_tp, detect_device
 from .spec import DTYPES
 
+MODEL_COMMANDS = ("generate", "serve", "batch")  # the ones that load a model (and may run on msrun ranks)
 SERVE_MAX_SEQ = 1024  # positions per request a server holds by default (--max-seq)
 MAX_BATCH = 8  # rows per step of serve and batch: on 2 CPU cores 8 rows cost ~1.8x one (docs/design.md)
 
@@ -311,6 +312,13 @@ def _topology(args):
     return tp.topology(args.tp, args.nodes, args.node_rank, args.master_addr, args.master_port)
 
 
+def _launch_tp(argv, args):
+    """msrun's launch of this command over --tp ranks (refused first when the device has fewer)."""
+    from . import tp
+    check_tp(args.tp, detect_device(args.device))
+    return tp.launch(argv, args.tp, topo=_topology(args), device=args.device)
+
+
 def _launch(args, start):
     """Run a launcher (msrun's or the data-parallel one) in the user's process: Ctrl-C and SIGTERM reach it
     (its children inherit the unblocked mask); bad flags: one line, exit 2."""
@@ -337,9 +345,11 @@ def main(argv=None):
     except SystemExit:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
         raise
+    if getattr(args, "device", None):  # msrun's ranks and the replicas detect the device the same way
+        os.environ[DEVICE_ENV] = args.device
     if _dp_launcher(args):
         return _launch(args, lambda: launch_dp(argv, args))
-    if getattr(args, "tp", 1) > 1 or getattr(args, "nodes", 1) > 1:
+    if args.cmd in MODEL_COMMANDS and (args.tp > 1 or args.nodes > 1):
         from . import tp
         if not tp.is_worker():  # the user's process: run this same command on N ranks under msrun
             import random
@@ -347,7 +357,7 @@ def main(argv=None):
                 argv += ["--seed", str(random.randrange(2 ** 31))]  # every rank must draw the same uniforms
             # and the same seeds for the sampled requests of a batch that carry none
             os.environ.setdefault(SEED_ENV, str(random.randrange(2 ** 31)))
-            return _launch(args, lambda: tp.launch(argv, args.tp, topo=_topology(args), device=args.device))
+            return _launch(args, lambda: _launch_tp(argv, args))
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
         return tp.run_worker(lambda: _run(args), args.tp)  # one rank (msrun's scheduler exits inside)
     # SIGTERM = Ctrl-C (MindSpore's own SIGINT handler turns Ctrl-C into SIGTERM): exit 130, and a batch job

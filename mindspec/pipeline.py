@@ -110,6 +110,9 @@ class Pipeline:
         self.target = None  # free the old graphs' memory first
         self.target = TargetModel(self.ckpt, max_seq, self.spec.k_buckets, self.spec.batch_buckets, max_batch,
                                   self.dtype)
+        if self.tp > 1:  # every rank has its weights before any starts the first graph's collectives
+            from .tp import barrier
+            barrier()
         self._engine()
 
     def ensure(self, positions, max_batch):

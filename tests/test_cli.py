@@ -175,3 +175,18 @@ def test_compile_cache_is_written_then_used(pair, tmp_path):
     code, out2, err = run(*args, env=dict(env, GLOG_v="2"))  # MindSpore's warnings on: it says when it uses the cache
     assert code == 0 and "Use the compilation cache" in err
     assert json.loads(out2)["token_ids"] == json.loads(out1)["token_ids"]
+
+
+def test_plan_with_tp_runs_in_this_process():
+    """--tp of `plan` describes the deployment: no msrun launch (only model commands run on ranks)."""
+    code, out, err = run("plan", "--params", "70B", "--layers", "80", "--kv-heads", "8", "--head-dim", "128",
+                         "--tp", "8", "--device-mem", "64GB")
+    assert code == 0 and "TP=8" in out, err
+
+
+def test_tp_on_a_device_that_cannot_run_is_one_line(pair):
+    target, _, _ = pair
+    code, out, err = run("generate", "--target", target, "--no-speculate", "--prompt-ids", "5", "--tp", "2",
+                         "--device", "ascend")
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert err.startswith("mindspec: error: --device ascend: no NPU is visible")
