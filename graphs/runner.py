@@ -22,7 +22,8 @@ from .sampling import TOPK_CAP
 from .tp import tp_layout, tp_size
 
 
-JIT_LEVELS = {"CPU": None, "Ascend": None}  # None: MindSpore's own default (O0, kernel by kernel)
+JIT_LEVELS = {"CPU": "O0", "Ascend": None}  # CPU: O1 measured 5-10% slower per call (default model); Ascend:
+# not measured yet, MindSpore's own default (O0)
 JIT_ENV = "MINDSPEC_JIT_LEVEL"  # O0 | O1: try another level without a code change (part of the cache key)
 
 
@@ -95,11 +96,11 @@ class TargetModel:
         self.max_seq = round_up(max_seq, PREFILL_CHUNK)
         self.k_buckets, self.batch_buckets = tuple(sorted(k_buckets)), tuple(sorted(batch_buckets))
         self.max_batch, self.dtype = max_batch, dtype  # weights, activations and KV cache (see llama.py)
-        # One row of one token runs its matmuls with M = 1, a kernel whose rounding differs from the
-        # M >= 2 one every verify call uses; in half precision that flips near-tied argmaxes (measured:
-        # 2 of 10 default-model prompts). So a half-precision decode of one row runs as a verify of
-        # the smallest bucket with no valid draft: the same kernels as speculation (see _widen).
-        self.wide_decode = dtype != "float32"
+        # One row of one token would run its matmuls with M = 1, a kernel whose rounding differs from the
+        # M >= 2 one every verify call uses (in float16 that flipped near-tied argmaxes on 2 of 10
+        # default-model prompts) and that is slower on CPU. So a one-row decode runs as a verify of the
+        # smallest bucket with no valid draft: the kernels of speculation, and 0.87-0.94x the time
+        # (default model, 2 cores). See _widen.
         # a verify step writes up to K positions past the last committed one
         self.rot_rows = rot_rows_for(ms.get_context("device_target"))
         self.decoder = LlamaDecoder(self.cfg, ckpt.get, self.max_seq + max(self.k_buckets), slots=max_batch,
@@ -214,8 +215,8 @@ class TargetModel:
         return acc.asnumpy()[at].astype(np.int64), nxt.asnumpy()[at].astype(np.int64)
 
     def _decode_k(self, B, K):
-        """The K a step of batch bucket B and K drafts really runs (see wide_decode)."""
-        return self.k_buckets[0] if K == 0 and B == 1 and self.wide_decode else K
+        """The K a step of batch bucket B and K drafts really runs (a one-row decode: a verify, see __init__)."""
+        return self.k_buckets[0] if K == 0 and B == 1 else K
 
     def _widen(self, ids, s):
         """ids [n, 1] of a one-row decode -> [n, 1 + k] (the token repeated: dummy drafts, never valid, their

@@ -137,8 +137,8 @@ def test_tp2_float16_equals_tp1_float16(tiny_target, drafts, pipe16, tmp_path):
 def test_one_row_decode_takes_the_kernels_of_verification(tmp_path):
     """A matmul of one row (M = 1) rounds differently from one of several rows (at a hidden size of
     a few hundred, as real models): the same position's logits from a 1-token and a 3-token call
-    differ. In half precision a one-row decode therefore runs as a verify call with no valid draft,
-    so target-only and speculative steps share kernels."""
+    differ. A one-row decode therefore runs as a verify call with no valid draft, so target-only and
+    speculative steps share kernels."""
     init_mindspore()
     ckpt = Checkpoint(make_tiny_checkpoint(tmp_path / "wide", hidden=512, inter=768, layers=1, heads=8,
                                            kv_heads=2)[0])
@@ -151,5 +151,3 @@ def test_one_row_decode_takes_the_kernels_of_verification(tmp_path):
     assert ("greedy", 1, 3) in names and ("greedy", 1, 1) not in names and ("greedy", 2, 1) in names
     acc, nxt = m.step([seq[8:9]], [0], [8], [0])
     assert acc.tolist() == [0] and nxt.tolist() == [int(three.argmax())]
-    assert TargetModel(ckpt, max_seq=64, k_buckets=(2,)).graph_names([1], [0]) == [("prefill", 1, 32),
-                                                                                   ("greedy", 1, 1)]  # float32
