@@ -8,8 +8,8 @@ from .engine import Engine
 from .errors import MindspecError
 from .sampling import SamplingParams
 from .sequence import Request, Result
-from .spec import (BATCH_BUCKETS, K_BUCKETS, PLAN_DTYPE, PREFILL_CHUNK, SpecConfig, detect_device, resolve_dtype,
-                   round_up)
+from .device import detect_device
+from .spec import BATCH_BUCKETS, K_BUCKETS, PLAN_DTYPE, PREFILL_CHUNK, SpecConfig, resolve_dtype, round_up
 from .tokenizer import Tokenizer
 
 __all__ = ["Pipeline", "Result", "load"]

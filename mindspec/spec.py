@@ -1,9 +1,8 @@
 """The speculative-decoding settings in one place (as vLLM's SpeculativeConfig): K buckets, batch
-buckets, fixed or dynamic K, the cache sizing rule, quantization modes, the device. Importing it
-loads no framework, so bad input is refused before MindSpore or onnxruntime start."""
+buckets, fixed or dynamic K, the cache sizing rule, quantization modes, the dtypes each device runs.
+Importing it loads no framework, so bad input is refused before MindSpore or onnxruntime start."""
 from dataclasses import dataclass
 
-from .device import detect_device  # noqa: F401 - the device is one of the settings (mindspec/device.py)
 from .errors import MindspecError
 
 K_BUCKETS = (1, 2, 4, 8)  # draft lengths with their own compiled verify graph
