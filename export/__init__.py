@@ -5,12 +5,12 @@ import tempfile
 
 from mindspec.checkpoint import Checkpoint
 from mindspec.errors import MindspecError
+from mindspec.spec import QUANTIZE_MODES
 
 from .manifest import PROFILES, read_manifest, write_manifest
 from .runtime import DraftSession, providers
 
 __all__ = ["export_draft", "DraftSession", "read_manifest", "providers"]
-QUANTIZE_MODES = (None, "int8", "q8", "q4")
 DTYPES = ("float32", "float16")
 
 

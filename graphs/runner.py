@@ -177,11 +177,12 @@ class TargetModel:
         slots, pos, n_valid [n]; s: RowSampling, None when every row is plain greedy. Rows are padded
         to the batch bucket (a bucket of every slot puts each row at its slot's index). Returns
         (n_accepted [n], next [n]) int arrays."""
-        ids, s = self._widen(np.asarray(ids, np.int32), s)
+        ids = np.asarray(ids, np.int32)
+        B = next(b for b in self.batch_buckets if b >= len(ids))
+        ids, s = self._widen(ids, s, B)
         n, T = ids.shape
         K = T - 1
         assert K == 0 or K in self.k_buckets, (K, self.k_buckets)
-        B = next(b for b in self.batch_buckets if b >= n)
         if (np.asarray(pos) + T > self.max_seq + max(self.k_buckets)).any():
             raise MindspecError(f"sequence would exceed the target's max_seq {self.max_seq}")
         at = np.asarray(slots) if B == self.max_batch else np.arange(n)  # where each row sits in the bucket
@@ -218,11 +219,12 @@ class TargetModel:
         """The K a step of batch bucket B and K drafts really runs (a one-row decode: a verify, see __init__)."""
         return self.k_buckets[0] if K == 0 and B == 1 else K
 
-    def _widen(self, ids, s):
-        """ids [n, 1] of a one-row decode -> [n, 1 + k] (the token repeated: dummy drafts, never valid, their
-        K/V past the row's position, stale) and its RowSampling padded to k drafts; else unchanged."""
+    def _widen(self, ids, s, B):
+        """ids [n, 1] of a one-row decode (batch bucket B) -> [n, 1 + k] (the token repeated: dummy drafts,
+        never valid, their K/V past the row's position, stale) and its RowSampling padded to k drafts;
+        else unchanged."""
         n, T = ids.shape
-        k = self._decode_k(next(b for b in self.batch_buckets if b >= n), T - 1)
+        k = self._decode_k(B, T - 1)
         if k == T - 1:
             return ids, s
         if s is not None:

@@ -180,6 +180,11 @@ def batch_defaults(a):
     return dict(sampling_kwargs(a), chat=a.chat)
 
 
+def cmd_doctor(a):
+    from .doctor import run
+    return run(a.device)
+
+
 def cmd_batch(a):
     from .batch import job_id, run_batch
     if a.merge:
@@ -277,7 +282,7 @@ def parser():
     b.set_defaults(func=cmd_batch)
     d = sub.add_parser("doctor", help="what runs where on this machine, and what an Ascend run still needs")
     d.add_argument("--device", choices=CHOICES, default=None, help="the device to check (default auto)")
-    d.set_defaults(func=lambda a: __import__("mindspec.doctor", fromlist=["run"]).run(a.device))
+    d.set_defaults(func=cmd_doctor)
     from . import bench, plan
     plan.add_parser(sub)
     bench.add_parser(sub)
@@ -287,16 +292,20 @@ def parser():
 def _run(args):
     if args.cmd == "generate" and args.prompt is None and args.prompt_ids is None:
         args.prompt = "Once upon a time"
+    if args.cmd != "batch":  # batch unblocks them in run_batch, once it can still print its summary
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+    return _exit_code(lambda: args.func(args))
+
+
+def _exit_code(fn):
+    """fn()'s exit code: bad input one line and 2, an interrupt 130."""
     try:
-        if args.cmd != "batch":  # batch unblocks them in run_batch, once it can still print its summary
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
-        code = args.func(args)
+        return fn() or 0
     except MindspecError as e:
         print(f"mindspec: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
-    return code or 0
 
 
 def _dp_launcher(args):
@@ -325,12 +334,7 @@ def _launch(args, start):
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
     old = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
-        return start()
-    except MindspecError as e:
-        print(f"mindspec: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+        return _exit_code(start)
     finally:
         signal.signal(signal.SIGTERM, old)
 
