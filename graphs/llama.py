@@ -23,7 +23,7 @@ import mindspore as ms
 from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
 from .fuse import fused_weights, rope_rows
-from .sampling import NEG, TOPK_CAP, greedy_accept, process, sample, seen_mask, speculative_accept
+from .sampling import NEG, TOPK_CAP, greedy_accept, process, sample, seen_mask, speculative_accept, token_logprobs
 from .tp import shard_plan, tp_rank, tp_size
 
 
@@ -206,8 +206,10 @@ class SampleStep(nn.Cell):
     q [B, K, V] the processed draft distributions the drafts were sampled from (K = 0: [B, 1, V],
     unused); u_acc [B, K] (K = 0: [B, 1], unused) and u_smp [B, K+1] uniforms in [0, 1);
     temperature, top_k (int32), top_p, penalty [B]; seen [B, V] float32 (1: token committed).
-    Returns n_accepted [B], next [B] and exact (0-d bool: the top-k candidates held every row's kept
-    set; when not, run the cell with cap None, the exact bisection, on the same inputs)."""
+    Returns n_accepted [B], next [B], the logprobs of the tokens the step commits (lp [B, K+1]: the
+    accepted drafts, then next at index n_accepted; top_lp, top_id [B, K+1, TOP_LOGPROBS]: see
+    token_logprobs) and exact (0-d bool: the top-k candidates held every row's kept set; when not,
+    run the cell with cap None, the exact bisection, on the same inputs)."""
 
     def __init__(self, decoder, cap=TOPK_CAP):
         super().__init__()
@@ -221,24 +223,34 @@ class SampleStep(nn.Cell):
         seen_all = seen_mask(seen, drafts, V) if T > 1 else (seen > 0).reshape(B, 1, V)
         p, exact = process(logits, temperature, top_k, top_p, penalty, seen_all, self.cap)  # [B, K+1, V]
         if T == 1:
-            return ops.zeros((B,), ms.int32), sample(p.reshape(B, V), u_smp[:, 0]), exact
-        n, nxt = speculative_accept(p, q, drafts, n_valid, u_acc, u_smp)
-        return n, nxt, exact
+            n, nxt = ops.zeros((B,), ms.int32), sample(p.reshape(B, V), u_smp[:, 0])
+        else:
+            n, nxt = speculative_accept(p, q, drafts, n_valid, u_acc, u_smp)
+        if T == 1:
+            committed = nxt.reshape(B, 1)
+        else:  # [B, T]: the drafts, next at index n (past it: unused)
+            at = ops.arange(T, dtype=ms.int32).reshape(1, T)
+            committed = ops.select(at == n.reshape(B, 1), ops.broadcast_to(nxt.reshape(B, 1), (B, T)),
+                                   ops.concat((drafts, ids[:, :1]), 1))
+        return (n, nxt) + token_logprobs(logits, committed) + (exact,)
 
 
 class Prefill(nn.Cell):
-    """A prompt chunk of one row: ids [1, C] at pos [1] of slot [1] (padding after the real tokens lands
-    in stale positions: masked, later overwritten); the next token is sampled after index last [1]
-    with u [1] and the row's sampling parameters (as SampleStep; temperature 0 = greedy). Only that
-    position goes through the LM head. Returns next [1] int32 and exact (as SampleStep)."""
+    """A prompt chunk for each of B rows: ids [B, C] at pos [B] of slots [B] (padding after a row's
+    real tokens lands in stale positions: masked, later overwritten); each row's next token is sampled
+    after its index last [B] with u [B] and the row's sampling parameters (as SampleStep; temperature
+    0 = greedy). Only those B positions go through the LM head. Returns next [B] int32, its logprobs
+    (lp [B, 1], top_lp and top_id [B, 1, TOP_LOGPROBS]) and exact (as SampleStep)."""
 
     def __init__(self, decoder, cap=TOPK_CAP):
         super().__init__()
         self.decoder, self.cap = decoder, cap
 
     def construct(self, ids, slots, pos, last, u, temperature, top_k, top_p, penalty, seen):
-        h = ops.gather(self.decoder(ids, slots, pos), last, 0)  # [1, d]
+        B, C = ids.shape
         V = seen.shape[1]
-        logits = self.decoder.head_logits(h).reshape(1, 1, V)
-        p, exact = process(logits, temperature, top_k, top_p, penalty, (seen > 0).reshape(1, 1, V), self.cap)
-        return sample(p.reshape(1, V), u), exact
+        rows = ops.arange(B, dtype=ms.int32) * C + last  # [B]: each row's last real token
+        logits = self.decoder.head_logits(ops.gather(self.decoder(ids, slots, pos), rows, 0)).reshape(B, 1, V)
+        p, exact = process(logits, temperature, top_k, top_p, penalty, (seen > 0).reshape(B, 1, V), self.cap)
+        nxt = sample(p.reshape(B, V), u)
+        return (nxt,) + token_logprobs(logits, nxt.reshape(B, 1)) + (exact,)

@@ -15,7 +15,7 @@ from mindspore import Tensor
 
 from mindspec.errors import MindspecError
 from mindspec.device import detect_device, device_id
-from mindspec.spec import PREFILL_CHUNK, round_up
+from mindspec.spec import PREFILL_CHUNK, cache_positions, round_up
 from .fuse import rot_rows_for
 from .llama import GreedyStep, LlamaDecoder, Logits, Prefill, SampleStep
 from .sampling import TOPK_CAP
@@ -86,6 +86,20 @@ class RowSampling:
                    np.full((n, max(K, 1)), 0.5, np.float32), np.full((n, K + 1), 0.5, np.float32), q=q)
 
 
+@dataclass
+class Logprobs:
+    """The target's log-probabilities (of its raw logits) at each position of a call, per row: lp
+    [n, T] of the token committed there; top_lp [n, T, N] and top_id [n, T, N] the N most likely."""
+    lp: np.ndarray
+    top_lp: np.ndarray
+    top_id: np.ndarray
+
+    def at(self, row, t, n_top):
+        """Position t of a row: (logprob, [(id, logprob)] of its n_top best)."""
+        return float(self.lp[row, t]), [(int(i), float(x)) for i, x in
+                                        zip(self.top_id[row, t, :n_top], self.top_lp[row, t, :n_top])]
+
+
 class TargetModel:
     """Target graphs for `max_batch` slots of `max_seq` committed positions (a multiple of
     PREFILL_CHUNK); `batch_buckets` / `k_buckets` are the compiled (B, K) shapes; dtype ("float32",
@@ -101,9 +115,8 @@ class TargetModel:
         # default-model prompts) and that is slower on CPU. So a one-row decode runs as a verify of the
         # smallest bucket with no valid draft: the kernels of speculation, and 0.87-0.94x the time
         # (default model, 2 cores). See _widen.
-        # a verify step writes up to K positions past the last committed one
         self.rot_rows = rot_rows_for(ms.get_context("device_target"))
-        self.decoder = LlamaDecoder(self.cfg, ckpt.get, self.max_seq + max(self.k_buckets), slots=max_batch,
+        self.decoder = LlamaDecoder(self.cfg, ckpt.get, cache_positions(self.max_seq, self.k_buckets), slots=max_batch,
                                     dtype=getattr(ms, dtype), rot_rows=self.rot_rows)
         # *_exact: the rare rerun when the top-k candidates did not hold a row's kept set (graphs/sampling.py);
         # compiled on first need
@@ -116,23 +129,28 @@ class TargetModel:
         self.compiled, self.compile_s = set(), 0.0
         self._no_seen = {}  # B -> zeros [B, V]
 
-    def _run(self, kind, shape, *args):
+    def _run(self, kind, shape, *args, dry=False):
         """Call a graph; the first call of each (graph, shape) compiles it. Every input is a Tensor
-        (a Python number would recompile per value)."""
+        (a Python number would recompile per value). dry: compile (or load from the compile cache)
+        without running, returns None (warm-up: running each graph once cost ~5 of a warm start's
+        ~37 s, default model, 39 graphs)."""
         key = f"{kind}{shape}"
-        if key in self.compiled:
+        if key in self.compiled and not dry:
             return self.cells[kind](*args)
         global _COMPILES
-        _COMPILES += 1
+        if key not in self.compiled:
+            _COMPILES += 1
         t = time.perf_counter()
-        out = self.cells[kind](*args)
+        out = self.cells[kind].compile(*args) if dry else self.cells[kind](*args)
         self.compile_s += time.perf_counter() - t
         self.compiled.add(key)
         return out
 
-    def _sampled(self, kind, shape, *args):
+    def _sampled(self, kind, shape, *args, dry=False):
         """The outputs of a sampling graph, from its exact variant when the fast one's top-k candidates
         did not hold a row's kept set (the same inputs again: the K/V it writes are the same)."""
+        if dry:
+            return self._run(kind, shape, *args, dry=True)
         *out, exact = self._run(kind, shape, *args)
         if not bool(exact.asnumpy()):
             *out, _ = self._run(kind + "_exact", shape, *args)
@@ -153,47 +171,70 @@ class TargetModel:
             self._no_seen[B] = Tensor(np.zeros((B, self.cfg.vocab_size), np.float32))
         return self._no_seen[B]
 
-    def _params(self, s):
-        """One row's sampling parameter Tensors (prefill)."""
-        top_k = np.minimum(np.asarray(s.top_k, np.int64), self.cfg.vocab_size)  # k >= V means off
-        return (self._f32(s.temperature), self._i32(top_k), self._f32(s.top_p), self._f32(s.penalty),
-                self._seen(s.seen, 1))
+    def _bucket(self, n):
+        return next(b for b in self.batch_buckets if b >= n)
 
-    def prefill(self, slot, pos, ids, s):
-        """Feed one prompt chunk ids (at most PREFILL_CHUNK) at `pos` of `slot`; return the token
-        sampled after it with the row's RowSampling s (u_smp [1, 1]; temperature 0: greedy)."""
-        n = len(ids)
-        assert 1 <= n <= PREFILL_CHUNK, n
-        if pos + n > self.max_seq:
-            raise MindspecError(f"prompt would exceed the target's max_seq {self.max_seq}")
-        chunk = np.zeros((1, PREFILL_CHUNK), np.int32)
-        chunk[0, :n] = ids
-        args = (self._i32(chunk), self._i32([slot]), self._i32([pos]), self._i32([n - 1]),
-                self._f32(np.asarray(s.u_smp).reshape(1)), *self._params(s))
-        return int(self._sampled("prefill", (1, PREFILL_CHUNK), *args)[0].asnumpy()[0])
+    def _pad(self, n, B, slots):
+        """Rows of n real ones in a call of bucket B: (at [n], the index of each real row in the bucket;
+        pad(a, fill) -> [B, ...] with padding rows filled). A bucket of every slot puts each row at its
+        slot's index (the graph then attends to the cache in place)."""
+        at = np.asarray(slots) if B == self.max_batch else np.arange(n)
 
-    def step(self, ids, slots, pos, n_valid, s=None):
-        """One decode (K = 0) or verify step over n rows: ids [n, K+1] (last committed token + K drafts),
-        slots, pos, n_valid [n]; s: RowSampling, None when every row is plain greedy. Rows are padded
-        to the batch bucket (a bucket of every slot puts each row at its slot's index). Returns
-        (n_accepted [n], next [n]) int arrays."""
-        ids = np.asarray(ids, np.int32)
-        B = next(b for b in self.batch_buckets if b >= len(ids))
-        ids, s = self._widen(ids, s, B)
-        n, T = ids.shape
-        K = T - 1
-        assert K == 0 or K in self.k_buckets, (K, self.k_buckets)
-        if (np.asarray(pos) + T > self.max_seq + max(self.k_buckets)).any():
-            raise MindspecError(f"sequence would exceed the target's max_seq {self.max_seq}")
-        at = np.asarray(slots) if B == self.max_batch else np.arange(n)  # where each row sits in the bucket
-
-        def rows(a, fill=0):  # [n, ...] -> [B, ...], padding rows filled
+        def pad(a, fill=0):
             a = np.asarray(a)
             if n == B and B < self.max_batch or n == B == 1:
                 return a
             out = np.full((B,) + a.shape[1:], fill, a.dtype)
             out[at] = a
             return out
+        return at, pad
+
+    def prefill(self, slots, pos, chunks, s, dry=False, logprobs=False):
+        """Feed one prompt chunk per row (chunks [n]: at most PREFILL_CHUNK ids each) at pos [n] of
+        slots [n]; return the token sampled after each chunk [n] with the rows' RowSampling s (u_smp
+        [n, 1]; temperature 0: greedy), and with logprobs their Logprobs ([n, 1], see step). Padding
+        rows of the bucket write past max_seq (cache_positions' tail). dry: only compile (see _run)."""
+        n, C = len(chunks), PREFILL_CHUNK
+        assert all(1 <= len(c) <= C for c in chunks), [len(c) for c in chunks]
+        if any(p + len(c) > self.max_seq for p, c in zip(pos, chunks)):
+            raise MindspecError(f"prompt would exceed the target's max_seq {self.max_seq}")
+        B = self._bucket(n)
+        at, pad = self._pad(n, B, slots)
+        ids = np.zeros((n, C), np.int32)
+        for i, c in enumerate(chunks):
+            ids[i, :len(c)] = c
+        slot_of = pad(slots)
+        if n < B:
+            slot_of[np.setdiff1d(np.arange(B), at)] = np.setdiff1d(np.arange(B), slots) if B == self.max_batch \
+                else slots[0]  # the tail of any slot: nobody attends there before writing it
+        V = self.cfg.vocab_size
+        top_k = np.minimum(np.asarray(s.top_k, np.int64), V)  # k >= V means off; keeps int32 in range
+        args = (self._i32(pad(ids)), self._i32(slot_of), self._i32(pad(pos, self.max_seq)),
+                self._i32(pad([len(c) - 1 for c in chunks])), self._f32(pad(np.asarray(s.u_smp)[:, 0], 0.5)),
+                self._f32(pad(s.temperature)), self._i32(pad(top_k)), self._f32(pad(s.top_p, 1)),
+                self._f32(pad(s.penalty, 1)), self._seen(None if s.seen is None else pad(s.seen), B))
+        out = self._sampled("prefill", (B, C), *args, dry=dry)
+        if dry:
+            return None
+        tok = out[0].asnumpy()[at].astype(np.int64)
+        return (tok, Logprobs(*(x.asnumpy()[at] for x in out[1:4]))) if logprobs else tok
+
+    def step(self, ids, slots, pos, n_valid, s=None, dry=False, logprobs=False):
+        """One decode (K = 0) or verify step over n rows: ids [n, K+1] (last committed token + K drafts),
+        slots, pos, n_valid [n]; s: RowSampling, None when every row is plain greedy. Rows are padded
+        to the batch bucket (a bucket of every slot puts each row at its slot's index). Returns
+        (n_accepted [n], next [n]) int arrays, and with logprobs (s required: the sampling graph has
+        the whole logits) the Logprobs of the committed tokens, [n, K+1] (dry: None, the graph only
+        compiled, see _run)."""
+        ids = np.asarray(ids, np.int32)
+        B = self._bucket(len(ids))
+        ids, s = self._widen(ids, s, B)
+        n, T = ids.shape
+        K = T - 1
+        assert K == 0 or K in self.k_buckets, (K, self.k_buckets)
+        if (np.asarray(pos) + T > self.max_seq + max(self.k_buckets)).any():
+            raise MindspecError(f"sequence would exceed the target's max_seq {self.max_seq}")
+        at, rows = self._pad(n, B, slots)
         slot_of = rows(slots)
         if n < B:  # padding rows write at positions >= max_seq - 1 of a slot no real row of this call uses:
             # positions that any row writes again before it attends to them
@@ -202,18 +243,21 @@ class TargetModel:
         head = (self._i32(rows(ids)), self._i32(slot_of), self._i32(rows(pos, self.max_seq - 1)),
                 self._i32(rows(n_valid)))
         if s is None:
-            acc, nxt = self._run("greedy", (B, T), *head)
+            assert not logprobs, "logprobs come from the sampling graph: pass RowSampling"
+            out = self._run("greedy", (B, T), *head, dry=dry)
         else:
             V = self.cfg.vocab_size
             q = s.q if K else np.zeros((n, 1, V), np.float32)
             u_acc = s.u_acc if K else np.zeros((n, 1), np.float32)
             top_k = np.minimum(np.asarray(s.top_k, np.int64), V)  # k >= V means off; keeps int32 in range
-            acc, nxt = self._sampled("sample", (B, T), *head, self._f32(rows(q)), self._f32(rows(u_acc, 0.5)),
-                                     self._f32(rows(s.u_smp, 0.5)), self._f32(rows(s.temperature)),
-                                     self._i32(rows(top_k)), self._f32(rows(s.top_p, 1)),
-                                     self._f32(rows(s.penalty, 1)),
-                                     self._seen(None if s.seen is None else rows(s.seen), B))
-        return acc.asnumpy()[at].astype(np.int64), nxt.asnumpy()[at].astype(np.int64)
+            out = self._sampled("sample", (B, T), *head, self._f32(rows(q)), self._f32(rows(u_acc, 0.5)),
+                                self._f32(rows(s.u_smp, 0.5)), self._f32(rows(s.temperature)),
+                                self._i32(rows(top_k)), self._f32(rows(s.top_p, 1)), self._f32(rows(s.penalty, 1)),
+                                self._seen(None if s.seen is None else rows(s.seen), B), dry=dry)
+        if dry:
+            return None
+        acc, nxt = out[0].asnumpy()[at].astype(np.int64), out[1].asnumpy()[at].astype(np.int64)
+        return (acc, nxt, Logprobs(*(x.asnumpy()[at] for x in out[2:5]))) if logprobs else (acc, nxt)
 
     def _decode_k(self, B, K):
         """The K a step of batch bucket B and K drafts really runs (a one-row decode: a verify, see __init__)."""
@@ -245,8 +289,9 @@ class TargetModel:
     def graph_names(self, batch_sizes, ks, greedy=True, sample=False):
         """The graphs (kind, B, T) a run over these batch sizes and K values (0: plain decode) needs,
         in a fixed order."""
-        names = [("prefill", 1, PREFILL_CHUNK)]
+        names = []
         for B in batch_sizes:
+            names.append(("prefill", B, PREFILL_CHUNK))
             for K in dict.fromkeys(self._decode_k(B, K) for K in ks):
                 names += [(kind, B, K + 1) for kind, on in (("greedy", greedy), ("sample", sample)) if on]
         return names
@@ -290,6 +335,6 @@ class TargetModel:
 
     def _compile(self, kind, B, K):
         if kind == "prefill":
-            return self.prefill(0, 0, [0], RowSampling.greedy(1))
+            return self.prefill(np.arange(B), np.zeros(B, np.int64), [[0]] * B, RowSampling.greedy(B), dry=True)
         s = RowSampling.greedy(B, K, self.cfg.vocab_size) if kind == "sample" else None
-        self.step(np.zeros((B, K + 1)), np.arange(B), np.zeros(B), np.zeros(B), s)
+        self.step(np.zeros((B, K + 1)), np.arange(B), np.zeros(B), np.zeros(B), s, dry=True)

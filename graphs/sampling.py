@@ -4,7 +4,8 @@ Sampling parameters are per row ([B] Tensors) and randomness comes in as pre-dra
 compiled graph serves any mix of greedy rows (temperature 0) and sampling rows with any top-k /
 top-p / repetition-penalty values, and a seeded request is reproducible. Processing matches
 mindspec.sampling.process_logits (HF order and semantics), acceptance matches
-mindspec.acceptance.speculative_accept. Only token ids and counts leave the graph.
+mindspec.acceptance.speculative_accept. Token ids and counts leave the graph, and from the sampling
+graphs the logprobs of the committed tokens (token_logprobs), never whole distributions.
 
 Top-k/top-p without a full sort (a CPU sort of the vocabulary costs ~20x the rest, and sorting float32
 is lossy on Ascend): the thresholds come from the `cap` largest logits (ops.topk) and the softmax
@@ -15,6 +16,8 @@ on the logit values: sort-free, the same kernels on every call, no branch inside
 """
 import mindspore as ms
 from mindspore import Tensor, ops
+
+from mindspec.spec import TOP_LOGPROBS
 
 NEG = -1e9  # finite "minus infinity": exp() underflows to exactly 0 in float32
 BIG = 3e38  # "+infinity" for min-reductions
@@ -96,6 +99,19 @@ def process(x, temperature, top_k, top_p, penalty, seen, cap):
     greedy = ops.one_hot(ops.argmax(x, -1), x.shape[-1], Tensor(1.0, ms.float32), Tensor(0.0, ms.float32))
     x, exact = _truncate(x / (temperature + 1.0 - hot), top_k.reshape(B, 1, 1), top_p.reshape(B, 1, 1), cap)
     return ops.softmax(x, -1) * hot + greedy * (1.0 - hot), exact
+
+
+def token_logprobs(logits, tokens):
+    """logits [B, T, V] float32 (the model's, before any processing: vLLM's and OpenAI's logprobs),
+    tokens [B, T] int32 -> (logprob of each token [B, T], the TOP_LOGPROBS best (logprobs
+    [B, T, N], ids [B, T, N] int32)). One logsumexp and one small top-k per position: computed on
+    every sampling call (a separate graph kind would be compiled before a server says ready)."""
+    B, T, V = logits.shape
+    m = logits.max(-1, keepdims=True)
+    lse = m + ops.log(ops.exp(logits - m).sum(-1, keepdims=True))  # [B, T, 1]
+    lp = ops.gather_elements(logits, 2, tokens.reshape(B, T, 1)).reshape(B, T) - lse.reshape(B, T)
+    top, idx = ops.topk(logits, min(TOP_LOGPROBS, V), -1, True, True)
+    return lp, top - lse, idx.astype(ms.int32)
 
 
 def sample(probs, u):

@@ -1,7 +1,8 @@
 """The engine: continuous batching of speculative decoding over KV-cache slots.
 
-add(request) queues a request; step() runs one prompt chunk (of at most one admitted request, so a
-long prompt never stalls the running rows for more than a chunk) and then one draft + one verify
+add(request) queues a request; step() admits waiting requests into free slots, runs one prompt
+chunk of every prefilling request in one call (so a long prompt never stalls the running rows for
+more than a chunk, and requests arriving together prefill together), then one draft + one verify
 call over every running row; abort(id) ends a request at the next step. The front ends (generate,
 serve, batch) only add, read and abort requests: this is the one loop they share.
 
@@ -48,9 +49,9 @@ class Engine:
         events = {}
         self._reap(events)
         self._admit()
-        pre = next((r for r in self.rows if r.state == PREFILL), None)
-        if pre is not None:
-            self._guard([pre], events, lambda: self._prefill_chunk(pre, events))
+        pre = [r for r in self.rows if r.state == PREFILL]
+        if pre:
+            self._guard(pre, events, lambda: self._prefill_chunk(pre, events))
         running = [r for r in self.rows if r.state == RUNNING]
         if running:
             self._guard(running, events, lambda: self._decode(running, events))
@@ -69,8 +70,8 @@ class Engine:
         self._release()
 
     def _admit(self):
-        """One request at a time enters prefill, when a slot is free."""
-        if self.waiting and self.free_slots and not any(r.state == PREFILL for r in self.rows):
+        """Waiting requests enter prefill while slots are free."""
+        while self.waiting and self.free_slots:
             r = self.waiting.popleft()
             r.slot, r.row, r.pos, r.state = self.free_slots.pop(), len(self.rows), 0, PREFILL
             r.stats.queue_s = time.perf_counter() - r.added
@@ -103,18 +104,26 @@ class Engine:
 
     # ---- the work of a step
 
-    def _prefill_chunk(self, r, events):
+    def _prefill_chunk(self, pre, events):
+        """The next prompt chunk of each prefilling row, in one call; a row whose prompt ends here gets
+        its first token (the call's time is counted in each row's prefill_s)."""
         t0 = time.perf_counter()
-        chunk = r.prompt_ids[r.pos:r.pos + PREFILL_CHUNK]
-        tok = self.target.prefill(r.slot, r.pos, chunk, self._sampling([r], 0, prefill=True))
-        if self.proposer is not None and r.speculate:
-            self.proposer.prefill(r.row, chunk)
-        r.pos += len(chunk)
-        r.stats.prefill_s += time.perf_counter() - t0
-        if r.pos == len(r.prompt_ids):  # the last chunk: its token is the first one generated
-            r.state = RUNNING
-            r.stats.target_calls += 1
-            events[r] = events.get(r, "") + r.commit([tok])
+        chunks = [r.prompt_ids[r.pos:r.pos + PREFILL_CHUNK] for r in pre]
+        want_lp = any(r.logprobs is not None for r in pre)
+        out = self.target.prefill([r.slot for r in pre], [r.pos for r in pre], chunks,
+                                  self._sampling(pre, 0, prefill=True), logprobs=want_lp)
+        toks, lps = out if want_lp else (out, None)
+        if self.proposer is not None:
+            self.proposer.prefill({r.row: c for r, c in zip(pre, chunks) if r.speculate})
+        dt = time.perf_counter() - t0
+        for i, (r, chunk) in enumerate(zip(pre, chunks)):
+            r.pos += len(chunk)
+            r.stats.prefill_s += dt
+            if r.pos == len(r.prompt_ids):  # the last chunk: its token is the first one generated
+                r.state = RUNNING
+                r.stats.target_calls += 1
+                lp = [lps.at(i, 0, r.logprobs)] if r.logprobs is not None else None
+                events[r] = events.get(r, "") + r.commit([int(toks[i])], lp)
 
     def _decode(self, running, events):
         """One draft + verify call over the running rows (K = 0: a plain decode call)."""
@@ -124,7 +133,8 @@ class Engine:
         K = max(n_valid)
         drafts = np.zeros((len(running), K), np.int64)
         q = None
-        need_q = any(not r.params.plain_greedy for r in running)
+        want_lp = any(r.logprobs is not None for r in running)  # only the sampling graph has whole logits
+        need_q = want_lp or any(not r.params.plain_greedy for r in running)
         if K:
             who = [None] * len(self.rows)
             for r, n in zip(running, n_valid):
@@ -141,7 +151,8 @@ class Engine:
         t1 = time.perf_counter()
         ids = np.concatenate([np.array([[r.seq[-1]] for r in running]), drafts], 1)  # [n, K+1]
         s = self._sampling(running, K, q=q) if need_q else None
-        acc, nxt = self.target.step(ids, [r.slot for r in running], [r.pos for r in running], n_valid, s)
+        acc, nxt, *lps = self.target.step(ids, [r.slot for r in running], [r.pos for r in running], n_valid, s,
+                                          logprobs=want_lp)
         t2 = time.perf_counter()
         if self.dynamic is not None and any(r.policy is not None for r in running):
             self.dynamic.observe(self.spec.batch_bucket(len(running)), K, t1 - t0, t2 - t1)
@@ -154,7 +165,8 @@ class Engine:
             r.stats.verify_s += t2 - t1
             if r.policy is not None:
                 self.dynamic.update(r.policy, n_valid[i], n)
-            events[r] = events.get(r, "") + r.commit([int(t) for t in drafts[i, :n]] + [int(nxt[i])])
+            lp = [lps[0].at(i, t, r.logprobs) for t in range(n + 1)] if r.logprobs is not None else None
+            events[r] = events.get(r, "") + r.commit([int(t) for t in drafts[i, :n]] + [int(nxt[i])], lp)
             if self.proposer is not None and r.speculate:
                 self.proposer.update_candidate_strategy(r.row, r)
             if not r.done and r.pos >= self.target.max_seq:

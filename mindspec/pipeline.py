@@ -9,7 +9,7 @@ from .errors import MindspecError
 from .sampling import SamplingParams
 from .sequence import Request, Result
 from .device import detect_device
-from .spec import BATCH_BUCKETS, K_BUCKETS, PLAN_DTYPE, PREFILL_CHUNK, SpecConfig, resolve_dtype, round_up
+from .spec import BATCH_BUCKETS, K_BUCKETS, PLAN_DTYPE, TOP_LOGPROBS, SpecConfig, cache_positions, resolve_dtype
 from .tokenizer import Tokenizer
 
 __all__ = ["Pipeline", "Result", "load"]
@@ -101,7 +101,7 @@ class Pipeline:
         if self.device_mem:  # before any weight is loaded, in the dtypes really used (the draft's: its manifest)
             from .plan import check_fits, shape_from_config, shape_from_draft
             from mindspec.graphs.fuse import rot_rows_for
-            positions = round_up(max_seq, PREFILL_CHUNK) + max(self.spec.k_buckets)  # per slot, as allocated
+            positions = cache_positions(max_seq, self.spec.k_buckets)  # per slot, as allocated
             check_fits(shape_from_config(self.cfg, PLAN_DTYPE[self.dtype], rot_rows=rot_rows_for(self.device)),
                        shape_from_draft(self.draft_path) if self.draft_path else None,
                        tp=self.tp, device_mem=self.device_mem, seq_len=positions * max_batch)
@@ -141,8 +141,10 @@ class Pipeline:
 
     def request(self, prompt=None, prompt_ids=None, max_new_tokens=64, temperature=0.0, seed=None, stop=None,
                 chat=False, k=None, speculate=True, top_k=0, top_p=1.0, repetition_penalty=1.0,
-                draft_temperature=None, draft_min_conf=None, request_id=None):
-        """A validated Request (generate's keywords); a sampled request without a seed gets a drawn one."""
+                draft_temperature=None, draft_min_conf=None, request_id=None, logprobs=None):
+        """A validated Request (generate's keywords); a sampled request without a seed gets a drawn one.
+        logprobs=n: each generated token's logprob under the target (its raw logits) and its n most
+        likely alternatives (0..TOP_LOGPROBS), in Result.logprobs."""
         k = self.spec.k_for_request(k)
         if seed is None and temperature:
             seed = int.from_bytes(os.urandom(7), "little")
@@ -151,13 +153,19 @@ class Pipeline:
             raise MindspecError(f"draft_min_conf must be between 0 and 1, got {draft_min_conf}")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise MindspecError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
+                                     or not 0 <= logprobs <= TOP_LOGPROBS):
+            raise MindspecError(f"logprobs must be an integer in [0, {TOP_LOGPROBS}] (alternatives per token), "
+                                f"got {logprobs!r}")
         ids = self.encode(prompt, prompt_ids, chat)
         limit = self.fixed_max_seq or self.cfg.max_position_embeddings
         if len(ids) + 1 > limit:
             raise MindspecError(f"prompt is {len(ids)} tokens; it does not fit max_seq {limit}")
-        return Request(ids, params, max_new_tokens, stop=stop, eos=self.eos, k=k,
-                       speculate=speculate and self.draft_path is not None, tokenizer=self.tokenizer,
-                       draft_min_conf=draft_min_conf, request_id=request_id)
+        r = Request(ids, params, max_new_tokens, stop=stop, eos=self.eos, k=k,
+                    speculate=speculate and self.draft_path is not None, tokenizer=self.tokenizer,
+                    draft_min_conf=draft_min_conf, request_id=request_id)
+        r.logprobs = logprobs
+        return r
 
     def prepare(self, reqs, max_batch=1, every_graph=False):
         """Size the cache for these requests (read them first, size once), compile what they need
@@ -169,8 +177,8 @@ class Pipeline:
         n = max_batch if every_graph else min(max_batch, max(len(reqs), 1))
         sizes = [b for b in spec.batch_buckets if b <= spec.batch_bucket(n)]
         drafting = self.proposer is not None and (every_graph or any(r.speculate for r in reqs))
-        greedy = every_graph or any(r.params.plain_greedy for r in reqs)
-        sample = every_graph or any(not r.params.plain_greedy for r in reqs)
+        greedy = every_graph or any(r.params.plain_greedy and r.logprobs is None for r in reqs)
+        sample = every_graph or any(not r.params.plain_greedy or r.logprobs is not None for r in reqs)
         ks = [0] + (list(t.k_buckets) if drafting else [])
         t.warmup(t.graph_names(sizes, ks, greedy, sample), self.cache_dir)
         if drafting and (every_graph or any(r.k == "auto" for r in reqs)):

@@ -249,10 +249,8 @@ def _measure_costs(pipe, batch_sizes, reps=5, cache=True):
     from mindspec.spec import PREFILL_CHUNK
     from mindspec.graphs.runner import RowSampling
     import numpy as np
-    greedy1 = RowSampling.greedy(1)
-    for b in range(B_max):  # every row holds the same context
-        for c in range(0, ctx, PREFILL_CHUNK):
-            t.prefill(b, c, prompt[c:c + PREFILL_CHUNK], greedy1)
+    for c in range(0, ctx, PREFILL_CHUNK):  # every row holds the same context
+        t.prefill(np.arange(B_max), [c] * B_max, [prompt[c:c + PREFILL_CHUNK]] * B_max, RowSampling.greedy(B_max))
     s.reset()
     s.forward([prompt] * B_max)
     timed = {}

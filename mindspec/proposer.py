@@ -19,9 +19,12 @@ class DraftProposer:
         self.session = session
         self.vocab_size = session.vocab_size
 
-    def prefill(self, row, ids):
-        """Feed prompt tokens to a row's cache (its logits are not needed: drafting starts later)."""
-        self.session.forward([list(ids)], start=row)
+    def prefill(self, chunks):
+        """Feed prompt tokens to rows' caches in one call: chunks {row: ids} (their logits are not
+        needed: drafting starts later)."""
+        if chunks:
+            lo, hi = min(chunks), max(chunks)
+            self.session.forward([list(chunks.get(row, ())) for row in range(lo, hi + 1)], start=lo)
 
     def get_candidates(self, rows, k, need_q):
         """rows: the engine's rows in row order, a Request or None (takes no part). Drafts k tokens for

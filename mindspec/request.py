@@ -18,7 +18,7 @@ _seeds = None
 PROMPT_FIELDS = ("prompt", "messages", "prompt_ids")
 FIELDS = frozenset(PROMPT_FIELDS + (
     "chat", "max_new_tokens", "max_tokens", "temperature", "top_k", "top_p", "repetition_penalty",
-    "draft_temperature", "seed", "stop", "do_sample", "k", "min_tokens", "ignore_eos", "stop_token_ids"))
+    "draft_temperature", "seed", "stop", "do_sample", "k", "min_tokens", "ignore_eos", "stop_token_ids", "logprobs"))
 ROLES = ("system", "user", "assistant")
 
 

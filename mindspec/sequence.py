@@ -55,6 +55,7 @@ class Result:
     stats: dict
     finish_reason: str  # "stop" (EOS, stop string or stop token), "length", "abort" or "error"
     error: str = None  # what failed, with finish_reason "error"
+    logprobs: list = None  # with logprobs requested: per token (logprob, [(id, logprob)] of the n best)
 
 
 class Request:
@@ -71,6 +72,8 @@ class Request:
         self.max_new_tokens, self.k, self.speculate = max_new_tokens, k, speculate
         self.stops, self.eos, self.draft_min_conf = [s for s in (stop or []) if s], frozenset(eos), draft_min_conf
         self.min_tokens = 0  # neither EOS nor a stop string ends the request before this many tokens (vLLM's)
+        self.logprobs = None  # n: each token's logprob and its n best alternatives (0..TOP_LOGPROBS)
+        self.token_logprobs = []  # per output token, when logprobs is set: (logprob, [(id, logprob)])
         self.output = []  # generated ids
         self.ends = []  # ends[i]: len(text) once output[i] was decoded (per-token text for streams)
         self.state, self.finish_reason, self.cancelled, self.error = WAITING, None, False, None
@@ -91,12 +94,14 @@ class Request:
     def done(self):
         return self.state == FINISHED
 
-    def commit(self, tokens):
+    def commit(self, tokens, logprobs=None):
         """Append the tokens a step committed (1..K+1), stopping at EOS, a stop string or
-        max_new_tokens (the last step may overshoot: the surplus is dropped). Returns the text that
-        can be streamed now."""
-        for tok in tokens[:self.max_new_tokens - len(self.output)]:
+        max_new_tokens (the last step may overshoot: the surplus is dropped); logprobs: one entry per
+        token (see token_logprobs). Returns the text that can be streamed now."""
+        for i, tok in enumerate(tokens[:self.max_new_tokens - len(self.output)]):
             self.output.append(int(tok))
+            if logprobs is not None:
+                self.token_logprobs.append(logprobs[i])
             self.ends.append(len(self.text))
             early = len(self.output) <= self.min_tokens
             if tok in self.eos:
@@ -133,5 +138,6 @@ class Request:
     def result(self):
         self.stats.new_tokens = len(self.output)
         return Result(list(self.output), self.text, self.stats.as_dict(), self.finish_reason or "length",
-                      None if self.error is None else f"{type(self.error).__name__}: {self.error}")
+                      None if self.error is None else f"{type(self.error).__name__}: {self.error}",
+                      list(self.token_logprobs) if self.logprobs is not None else None)
 

@@ -7,13 +7,21 @@ from .errors import MindspecError
 
 K_BUCKETS = (1, 2, 4, 8)  # draft lengths with their own compiled verify graph
 BATCH_BUCKETS = (1, 2, 4, 8)  # rows per compiled call; a step pads its rows up to the next bucket
-PREFILL_CHUNK = 32  # prompts go through one compiled [1, 32] graph, chunk by chunk
+PREFILL_CHUNK = 32  # prompts go through compiled [B, 32] graphs, a chunk of each prefilling row per step
 SEQ_ROUND = 256  # an auto-sized cache grows in steps of this (each size is a new set of graphs)
 QUANTIZE_MODES = (None, "int8", "q8", "q4")
+TOP_LOGPROBS = 20  # most alternatives a request may ask per token with its logprobs (OpenAI's and vLLM's limit)
 
 
 def round_up(n, m):
     return (n + m - 1) // m * m
+
+
+def cache_positions(max_seq, k_buckets):
+    """Positions per target cache slot for `max_seq` committed ones: past them a tail where a verify
+    writes its drafts and the padding rows of a batch bucket write (a prefill chunk's worth), never
+    attended before a real row writes there itself."""
+    return round_up(max_seq, PREFILL_CHUNK) + max(max(k_buckets), PREFILL_CHUNK)
 
 
 DTYPES = ("float32", "float16", "bfloat16")

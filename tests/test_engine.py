@@ -70,6 +70,36 @@ def test_seeded_sampling_rows_give_the_same_text_alone_and_in_a_batch(pipe, alon
     assert res[2].token_ids != alone[2]  # really sampled
 
 
+def test_logprobs_are_the_targets_own_and_change_no_token(pipe, alone, tiny_target):
+    """logprobs=n: each token's logprob under the target's raw logits and its n best alternatives
+    (numpy reference), for greedy and seeded sampling rows beside rows that ask none; the tokens are
+    those of the same requests without logprobs."""
+    kws = [dict(prompt_ids=p, max_new_tokens=n, k=2) for p, n in zip(PROMPTS, MAX_NEW)]
+    kws[2].update(temperature=1.5, top_p=0.9, seed=102)
+    sampled = pipe.generate(**kws[2]).token_ids
+    for i in (0, 2, 3):
+        kws[i]["logprobs"] = 3
+    kws[4]["logprobs"] = 0
+    res = pipe.generate_many(kws)
+    ck = Checkpoint(tiny_target[0])
+    for i, r in enumerate(res):
+        assert r.token_ids == (sampled if i == 2 else alone[i]), i
+        if "logprobs" not in kws[i]:
+            assert r.logprobs is None
+            continue
+        assert len(r.logprobs) == len(r.token_ids)
+        ref = reference_logits(ck.config, ck.get, PROMPTS[i] + r.token_ids)[len(PROMPTS[i]) - 1:-1]  # [n, V]
+        ref = ref - ref.max(-1, keepdims=True)
+        ref = ref - np.log(np.exp(ref).sum(-1, keepdims=True))
+        for j, (lp, top) in enumerate(r.logprobs):
+            assert lp == pytest.approx(ref[j, r.token_ids[j]], abs=1e-4), (i, j)
+            n_top = kws[i]["logprobs"]
+            assert [t for t, _ in top] == list(np.argsort(-ref[j], kind="stable")[:n_top]), (i, j)
+            assert [x for _, x in top] == pytest.approx(np.sort(ref[j])[::-1][:n_top], abs=1e-4)
+            if i != 2 and n_top:
+                assert top[0][0] == r.token_ids[j]  # greedy: the token is the best one
+
+
 def test_second_token_is_lossless_beside_other_rows(pipe, tiny_target):
     """The second token of a sampled row (the first one decided by accept/reject) follows the
     target's exact marginal while greedy rows run in the same steps."""

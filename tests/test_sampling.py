@@ -208,10 +208,10 @@ class Batch:
                 f32(u[:, :K]), f32(np.repeat(u[:, K:], K + 1, 1)), f32([p.temperature for p in row]),
                 i32([p.top_k for p in row]), f32([p.top_p for p in row]), f32([p.repetition_penalty for p in row]),
                 f32(np.zeros((B, V)) if seen is None else seen))
-        n, nxt, exact = self.cell(*args)
+        n, nxt, *_, exact = self.cell(*args)
         if not exact.asnumpy():  # as TargetModel does
             self.reruns += 1
-            n, nxt, _ = self.exact(*args)
+            n, nxt, *_ = self.exact(*args)
         return n.asnumpy(), nxt.asnumpy()
 
     def fill(self, ids):
@@ -394,7 +394,7 @@ def test_target_model_sampling_matches_the_pure_functions(pair, target):
         params = SamplingParams(float(rng.uniform(0.5, 1.5)))
         prefix = [int(x) for x in rng.integers(0, V, int(rng.integers(2, 7)))]
         u = rng.random(5, dtype=np.float32)
-        first = m.prefill(0, 0, prefix, _rows([params], [[0.5]], [[u[0]]]))
+        first = int(m.prefill([0], [0], [prefix], _rows([params], [[0.5]], [[u[0]]]))[0])
         assert first == sample(params.process(ref(prefix)), u[0])
         seq = prefix + [first]
         q = params.for_draft().process(rng.normal(0, 2, V))[None].astype(np.float32)  # [1, V]

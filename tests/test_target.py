@@ -40,8 +40,8 @@ def test_logits_match_reference_per_slot_and_after_rollback(target):
 def test_prefill_chunks_return_the_reference_argmax(target):
     ckpt, m = target
     seq = list(range(5, 5 + 37))  # 37 tokens: a full chunk plus a padded one
-    m.prefill(2, 0, seq[:32], RowSampling.greedy(1))
-    assert m.prefill(2, 32, seq[32:], RowSampling.greedy(1)) == int(_ref(ckpt, seq)[-1].argmax())
+    m.prefill([2], [0], [seq[:32]], RowSampling.greedy(1))
+    assert m.prefill([2], [32], [seq[32:]], RowSampling.greedy(1))[0] == int(_ref(ckpt, seq)[-1].argmax())
 
 
 def _drafts(ckpt, prefix, k, rng, corrupt):
@@ -114,7 +114,7 @@ def test_logits_after_steps_with_rejections(target):
     ckpt, m = target
     rng = np.random.default_rng(7)
     seq = [int(x) for x in rng.integers(3, 300, 5)]
-    seq.append(m.prefill(1, 0, seq, RowSampling.greedy(1)))
+    seq.append(int(m.prefill([1], [0], [seq], RowSampling.greedy(1))[0]))
     rejected = 0
     for step in range(6):
         drafts = [int(x) for x in rng.integers(3, 300, 4)]

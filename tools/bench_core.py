@@ -43,7 +43,7 @@ def verify_costs(pipe, reps=15):
     t.warmup(t.graph_names([1], (0,) + t.k_buckets))
     ctx = list(range(1000, 1100))
     for c in range(0, len(ctx), 32):
-        t.prefill(0, c, ctx[c:c + 32], RowSampling.greedy(1))
+        t.prefill([0], [c], [ctx[c:c + 32]], RowSampling.greedy(1))
 
     def med(f):
         ts = []

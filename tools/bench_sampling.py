@@ -27,7 +27,7 @@ def fused_vs_python(pipe, k, reps=10):
     q = np.full((1, k, V), 1.0 / V, np.float32)
     ctx = list(range(1000, 1064))
     for c in range(0, len(ctx), 32):
-        t.prefill(0, c, ctx[c:c + 32], RowSampling.greedy(1))
+        t.prefill([0], [c], [ctx[c:c + 32]], RowSampling.greedy(1))
 
     def fused_step():
         s = RowSampling(np.ones(1), np.zeros(1, np.int64), np.ones(1), np.ones(1), rng.random((1, k)),
