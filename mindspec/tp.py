@@ -55,6 +55,7 @@ from .errors import MindspecError
 
 ENV_JOB = "MINDSPEC_TP_JOB"  # the launcher's job directory: rank 0's stdout/stderr/exit code, pids
 ENV_LAUNCHER = "MINDSPEC_TP_LAUNCHER"  # the launcher's pid: ranks (and msrun's scheduler) die with it
+ENDED = "ended"  # in the job directory once the launcher stopped the job itself: its watchers then leave it be
 CLUSTER_TIMEOUT = 120  # s: msrun's cluster time-out (ranks that never join / stop answering)
 NODES_TIMEOUT = 600  # s: the same over several machines, each started by hand (msrun's own default)
 FAILURE_GRACE = 3  # s: after a rank died msrun kills the others at once, then waits for its scheduler: not for long
@@ -258,16 +259,20 @@ def launch(argv, n, script=None, timeout=CLUSTER_TIMEOUT, log_dir=None, grace=FA
         if main:
             signal.signal(signal.SIGTERM, old_term)
         _stop(proc, job)
+        try:
+            open(os.path.join(job, ENDED), "wb").close()  # kept (logs) or removed below, not by a watcher
+        except OSError:
+            pass
         out.close()
         err.close()
     if interrupted:
         return 130
     rcs = _rcs(job, topo.ranks)
-    if len(rcs) == topo.local and not any(rcs.values()):
+    if rcs.get(0) or (len(rcs) == topo.local and set(rcs.values()) <= {0, 1}):
+        # the job ended itself: rank 0's code (1: a batch job with failed lines; else an error it printed
+        # itself), or on a node without rank 0 that of its own ranks, which ran in lock step with rank 0
         shutil.rmtree(job, ignore_errors=True)
-        return 0
-    if rcs.get(0):  # rank 0 finished with its own error (already printed by it): its code
-        return rcs[0]
+        return rcs.get(0, max(rcs.values()))
     print(f"mindspec: error: {_who_died(job, msrun_log, topo.ranks, rcs, n)}; the job was stopped (logs: {log_dir})",
           file=stderr, flush=True)
     return 1
@@ -364,7 +369,7 @@ def share(obj):
 
 _WATCHER = """
 import os, shutil, signal, sys, time
-launcher, me, job = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+launcher, me, job, ended = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 def alive(pid):
     try:
         os.kill(pid, 0)
@@ -373,7 +378,7 @@ def alive(pid):
         return False
 while alive(me):
     if not alive(launcher):
-        if job:
+        if job and not os.path.exists(os.path.join(job, ended)):  # else the launcher kept it (a failed job's logs)
             shutil.rmtree(job, ignore_errors=True)
         try:  # msrun, the process's parent, would wait on for its cluster time-out
             with open(f"/proc/{me}/stat") as f:
@@ -393,10 +398,13 @@ def _die_with_launcher():
     """msrun starts each rank in its own session, so a launcher killed with SIGKILL (which cannot clean
     up) would leave the ranks running, writing output a resumed job writes again. A small watcher
     process per rank (and per msrun scheduler) ends it, its msrun and the job directory once the
-    launcher is gone: a process, not a thread, since a rank may sit in a collective holding the GIL."""
+    launcher is gone: a process, not a thread, since a rank may sit in a collective holding the GIL.
+    A launcher that stopped the job itself marks the directory (ENDED): a failed job's logs, which its
+    error line names, stay (a killed rank is a zombie until reaped: its watcher still sees it alive)."""
     pid = int(os.environ.get(ENV_LAUNCHER) or 0)
     if pid:
-        subprocess.Popen([sys.executable, "-c", _WATCHER, str(pid), str(os.getpid()), os.environ.get(ENV_JOB, "")],
+        job = os.environ.get(ENV_JOB, "")
+        subprocess.Popen([sys.executable, "-c", _WATCHER, str(pid), str(os.getpid()), job, ENDED],
                          stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                          start_new_session=True)
 
