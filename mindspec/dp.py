@@ -233,6 +233,25 @@ def _failure(rcs, dp):
     return (max(bad), None) if bad else None  # a replica that ended with 2 or 130 printed its own line
 
 
+def _unfinished(rcs, rows, output_path, job, dp):
+    """One line about the first replica that ended well (0 or 1) but left lines of its share without a record:
+    a --tp replica whose rank died exits 1 like one whose lines failed (its launcher printed the rank's line).
+    The parts are read before the output: a part that another node merged (and removed) is then in it."""
+    have = {}
+    for i in rcs:
+        _, done, errors = read_records(part_path(output_path, i, dp), job)
+        have[i] = done | set(errors)
+    _, done, errors = read_records(output_path, job)
+    for i, rc in sorted(rcs.items()):
+        mine, got = rows[i::dp], have[i] | done | set(errors)
+        left = sum(_key(r.rid) not in got for r in mine)
+        if left:
+            return 2, (f"mindspec: error: data-parallel replica {i} of {dp} ended (exit code {rc}) with {left} of "
+                       f"its {len(mine)} lines unfinished; its part is kept: run the same command again to finish "
+                       f"what is missing")
+    return None
+
+
 def launch(argv, input_path, output_path, job, dp, tp=1, nodes=1, node_rank=0):
     """The data-parallel launcher; returns the job's exit code."""
     here = replicas_here(dp, nodes, node_rank)
@@ -244,7 +263,7 @@ def launch(argv, input_path, output_path, job, dp, tp=1, nodes=1, node_rank=0):
     ok = False
     try:
         rcs = _wait(_start(argv, here, tp))
-        failed = _failure(rcs, dp)
+        failed = _failure(rcs, dp) or _unfinished(rcs, rows, output_path, job, dp)
         if failed:
             if failed[1]:
                 print(failed[1], file=sys.stderr, flush=True)

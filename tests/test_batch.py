@@ -664,6 +664,59 @@ def test_data_parallel_tensor_parallel_replicas_equal_dp1(setup, first_run, tmp_
     assert all(r["token_ids"] == dp1[r["id"]]["token_ids"] for r in recs)
 
 
+def test_killing_the_ranks_of_a_tensor_parallel_replica_fails_the_job_and_a_rerun_finishes_it(setup, tmp_path):
+    """`--dp 2 --tp 2`, both ranks of replica 0 killed with SIGKILL mid-job: its msrun stops and its launcher
+    names the rank (keeping that job's logs, which it names); replica 1 finishes its share; the job exits 2 with
+    one line naming replica 0, and nothing of it runs on. The same command then runs only what is missing:
+    every id once, in input order, the texts of an uninterrupted DP=1 run."""
+    lines = [{"id": i, "prompt_ids": [5 + i, 6, 7], "max_new_tokens": 40} for i in range(12)]
+    inp, out, tmp = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "tmp"
+    inp.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    tmp.mkdir()
+    extra, env = ["--dp", "2", "--tp", "2", "--max-batch", "1"], {"TMPDIR": str(tmp), "MINDSPEC_PROGRESS_S": "3600"}
+    p = subprocess.Popen(command(setup, out, inp, extra), stderr=subprocess.PIPE, text=True,
+                         env=dict(os.environ, **env))
+    while _in_parts([tmp_path / "out.jsonl.part0of2"]) < 1:
+        assert p.poll() is None, p.stderr.read()
+        time.sleep(0.05)
+    ranks = [pid for pid in _job_processes(str(out)) if b"--dp-replica\x000" in _proc(pid, "cmdline")
+             and b"MS_ROLE=MS_WORKER\x00" in _proc(pid, "environ")]
+    assert len(ranks) == 2
+    for pid in ranks:
+        os.kill(pid, signal.SIGKILL)
+    code, err = p.wait(timeout=300), p.stderr.read()
+    assert code == 2 and re.fullmatch(r"mindspec: error: data-parallel replica 0 of 2 ended \(exit code 1\) with "
+                                      r"[1-5] of its 6 lines unfinished; its part is kept: run the same command "
+                                      r"again to finish what is missing", last(err)), err
+    assert "mindspec: error: tensor-parallel rank " in err.strip().splitlines()[-2], err
+    deadline = time.time() + 15  # the ranks' watchers poll every 0.5 s
+    while time.time() < deadline and (_job_processes(str(out)) or _job_processes(str(tmp))):
+        time.sleep(0.2)
+    assert not _job_processes(str(out)) and not _job_processes(str(tmp)), "a process of the job outlived it"
+    kept = _tp_dirs(tmp)  # replica 0's logs, named in its line
+    assert len(kept) == 1 and f"(logs: {tmp / kept[0] / 'logs'})" in err, (kept, err)
+    assert len(records(tmp_path / "out.jsonl.part1of2")) == 6 and not out.exists()
+    code, err = batch(setup, out, inp, extra=extra, env=env)
+    assert code == 0 and "this run: 0 done, 0 failed, 6 skipped" in err, err  # replica 1 had finished
+    assert [r["id"] for r in records(out)] == list(range(12)) and _tp_dirs(tmp) == kept
+    pipe = mindspec.load(target=setup[0], draft=setup[1], k=2, max_seq=MAX_SEQ)
+    for r, x in zip(records(out), lines):
+        assert r["token_ids"] == pipe.generate(prompt_ids=x["prompt_ids"], max_new_tokens=40,
+                                               speculate=False).token_ids, r["id"]
+
+
+def _tp_dirs(tmp):
+    return [d for d in os.listdir(tmp) if d.startswith("mindspec-tp-")]
+
+
+def _proc(pid, name):
+    try:
+        with open(f"/proc/{pid}/{name}", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
 def _children(pid):
     with open(f"/proc/{pid}/task/{pid}/children") as f:
         return [int(c) for c in f.read().split()]
