@@ -55,6 +55,7 @@ from .errors import MindspecError
 
 ENV_JOB = "MINDSPEC_TP_JOB"  # the launcher's job directory: rank 0's stdout/stderr/exit code, pids
 ENV_LAUNCHER = "MINDSPEC_TP_LAUNCHER"  # the launcher's pid: ranks (and msrun's scheduler) die with it
+ENV_NODES = "MINDSPEC_TP_NODES"  # "R/N": this machine's --node-rank R of --nodes N
 ENDED = "ended"  # in the job directory once the launcher stopped the job itself: its watchers then leave it be
 CLUSTER_TIMEOUT = 120  # s: msrun's cluster time-out (ranks that never join / stop answering)
 NODES_TIMEOUT = 600  # s: the same over several machines, each started by hand (msrun's own default)
@@ -110,17 +111,20 @@ def msrun_command(msrun, topo, task, log_dir, timeout=CLUSTER_TIMEOUT, bind_core
         cmd.append(f"--node_rank={topo.node_rank}")
     timeout = timeout if topo.nodes == 1 else max(timeout, NODES_TIMEOUT)
     cmd += ["--join=True", f"--cluster_time_out={int(timeout)}", f"--log_dir={log_dir}",
-            f"--tail_worker_log={topo.local}"]  # local rank `local` does not exist: tail none
+            f"--tail_worker_log={topo.size}"]  # msrun compares it with global ranks: `size` is none of them
     if bind_core:  # each rank on the cores next to its NPU (msrun >= 2.5 works the map out itself)
         cmd.append("--bind_core=True")
     return cmd + list(task)
 
 
-def launcher_env(env, bin_dir, job, launcher_pid):
+def launcher_env(env, bin_dir, job, launcher_pid, topo=None):
     """The environment msrun (and so every rank) gets: the venv first on PATH (msrun starts a bare `python`),
-    the job's directory and launcher, no other job's identity, HCCL time-outs for slow loads."""
+    the job's directory and launcher, this machine's place among the nodes, no other job's identity, HCCL
+    time-outs for slow loads."""
+    topo = topo or Topology(1)
     out = {k: v for k, v in env.items() if k not in IDENTITY}
-    out.update(PATH=bin_dir + os.pathsep + env.get("PATH", ""), **{ENV_JOB: job, ENV_LAUNCHER: str(launcher_pid)})
+    out.update(PATH=bin_dir + os.pathsep + env.get("PATH", ""), **{ENV_JOB: job, ENV_LAUNCHER: str(launcher_pid),
+                                                                   ENV_NODES: f"{topo.node_rank}/{topo.nodes}"})
     for k, v in HCCL_TIMEOUTS.items():
         out.setdefault(k, v)
     return out
@@ -219,7 +223,7 @@ def launch(argv, n, script=None, timeout=CLUSTER_TIMEOUT, log_dir=None, grace=FA
     bin_dir, msrun = _msrun()
     job = tempfile.mkdtemp(prefix="mindspec-tp-")
     log_dir = log_dir or os.path.join(job, "logs")
-    env = launcher_env(os.environ, bin_dir, job, os.getpid())
+    env = launcher_env(os.environ, bin_dir, job, os.getpid(), topo)
     task = ([script] if script else ["python", "-m", "mindspec"]) + list(argv)
     cmd = msrun_command(msrun, topo, task, log_dir, timeout, bind_core=_on_ascend(device))
     out, err = _Tail(os.path.join(job, "rank0.out"), stdout), _Tail(os.path.join(job, "rank0.err"), stderr)
@@ -414,12 +418,23 @@ def init_worker(n=None):
     done), check the group size, and send rank 0's stdout/stderr to the launcher (other ranks' stay in
     their msrun logs). Returns (size, rank)."""
     from mindspec.graphs.tp import init_tp
+    node, nodes = map(int, os.environ.get(ENV_NODES, "0/1").split("/"))
+    if os.environ.get("MS_ROLE") == "MS_SCHED" and node > 0:
+        # msrun starts a scheduler wherever --master_addr is one of the machine's own addresses (msrun 2.10:
+        # is_master = _is_local_ip(master_addr), no option against it): on separate machines node 0 alone;
+        # with several "nodes" on one machine each would, racing node 0's for the port. Node 0's is the job's.
+        raise SystemExit(0)
     _die_with_launcher()  # before init_tp: msrun's scheduler never returns from it
     os.environ.update(rank_device_env(os.environ))  # the replicated ONNX draft runs beside its target shard
     size, rank = init_tp()
     if n is not None and size != int(n):
         raise MindspecError(f"--tp {n} but msrun started {size} ranks")
     barrier()
+    if nodes > 1:  # each machine's launcher drew its own seed base: rank 0's for all
+        from .request import SEED_ENV
+        base = share(os.environ.get(SEED_ENV))
+        if base:
+            os.environ[SEED_ENV] = base
     job = os.environ.get(ENV_JOB)
     if job:
         with open(os.path.join(job, f"rank{rank}.pid"), "w", encoding="utf-8") as f:

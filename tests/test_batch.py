@@ -513,6 +513,28 @@ def test_kill_9_of_a_tensor_parallel_launcher_ends_the_whole_job(setup, tmp_path
     assert sorted(ids) == list(range(12)), ids  # every id exactly once
 
 
+def test_a_tensor_parallel_job_over_two_nodes_on_one_machine_equals_tp1(setup, first_run, tmp_path):
+    """`--tp 2 --nodes 2`, one rank per "machine", both here (master 127.0.0.1: msrun starts a scheduler on
+    both, node 1's steps aside): one cluster, rank 0 (node 0) writes; the greedy lines equal the TP=1 run,
+    and a sampled line without a seed repeats from its recorded seed (rank 0's seed base for both nodes)."""
+    from mindspec.tp import free_port
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text(LINES[0] + "\n" + LINES[3] + "\n" +
+                   json.dumps({"id": "s", "prompt_ids": [9, 8, 7], "temperature": 1.0, "max_new_tokens": 8}) + "\n")
+    nodes = ["--tp", "2", "--nodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+    procs = [subprocess.Popen(command(setup, out, inp, nodes + ["--node-rank", str(r)]), stderr=subprocess.PIPE,
+                              text=True) for r in (0, 1)]
+    (code0, err0), (code1, err1) = [(p.wait(timeout=600), p.stderr.read()) for p in procs]
+    assert code0 == 0 and "3 lines: 3 done, 0 failed, 0 left" in last(err0), err0
+    assert code1 == 0 and "mindspec" not in err1, err1  # node 1 has no rank 0: it streams nothing
+    recs, tp1 = {r["id"]: r for r in records(out)}, by_id(first_run[2])
+    assert sorted(recs) == ["a", "d", "s"] and len(records(out)) == 3
+    assert all(recs[rid]["token_ids"] == tp1[rid]["token_ids"] for rid in ("a", "d"))
+    pipe = mindspec.load(target=setup[0], draft=setup[1], k=2, max_seq=MAX_SEQ)
+    ref = pipe.generate(prompt_ids=[9, 8, 7], max_new_tokens=8, temperature=1.0, seed=recs["s"]["seed"])
+    assert recs["s"]["token_ids"] == ref.token_ids
+
+
 # ---- data parallel: --dp N replicas, each into its own part, merged into the output ----
 
 def test_data_parallel_equals_dp1_in_input_order(setup, first_run):

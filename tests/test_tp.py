@@ -237,6 +237,7 @@ def test_msrun_command_two_nodes_and_core_binding(monkeypatch):
                            "--master_port=29500", f"--node_rank={rank}"]
         assert "--bind_core=True" in cmd and cmd[-4:] == ["python", "-m", "mindspec", "batch"]
         assert "--cluster_time_out=600" in cmd  # machines started by hand join minutes apart
+        assert "--tail_worker_log=16" in cmd  # a global rank on no node: msrun tails no rank's log
         args = _msrun_parses(cmd, monkeypatch)
         assert (args.worker_num, args.local_worker_num, args.node_rank, args.master_addr, args.master_port,
                 args.bind_core) == (16, 8, rank, "10.1.2.3", 29500, True)
@@ -258,7 +259,9 @@ def test_launcher_env_sets_hccl_timeouts_and_drops_other_jobs_identity():
     user = {"PATH": "/usr/bin", "MS_ROLE": "MS_WORKER", "RANK_ID": "3", "DEVICE_ID": "5", "HOME": "/h"}
     env = tp.launcher_env(user, "/venv/bin", "/tmp/job", 42)
     assert env["PATH"] == "/venv/bin" + os.pathsep + "/usr/bin" and env["HOME"] == "/h"
-    assert env[tp.ENV_JOB] == "/tmp/job" and env[tp.ENV_LAUNCHER] == "42"
+    assert env[tp.ENV_JOB] == "/tmp/job" and env[tp.ENV_LAUNCHER] == "42" and env[tp.ENV_NODES] == "0/1"
+    two = tp.topology(4, nodes=2, node_rank=1, master_addr="10.1.2.3", master_port=29500)
+    assert tp.launcher_env(user, "/b", "/j", 1, two)[tp.ENV_NODES] == "1/2"  # node 1's msrun scheduler steps aside
     assert not {"MS_ROLE", "RANK_ID", "DEVICE_ID"} & set(env)
     assert env["HCCL_CONNECT_TIMEOUT"] == env["HCCL_EXEC_TIMEOUT"] == "1800"  # a 70B load outlasts CANN's 120 s
     assert tp.launcher_env(dict(user, HCCL_CONNECT_TIMEOUT="3600"), "/b", "/j", 1)["HCCL_CONNECT_TIMEOUT"] == "3600"
