@@ -224,6 +224,27 @@ def test_forward_refusals(fp32_draft):
         DraftSession(fp32_draft, max_batch=0)
 
 
+def test_host_cache_follows_the_longest_row(tiny_target, tmp_path):
+    """The cpu profile's buffers hold a multiple of ATTEND_STEP positions covering the longest row:
+    grown as a row crosses it, shrunk when the rows fall to half, the cached K/V kept; logits stay
+    the reference's throughout."""
+    from mindspec.export.runtime import ATTEND_STEP
+    path = str(tmp_path / "long.onnx")
+    export_draft(tiny_target[0], path, max_seq=3 * ATTEND_STEP)
+    long, short = _ids(ATTEND_STEP + 40, 320, seed=3), _ids(20, 320, seed=4)
+    sess = DraftSession(path, max_batch=2)
+    sess.forward([long[:ATTEND_STEP - 2], short[:10]])
+    assert sess.keys[0].shape[2] == ATTEND_STEP
+    got = sess.forward([long[ATTEND_STEP - 2:ATTEND_STEP + 1], short[10:12]])          # row 0 crosses
+    assert sess.keys[0].shape[2] == 2 * ATTEND_STEP
+    np.testing.assert_allclose(got[0], _ref(tiny_target[0], long[:ATTEND_STEP + 1])[-1], atol=TOL, rtol=0)
+    np.testing.assert_allclose(got[1], _ref(tiny_target[0], short[:12])[-1], atol=TOL, rtol=0)
+    sess.reset(0)  # the long row leaves: the next call shrinks the buffers back
+    got = sess.forward([[], short[12:14]])
+    assert sess.keys[0].shape[2] == ATTEND_STEP
+    np.testing.assert_allclose(got[1], _ref(tiny_target[0], short[:14])[-1], atol=TOL, rtol=0)
+
+
 @pytest.mark.parametrize("mode,min_agree", [("int8", 0.7), ("q8", 0.9), ("q4", 0.5)])
 def test_quantized_argmax_agrees(tiny_target, fp32_draft, q8_draft, tmp_path, mode, min_agree):
     path = q8_draft if mode == "q8" else str(tmp_path / f"{mode}.onnx")
