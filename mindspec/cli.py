@@ -134,7 +134,16 @@ def sampling_kwargs(a):
     """Pipeline.generate keywords of the sampling flags (add_sampling_args)."""
     return dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
                 repetition_penalty=a.repetition_penalty, draft_temperature=a.draft_temperature,
-                draft_min_conf=a.draft_min_conf, seed=a.seed, stop=a.stop)
+                draft_min_conf=a.draft_min_conf, seed=_seed(a), stop=a.stop)
+
+
+def _seed(a):
+    """--seed, else for a sampled run under msrun one drawn from the seed base every rank shares (each
+    machine's launcher draws its own; the ranks take rank 0's), so all ranks draw the same uniforms."""
+    from .request import SEED_ENV, draw_seed
+    if a.seed is not None or not getattr(a, "temperature", 0) or SEED_ENV not in os.environ:
+        return a.seed
+    return draw_seed()
 
 
 def cmd_generate(a):
@@ -357,9 +366,8 @@ def main(argv=None):
         from . import tp
         if not tp.is_worker():  # the user's process: run this same command on N ranks under msrun
             import random
-            if args.cmd == "generate" and args.seed is None and args.temperature > 0:
-                argv += ["--seed", str(random.randrange(2 ** 31))]  # every rank must draw the same uniforms
-            # and the same seeds for the sampled requests of a batch that carry none
+            # every rank must draw the same uniforms: sampled requests without a seed (generate's, a batch's
+            # lines) take theirs from this base (rank 0's, on several machines: tp.run_worker)
             os.environ.setdefault(SEED_ENV, str(random.randrange(2 ** 31)))
             return _launch(args, lambda: _launch_tp(argv, args))
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})

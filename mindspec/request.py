@@ -120,11 +120,11 @@ def parse(req, defaults=None):
     elif do_sample and not kw.get("temperature"):
         kw["temperature"] = 1.0
     if isinstance(kw.get("temperature"), (int, float)) and kw["temperature"] > 0 and kw.get("seed") is None:
-        kw["seed"] = _seed()
+        kw["seed"] = draw_seed()
     return kw
 
 
-def _seed():
+def draw_seed():
     """A fresh seed; reproducible from SEED_ENV when it is set (ranks parse the same requests in order)."""
     global _seeds
     if _seeds is None:

@@ -190,3 +190,17 @@ def test_tp_on_a_device_that_cannot_run_is_one_line(pair):
                          "--device", "ascend")
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
     assert err.startswith("mindspec: error: --device ascend: no NPU is visible")
+
+
+def test_a_sampled_generate_under_msrun_takes_its_seed_from_the_shared_base(monkeypatch):
+    """Ranks (on every machine) hold the same seed base (rank 0's): a sampled generate without --seed
+    draws the same seed on each, so they draw the same uniforms; --seed and greedy runs are left alone."""
+    import argparse
+    import random
+    from mindspec import cli, request
+    monkeypatch.setattr(request, "_seeds", None)
+    monkeypatch.setenv(request.SEED_ENV, "1234")
+    a = argparse.Namespace(seed=None, temperature=0.8)
+    assert cli._seed(a) == random.Random(1234).randrange(2 ** 31)
+    assert cli._seed(argparse.Namespace(seed=7, temperature=0.8)) == 7
+    assert cli._seed(argparse.Namespace(seed=None, temperature=0.0)) is None
