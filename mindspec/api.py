@@ -196,22 +196,34 @@ class Api:
 
     # ---- health, models, metrics, version (MindIE: /health, /health/timed, Triton-style /v2/health/*)
 
+    def _unhealthy(self):
+        """None, or the 503 of a server whose engine keeps failing (serve.FAILED_STEPS steps in a row):
+        one line of JSON naming the last error. Such a check also queues a health probe (App.probe), so a
+        server nobody sends requests to any more still finds out that its engine works again."""
+        why = self.app.failing()
+        if why is None:
+            return None
+        self.app.probe()
+        return web.json_response({"status": "unhealthy", "error": why}, status=503)
+
     async def health(self, request, *_):
-        """Ready: the model is loaded and every graph compiled."""
-        return web.Response(status=200 if self.app.ready.is_set() else 503)
+        """Ready: the model is loaded, every graph compiled, and the engine is not failing step after step."""
+        if not self.app.ready.is_set():
+            return web.Response(status=503)
+        return self._unhealthy() or web.Response(status=200)
 
     async def live(self, request):
-        """Live: the process answers (it may still be loading)."""
+        """Live: the process answers (it may still be loading, or its engine failing)."""
         return web.Response(status=200)
 
     async def health_timed(self, request, _wait=None):
         self._check_ready()
-        return web.json_response({"status": "healthy"})
+        return self._unhealthy() or web.json_response({"status": "healthy"})
 
     async def model_ready(self, request, name):
         self._check_ready()
         self._model(name, exact=True)
-        return web.Response(status=200)
+        return self._unhealthy() or web.Response(status=200)
 
     def _model(self, name=None, exact=False):
         """The served model's card. A request may name any model unless --strict-model-name (one model

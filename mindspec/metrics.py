@@ -1,9 +1,9 @@
 """`mindspec serve`'s /metrics: Prometheus text format (prometheus_client), one registry per server.
 
 Besides the usual serving figures (requests by endpoint and status, queue depth, running rows,
-tokens, time to first token, time per output token) it reports the speculative ones from each
-finished request's stats: tokens drafted and accepted, acceptance per draft position, tokens per
-target call and the K chosen per step."""
+tokens, time to first token, time per output token, engine health and failed engine steps) it
+reports the speculative ones from each finished request's stats: tokens drafted and accepted,
+acceptance per draft position, tokens per target call and the K chosen per step."""
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -18,6 +18,10 @@ class Metrics:
                                 ["endpoint", "status"], registry=r)
         self.waiting = Gauge("mindspec_requests_waiting", "requests queued for a row", registry=r)
         self.running = Gauge("mindspec_requests_running", "rows in the engine", registry=r)
+        self.healthy = Gauge("mindspec_engine_healthy", "1 while /health answers 200: loaded, and the engine has not "
+                             "failed serve.FAILED_STEPS steps in a row", registry=r)
+        self.engine_errors = Counter("mindspec_engine_errors", "engine steps whose target or draft call raised "
+                                     "(their requests ended with an error)", registry=r)
         self.finished = Counter("mindspec_requests_finished", "generations ended, by finish reason",
                                 ["reason"], registry=r)
         self.prompt_tokens = Counter("mindspec_prompt_tokens", "prompt tokens of finished generations", registry=r)

@@ -6,7 +6,8 @@ went away, then runs one engine step over every running row. The HTTP side (mind
 on a thread of its own; the endpoints in mindspec.api) parses a request, hands it over here and
 relays the engine's events to its client. A client that goes away (streamed or not) aborts its row
 at the next step; SIGINT/SIGTERM fail the queued and running requests with 503 and stop the server
-cleanly.
+cleanly. A failing engine call ends its requests with a 500 and the worker goes on; FAILED_STEPS
+failed steps in a row make /health answer 503 until a step succeeds (see App._account).
 """
 import asyncio
 import itertools
@@ -20,10 +21,17 @@ import time
 from .errors import MindspecError
 from .formats import pieces
 from .metrics import Metrics
-from .request import RequestError, make
+from .request import RequestError, make, parse
 from .tp import share
 
 TICK = 0.5  # s: how long an idle worker waits for a request before checking signals (and, under TP, pinging)
+# Engine steps failing in a row (a target or draft call raised: its requests ended with finish reason "error")
+# before /health and /v2/health/ready answer 503. One failing step can be one odd request's (its rows end with
+# the error, the others go on); three with nothing succeeding between them is the engine itself (a device
+# fault, a broken graph), and a load balancer should stop sending requests here. Small, so it says so within
+# a few requests; one successful step makes the server healthy again.
+FAILED_STEPS = 3
+PROBE = {"prompt": "Hello", "max_tokens": 2, "ignore_eos": True}  # a prefill and a draft + verify step
 
 
 class _Job:
@@ -32,14 +40,15 @@ class _Job:
     ("text", (delta, [(id, text)])), then ("done", (prompt_ids, Result, [(id, text)])) or
     ("error", MindspecError) or ("fail", Exception) or ("unavailable", None)."""
 
-    def __init__(self, rid, kw, put, events, tag):
-        self.id, self.kw, self.cancelled, self.tag = rid, kw, threading.Event(), tag
+    def __init__(self, rid, kw, put, events, tag, probe=False):
+        self.id, self.kw, self.cancelled, self.tag, self.probe = rid, kw, threading.Event(), tag, probe
         self.events, self._put = events, put
         self.t0, self.first = time.perf_counter(), None  # arrival, first text (metrics)
         self.sent = self.shown = 0  # tokens and characters handed to the HTTP side
 
     def put(self, event):
-        self._put(self.events.put_nowait, (self.tag, event))
+        if not self.probe:  # a health probe's events go nowhere: the worker's accounting is its answer
+            self._put(self.events.put_nowait, (self.tag, event))
 
 
 class App:
@@ -55,6 +64,10 @@ class App:
         self.metrics = Metrics()
         self.metrics.waiting.set_function(lambda: self.jobs.qsize() + len(self._engine("waiting")))
         self.metrics.running.set_function(lambda: len(self._engine("rows")))
+        self.metrics.healthy.set_function(lambda: float(self.ready.is_set() and self.failing() is None))
+        # (engine steps failed in a row, the last one's error in one line): written by the worker as one
+        # tuple, read by the HTTP thread
+        self.engine_state, self._probing = (0, None), False
         self.call = None  # runs a function on the HTTP loop (set by serve)
 
     def _engine(self, attr):
@@ -99,11 +112,12 @@ class App:
                 share((new, gone))  # also when idle: the other ranks must not wait in a collective for long
             for rid, kw in new:
                 self.live[rid] = jobs[rid]
-            self.turn(new, gone, self._events)
+            self._account(self.turn(new, gone, self._events))
 
     def turn(self, new, gone, on_event):
-        """Apply one turn's new requests and aborts, then run one engine step (every rank runs this).
-        on_event(id, kind, value): ("error", MindspecError), ("text", (delta, request)), ("end", request)."""
+        """Apply one turn's new requests and aborts, then run one engine step (every rank runs this); returns
+        the step's [(request, text)]. on_event(id, kind, value): ("error", MindspecError), ("text", (delta,
+        request)), ("end", request)."""
         eng = self.pipe.engine
         for rid, kw in new:
             try:
@@ -112,18 +126,66 @@ class App:
                 on_event(rid, "error", e)
         for rid in gone:
             eng.abort(rid)
-        if eng.has_work:
-            for req, text in eng.step():
-                if text:
-                    on_event(req.id, "text", (text, req))
-                if req.done:
-                    on_event(req.id, "end", req)
+        if not eng.has_work:
+            return []
+        events = eng.step()
+        for req, text in events:
+            if text:
+                on_event(req.id, "text", (text, req))
+            if req.done:
+                on_event(req.id, "end", req)
+        return events
+
+    def _account(self, events):
+        """Count engine steps failing in a row (rank 0's worker). A step fails when a request ended in it
+        with an error (the engine ends the rows of a target or draft call that raised), even if other rows
+        went on; it succeeds when none did and a request ended normally or got tokens from a draft + verify
+        call (beyond its first token, which the prefill gives). Other steps (a prompt chunk, aborts) change
+        nothing: were a first token ever to come in a step of its own, a fault in the decode call alone
+        would still count although every prefill works."""
+        failed, last = self.engine_state
+        errors = [r.error for r, _ in events if r.finish_reason == "error"]
+        if errors:
+            self.metrics.engine_errors.inc()
+            self.engine_state = failed + 1, _summary(errors[-1])
+            if failed + 1 == FAILED_STEPS:
+                print(f"mindspec: unhealthy: {self.failing()}; /health answers 503 until a step succeeds",
+                      file=sys.stderr, flush=True)
+        elif failed and any(r.finish_reason in ("stop", "length") or (r.finish_reason is None and len(r.output) > 1)
+                            for r, _ in events):
+            self.engine_state = 0, None
+            if failed >= FAILED_STEPS:
+                print("mindspec: healthy again: an engine step succeeded", file=sys.stderr, flush=True)
+
+    def failing(self):
+        """Why the server is unhealthy (one line), or None: FAILED_STEPS engine steps failed in a row."""
+        failed, last = self.engine_state
+        return f"the engine failed {failed} steps in a row; last error: {last}" if failed >= FAILED_STEPS else None
+
+    def probe(self):
+        """Queue a tiny request (PROBE) when the server is unhealthy and idle, unless one is pending: a
+        load balancer or orchestrator that stops sending requests to a server whose /health says 503
+        would otherwise never see it recover. Called by the health endpoints (HTTP thread)."""
+        with self._lock:
+            if self._probing or self.stopping.is_set() or self.live or not self.jobs.empty():
+                return
+            self._probing = True
+            kw = parse(PROBE)  # greedy, the server's K: its prefill, draft and verify graphs
+            self.jobs.put(_Job(next(self._ids), kw, None, None, 0, probe=True))
 
     def _events(self, rid, kind, val):
         """Rank 0's on_event: hand the request's progress to its HTTP handler (runs on the worker, which
         alone may read the request)."""
         job = self.live.get(rid)
         if job is None:
+            return
+        if job.probe:
+            if kind != "text":
+                del self.live[rid]
+                self._probing = False
+                if kind == "error" or val.finish_reason == "error":
+                    print(f"mindspec: health probe failed: {_summary(val if kind == 'error' else val.error)}",
+                          file=sys.stderr, flush=True)
             return
         if kind == "text":
             delta, req = val
@@ -156,6 +218,13 @@ class App:
                 pending.append(self.jobs.get_nowait())
         for job in pending:
             job.put(("unavailable", None))
+
+
+def _summary(e):
+    """An exception in one line: its type and the first line of its message (MindSpore's go on with a C++
+    call stack), at most 300 characters."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return (f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__)[:300]
 
 
 def _stop_on_signals():
