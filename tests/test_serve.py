@@ -558,6 +558,143 @@ def test_tokenize_detokenize_version(server, pipe):
     assert json.loads(call(base, "/version")[1]) == {"version": mindspec.__version__}
 
 
+# what MindSpore raises when a kernel fails (the first line names it; a C++ call stack follows)
+KERNEL_FAULT = ("Launch kernel failed, name:Default/network-TargetStep/MatMul-op12\n\n"
+                "----------------------------------------------------\n- C++ Call Stack: (For framework developers)\n"
+                "----------------------------------------------------\n"
+                "mindspore/ccsrc/plugin/device/cpu/hal/hardware/cpu_device_context.cc:512 LaunchKernel\n")
+
+
+def test_health_says_503_while_the_engine_keeps_failing(pipe, monkeypatch):
+    """An in-process server over the module's pipeline (the real HTTP stack, engine loop and health
+    logic; the worker keeps the main thread, the checks run on another, SIGTERM stops it): with the
+    target's verify call raising a MindSpore-like RuntimeError, requests get a one-line 500 (a started
+    stream a last error event), /health, /health/timed and /v2/health/ready 503 naming the error after
+    FAILED_STEPS failed steps (before: 200), /v2/health/live 200. Once the call works again, one
+    request gives its exact tokens and health is 200 again; and a server nobody sends requests to
+    recovers through the probe its health checks queue."""
+    import os
+    import socket
+    import time
+    from mindspec.serve import FAILED_STEPS, serve
+    assert threading.current_thread() is threading.main_thread()  # serve's signal handlers need it
+    ref = pipe.generate(prompt_ids=IDS, max_new_tokens=N, speculate=False).text
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    base, failures = f"http://127.0.0.1:{port}", []
+    body = {"prompt": IDS, "max_tokens": N}
+    calls = {"failed": 0}
+
+    def broken(*a, **kw):
+        calls["failed"] += 1
+        raise RuntimeError(KERNEL_FAULT)
+
+    def engine_errors():
+        return _metrics(base).get(("mindspec_engine_errors_total", ()), 0)
+
+    def probe_failed(before):
+        """A health probe failed and none is queued or running (one scrape)."""
+        m = _metrics(base)
+        return m[("mindspec_engine_errors_total", ())] > before and \
+            m[("mindspec_requests_running", ())] == m[("mindspec_requests_waiting", ())] == 0
+
+    def wait_for(what, timeout=30):
+        deadline = time.time() + timeout
+        while not what():
+            assert time.time() < deadline, "timed out"
+            time.sleep(0.05)
+
+    def unhealthy(path):
+        """503 with one line of JSON naming the error (the failed steps: FAILED_STEPS, or more once the
+        probes these checks queue have failed too)."""
+        status, text = call(base, path)
+        assert status == 503 and "\n" not in text, (path, status, text)
+        err = json.loads(text)
+        steps = re.search(r"failed (\d+) steps in a row", err["error"])
+        assert err["status"] == "unhealthy" and steps and int(steps.group(1)) >= FAILED_STEPS, err
+        assert err["error"].endswith("last error: RuntimeError: Launch kernel failed, "
+                                     "name:Default/network-TargetStep/MatMul-op12"), err
+
+    def fail_requests():
+        """FAILED_STEPS requests that fail (OpenAI, TGI, a stream): health 200 until the last one."""
+        real = pipe.target.step
+        monkeypatch.setattr(pipe.target, "step", broken)
+        for i in range(FAILED_STEPS):
+            assert call(base, "/health") == (200, "")
+            if i == 0:
+                status, text = call(base, "/v1/completions", body)
+                assert json.loads(text)["error"]["type"] == "server_error"
+            elif i == 1:
+                status, text = call(base, "/generate", {"inputs": TEXT, "parameters": {"max_new_tokens": N}})
+                assert json.loads(text)["error_type"] == "generation"
+            else:  # the prefill's first token went out: the stream ends with an error event
+                evs = events(base, "/v1/completions", dict(body, stream=True))
+                status, text = evs[-1]["status"], json.dumps(evs[-1])
+                assert len(evs) == 2 and evs[0]["choices"][0]["text"] is not None, evs
+            assert status == 500 and "\n" not in text and "Traceback" not in text, text
+            assert "internal error: RuntimeError: Launch kernel failed" in text, text
+        return real
+
+    def check():
+        def ready():
+            try:
+                return call(base, "/health")[0] == 200
+            except urllib.error.URLError:  # not listening yet
+                return False
+
+        wait_for(ready, timeout=300)  # listening, and the pipeline handed over
+        assert post(base, "/v1/completions", body)["choices"][0]["text"] == ref
+        errors = engine_errors()
+        real = fail_requests()
+        assert calls["failed"] == FAILED_STEPS and engine_errors() == errors + FAILED_STEPS
+        assert _metrics(base)[("mindspec_engine_healthy", ())] == 0
+        for path in ("/health", "/v2/health/ready", "/health/timed", "/health/timed-5"):
+            unhealthy(path)
+        assert call(base, "/v2/health/live") == (200, "")
+        assert call(base, "/health", method="HEAD")[0] == 503
+        wait_for(lambda: probe_failed(errors + FAILED_STEPS))  # those checks queued a probe; it failed too
+        assert _metrics(base)[("mindspec_engine_healthy", ())] == 0
+        monkeypatch.setattr(pipe.target, "step", real)
+        out = post(base, "/v1/completions", body)  # one request: its exact tokens, and healthy again
+        assert out["choices"][0]["text"] == ref and out["usage"]["completion_tokens"] == N
+        assert call(base, "/health") == (200, "") and call(base, "/v2/health/ready") == (200, "")
+        assert json.loads(call(base, "/health/timed")[1]) == {"status": "healthy"}
+        assert _metrics(base)[("mindspec_engine_healthy", ())] == 1
+        # nobody sends requests any more (a load balancer took the server out): health checks probe it
+        errors = engine_errors()
+        fail_requests()
+        unhealthy("/health")
+        wait_for(lambda: probe_failed(errors + FAILED_STEPS))
+        monkeypatch.setattr(pipe.target, "step", real)
+        wait_for(lambda: call(base, "/health")[0] == 200)  # a check queues a probe; it succeeds
+        assert post(base, "/v1/completions", body)["choices"][0]["text"] == ref
+
+    def client():
+        try:
+            wait_for(lambda: signal.getsignal(signal.SIGTERM) is signal.default_int_handler)  # serve's, then it listens
+            check()
+        except BaseException as e:  # noqa: BLE001 - raised again on the main thread
+            failures.append(e)
+        finally:
+            if signal.getsignal(signal.SIGTERM) is signal.default_int_handler:  # stops serve
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    # no warm-up of every graph (some 12 s here): the requests compile the few they use
+    monkeypatch.setattr("mindspec.serve.prepare", lambda pipe, max_batch: pipe)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    checker = threading.Thread(target=client, daemon=True)
+    checker.start()
+    try:
+        serve(lambda: pipe, {}, port=port, model_name="tiny", max_batch=1, max_queue=4, read_timeout=10)
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        checker.join(60)
+    if failures:
+        raise failures[0]
+
+
 def test_http_head_options_chunked_and_limits(server):
     """HEAD and OPTIONS, a chunked body, a body that never arrives (408 after --read-timeout), headers
     that never end (closed), and the connection limit (--max-connections: 503 beyond)."""
