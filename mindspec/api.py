@@ -14,6 +14,7 @@ from . import __version__
 from .errors import MindspecError
 from .formats import TGI, OpenAI, openai_error, tgi_error
 from .request import RequestError, parse
+from .spec import TOP_LOGPROBS
 
 MAX_BODY = 4 * 2 ** 20  # MindIE's limit on a request's text: 4 MB
 EXTENSIONS = ("top_k", "repetition_penalty", "k", "draft_temperature", "min_tokens", "ignore_eos",
@@ -22,13 +23,14 @@ EXTENSIONS = ("top_k", "repetition_penalty", "k", "draft_temperature", "min_toke
 IGNORED = frozenset({"user", "stream_options", "priority", "service_tier", "store", "metadata",
                      "parallel_tool_calls", "typical_p", "watermark", "truncate", "adapter_id", "timeout"})
 # known but not implemented: refused unless they hold their "off" value
-OFF = {"best_of": (1,), "echo": (False,), "logprobs": (False, 0), "top_logprobs": (0,),
+OFF = {"best_of": (1,), "echo": (False,),
        "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},), "suffix": ("",),
        "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
        "function_call": ("none",), "top_n_tokens": (0,), "grammar": ()}
 SAMPLING = ("temperature", "top_p", "seed", "stop") + EXTENSIONS
-COMPLETION_KEYS = frozenset(("model", "prompt", "max_tokens", "stream", "n") + SAMPLING)
-CHAT_KEYS = frozenset(("model", "messages", "max_tokens", "max_completion_tokens", "stream", "n") + SAMPLING)
+COMPLETION_KEYS = frozenset(("model", "prompt", "max_tokens", "stream", "n", "logprobs") + SAMPLING)
+CHAT_KEYS = frozenset(("model", "messages", "max_tokens", "max_completion_tokens", "stream", "n", "logprobs",
+                       "top_logprobs") + SAMPLING)
 TGI_PARAMS = frozenset(("max_new_tokens", "do_sample", "details", "return_full_text", "decoder_input_details")
                        + SAMPLING)
 
@@ -44,6 +46,24 @@ def _stream_flag(body):
     if not isinstance(stream, bool):
         raise RequestError("stream must be true or false", param="stream")
     return stream
+
+
+def _logprobs(body, chat):
+    """The flat request's logprobs (alternatives per token, None: off) from OpenAI's fields: chat's
+    logprobs (true/false) with top_logprobs (0..20), completions' logprobs (0..20)."""
+    if not chat:
+        n = body.get("logprobs")
+        return None if n is None or n is False else n  # the range: Pipeline.request's, naming logprobs
+    on, top = body.get("logprobs"), body.get("top_logprobs")
+    if on is not None and not isinstance(on, bool):
+        raise RequestError("logprobs must be true or false (top_logprobs says how many alternatives)",
+                           param="logprobs")
+    if top is not None and not (type(top) is int and 0 <= top <= TOP_LOGPROBS):
+        raise RequestError(f"top_logprobs must be an integer from 0 to {TOP_LOGPROBS}, got {json.dumps(top)}",
+                           param="top_logprobs")
+    if top and not on:
+        raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs")
+    return (top or 0) if on else None
 
 
 def _check_keys(body, known, where=""):
@@ -319,6 +339,9 @@ class Api:
             else:
                 raise RequestError("prompt must be a string or a list of token ids (one prompt per request)",
                                    param="prompt")
+        lp = _logprobs(body, chat)
+        if lp is not None:
+            flat["logprobs"] = lp
         kw, n = parse(flat, self.app.defaults), 1 if body.get("n") is None else body["n"]
         if type(n) is not int or not 1 <= n <= self.app.max_batch:
             raise RequestError(f"n must be an integer from 1 to {self.app.max_batch} (the server's --max-batch: "

@@ -1,8 +1,9 @@
 """Response bodies and stream events of `mindspec serve`'s APIs: OpenAI (as MindIE's vLLM-style
 interface) and TGI 0.9.4 / MindIE's native /infer. A formatter turns the engine's output of one
 request into its API's JSON: `chunk(delta, tokens)` per step, `last(ids, res, tokens)` at the end
-of a stream, `response(ids, res)` for a non-streamed answer. `tokens` are (id, text) pairs whose
-texts concatenate to the generated text."""
+of a stream, `response(ids, res)` for a non-streamed answer. `tokens` are (id, text, logprob)
+triples whose texts concatenate to the generated text (logprob: the request's entry for that token,
+(logprob, [(id, logprob)] of its best alternatives), None when it asked none)."""
 import time
 import uuid
 
@@ -20,7 +21,7 @@ def tgi_error(status, message):
 
 
 def pieces(req, sent, shown, final):
-    """(id, text) of req's tokens from index `sent` whose text is all out: their text ends within the
+    """(id, text, logprob) of req's tokens from index `sent` whose text is all out: their text ends within the
     first `shown` characters streamed, and a later token has text (the bytes of a character cut short
     may still come to it at the end). When final, every remaining token; the last takes what is left."""
     text, out, ends = req.text, [], req.ends
@@ -29,7 +30,36 @@ def pieces(req, sent, shown, final):
         n -= 1  # a last token without text of its own waits: the rest of its character may come at the end
     for i in range(sent, n):
         start, end = (min(req.ends[i - 1], len(text)) if i else 0), min(req.ends[i], len(text))
-        out.append((req.output[i], text[start:] if final and i == n - 1 else text[start:end]))
+        lp = req.token_logprobs[i] if req.logprobs is not None else None
+        out.append((req.output[i], text[start:] if final and i == n - 1 else text[start:end], lp))
+    return out
+
+
+def _lp_entry(pipe, i, lp, text=None):
+    text = pipe.tokenizer.decode([i]) if text is None else text
+    return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+
+def chat_logprobs(pipe, tokens):
+    """OpenAI chat's choice.logprobs of (id, text, logprob) triples (None when none was asked)."""
+    if not tokens or tokens[0][2] is None:
+        return None
+    return {"content": [dict(_lp_entry(pipe, i, lp), top_logprobs=[_lp_entry(pipe, j, x) for j, x in top])
+                        for i, _, (lp, top) in tokens]}
+
+
+def completion_logprobs(pipe, tokens, offset=0):
+    """OpenAI completions' choice.logprobs (tokens, token_logprobs, top_logprobs, text_offset) of
+    (id, text, logprob) triples, the first one `offset` characters into the text."""
+    if not tokens or tokens[0][2] is None:
+        return None
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for i, text, (lp, top) in tokens:
+        out["tokens"].append(pipe.tokenizer.decode([i]))
+        out["token_logprobs"].append(lp)
+        out["top_logprobs"].append({pipe.tokenizer.decode([j]): x for j, x in top})
+        out["text_offset"].append(offset)
+        offset += len(text)
     return out
 
 
@@ -40,6 +70,14 @@ def token(pipe, i, text=None):
     return {"id": i, "text": full if text is None else text, "logprob": None, "special": special}
 
 
+def _all_tokens(pipe, res):
+    """(id, text, logprob) triples of a whole Result (each token's text decoded alone, as vLLM's
+    text_offset counts; None logprobs when none was asked)."""
+    if res.logprobs is None:
+        return None
+    return [(i, pipe.tokenizer.decode([i]), lp) for i, lp in zip(res.token_ids, res.logprobs)]
+
+
 class OpenAI:
     """/v1/completions and /v1/chat/completions bodies and SSE chunks (usage in the final chunk, then
     `data: [DONE]`)."""
@@ -48,18 +86,23 @@ class OpenAI:
     def __init__(self, app, chat, index=0, head=None):
         """index: the choice this formats (OpenAI's n); head: the response's id and times, shared by its choices."""
         self.app, self.chat, self.index, self.sent_role = app, chat, index, False
+        self.offset = 0  # characters streamed so far (completions' text_offset)
         self.head = head or {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
                              "object": "chat.completion" if chat else "text_completion",
                              "created": int(time.time()), "model": app.model_name}
 
-    def _choice(self, text, finish, delta=False, index=None):
+    def _choice(self, text, finish, delta=False, index=None, tokens=None):
+        """tokens: the (id, text, logprob) triples this choice or chunk carries (for its logprobs)."""
         i = self.index if index is None else index
         if not self.chat:
-            return {"index": i, "text": text, "logprobs": None, "stop_reason": None, "finish_reason": finish}
+            lp = completion_logprobs(self.app.pipe, tokens, self.offset)
+            self.offset += sum(len(t) for _, t, _ in tokens or ())
+            return {"index": i, "text": text, "logprobs": lp, "stop_reason": None, "finish_reason": finish}
         msg = {"content": text} if text is not None else {}
         if not delta:
             msg["role"] = "assistant"
-        return {"index": i, "delta" if delta else "message": msg, "logprobs": None, "finish_reason": finish}
+        return {"index": i, "delta" if delta else "message": msg, "logprobs": chat_logprobs(self.app.pipe, tokens),
+                "finish_reason": finish}
 
     def _stream_head(self):
         return dict(self.head, object="chat.completion.chunk") if self.chat else self.head
@@ -73,8 +116,11 @@ class OpenAI:
         """done: (prompt ids, Result, tokens) of each choice. With several choices, usage adds them up and
         "mindspec" lists each one's stats."""
         ids, results = done[0][0], [res for _, res, _ in done]
-        out = dict(self.head, choices=[self._choice(r.text, r.finish_reason, index=i) for i, r in enumerate(results)],
-                   **self._tail(ids, results[0]))
+        choices = []
+        for i, r in enumerate(results):
+            self.offset = 0
+            choices.append(self._choice(r.text, r.finish_reason, index=i, tokens=_all_tokens(self.app.pipe, r)))
+        out = dict(self.head, choices=choices, **self._tail(ids, results[0]))
         if len(results) > 1:
             n = sum(len(r.token_ids) for r in results)
             out["usage"] = {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}
@@ -90,10 +136,10 @@ class OpenAI:
                                                         delta={"role": "assistant", "content": ""})])]
 
     def chunk(self, delta, tokens):
-        return self._role() + [dict(self._stream_head(), choices=[self._choice(delta, None, True)])]
+        return self._role() + [dict(self._stream_head(), choices=[self._choice(delta, None, True, tokens=tokens)])]
 
     def last(self, ids, res, tokens):
-        choice = self._choice(None if self.chat else "", res.finish_reason, True)
+        choice = self._choice(None if self.chat else "", res.finish_reason, True, tokens=tokens)
         return self._role() + [dict(self._stream_head(), choices=[choice], **self._tail(ids, res))]
 
 
@@ -130,8 +176,9 @@ class TGI:
         return [out] if self.listed else out  # TGI's POST / answers a list of one
 
     def _event(self, pending):
-        (i, text), prefill_ms, decode_ms = pending
+        (i, text, lp), prefill_ms, decode_ms = pending
         tok = token(self.app.pipe, i, text)
+        tok["logprob"] = None if lp is None else lp[0]
         if self.native:
             return {"prefill_time": prefill_ms, "decode_time": decode_ms, "token": {"id": i, "text": text}}
         return {"token": tok, "generated_text": None, "details": None}
@@ -159,7 +206,7 @@ class TGI:
     def last(self, ids, res, tokens):
         timed = ([self.pending] if self.pending else []) + self._timed(tokens)
         if not timed:  # nothing generated at all (cannot happen: a request makes >= 1 token)
-            timed = self._timed([(0, "")])
+            timed = self._timed([(0, "", None)])
         evs = [self._event(t) for t in timed]
         evs[-1]["generated_text"] = self.prefix + res.text
         evs[-1]["details"] = self._details(ids, res, full=False) if self.details else None

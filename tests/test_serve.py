@@ -280,8 +280,11 @@ BAD = [  # (path, body or raw bytes, status, words in the message)
     # fields that would otherwise be silently ignored: named in a 400
     ("/v1/chat/completions", {"messages": HI, "response_format": {"type": "json_object"}}, 400, "response_format="),
     ("/v1/chat/completions", {"messages": HI, "tools": [{"type": "function"}]}, 400, "tools="),
-    ("/v1/chat/completions", {"messages": HI, "top_logprobs": 2}, 400, "top_logprobs="),
-    ("/v1/chat/completions", {"messages": HI, "logprobs": True}, 400, "logprobs="),
+    ("/v1/chat/completions", {"messages": HI, "top_logprobs": 2}, 400, "top_logprobs needs logprobs: true"),
+    ("/v1/chat/completions", {"messages": HI, "logprobs": 3}, 400, "logprobs must be true or false"),
+    ("/v1/chat/completions", {"messages": HI, "logprobs": True, "top_logprobs": 21}, 400,
+     "top_logprobs must be an integer from 0 to 20"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs must be an integer in [0, 20]"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 10}}, 400, "logit_bias="),
     ("/v1/completions", {"prompt": "hi", "suffix": "end"}, 400, "suffix="),
     ("/v1/completions", {"prompt": "hi", "n": True}, 400, "n must be an integer"),
@@ -426,6 +429,41 @@ def test_unmodified_client_libraries(server, pipe):
     assert out.generated_text == ref.text and [t.id for t in out.details.tokens] == ref.token_ids
     evs = list(hf.text_generation(TEXT, max_new_tokens=N, stream=True, details=True))
     assert [e.token.id for e in evs] == ref.token_ids and evs[-1].generated_text == ref.text
+
+
+def test_logprobs_are_the_engines_own_in_every_openai_shape(server, pipe):
+    """chat logprobs/top_logprobs and completions logprobs, streamed or not: the tokens, logprobs and
+    alternatives the library returns for the same request (the graphs' own, tested against the numpy
+    reference in test_engine); streamed chunks add up to the whole."""
+    ref = pipe.generate(prompt=TEXT, max_new_tokens=N, logprobs=2)
+    assert len(ref.logprobs) == len(ref.token_ids) and all(len(top) == 2 for _, top in ref.logprobs)
+    text = lambda i: pipe.tokenizer.decode([i])  # noqa: E731
+    c = post(server[0], "/v1/completions", {"prompt": TEXT, "max_tokens": N, "logprobs": 2})["choices"][0]
+    lp = c["logprobs"]
+    assert c["text"] == ref.text and lp["tokens"] == [text(i) for i in ref.token_ids]
+    assert lp["token_logprobs"] == pytest.approx([x for x, _ in ref.logprobs], abs=1e-5)
+    assert lp["top_logprobs"] == [pytest.approx({text(i): x for i, x in top}, abs=1e-5) for _, top in ref.logprobs]
+    assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+    chunks = [e for e in events(server[0], "/v1/completions", {"prompt": TEXT, "max_tokens": N, "logprobs": 2,
+                                                                "stream": True}) if e != "[DONE]"]
+    streamed = [x for e in chunks if e["choices"][0]["logprobs"] for x in e["choices"][0]["logprobs"]["token_logprobs"]]
+    assert streamed == pytest.approx(lp["token_logprobs"], abs=1e-5)
+
+    msgs = [{"role": "user", "content": "Hi"}]
+    ref = pipe.generate(prompt="Hi", chat=True, max_new_tokens=N, logprobs=3)
+    body = {"messages": msgs, "max_tokens": N, "logprobs": True, "top_logprobs": 3}
+    content = post(server[0], "/v1/chat/completions", body)["choices"][0]["logprobs"]["content"]
+    assert [e["token"] for e in content] == [text(i) for i in ref.token_ids]
+    assert [e["logprob"] for e in content] == pytest.approx([x for x, _ in ref.logprobs], abs=1e-5)
+    assert [e["bytes"] for e in content] == [list(text(i).encode()) for i in ref.token_ids]
+    assert [[t["token"] for t in e["top_logprobs"]] for e in content] == [[text(i) for i, _ in top]
+                                                                          for _, top in ref.logprobs]
+    chunks = [e for e in events(server[0], "/v1/chat/completions", dict(body, stream=True)) if e != "[DONE]"]
+    streamed = [x["logprob"] for e in chunks if e["choices"] and e["choices"][0]["logprobs"]
+                for x in e["choices"][0]["logprobs"]["content"]]
+    assert streamed == pytest.approx([x for x, _ in ref.logprobs], abs=1e-5)
+    plain = post(server[0], "/v1/chat/completions", {"messages": msgs, "max_tokens": N, "logprobs": False})
+    assert plain["choices"][0]["logprobs"] is None and plain["choices"][0]["message"]["content"] == ref.text
 
 
 def test_native_stream_events_carry_token_ids(server, pipe):
