@@ -291,6 +291,8 @@ def _body(item, r):
             "prompt_tokens": len(r.prompt_ids), "stats": res.stats}
     if item.kw.get("seed") is not None:
         body["seed"] = item.kw["seed"]
+    if res.logprobs is not None:  # per token: [logprob, [[id, logprob], ...] of its best alternatives]
+        body["logprobs"] = [[lp, [list(t) for t in top]] for lp, top in res.logprobs]
     return body
 
 

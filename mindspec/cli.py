@@ -149,11 +149,14 @@ def _seed(a):
 def cmd_generate(a):
     pipe = load_pipeline(a)
     stream = None if a.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
-    res = pipe.generate(prompt=a.prompt, prompt_ids=a.prompt_ids, chat=a.chat, on_text=stream, **sampling_kwargs(a))
+    res = pipe.generate(prompt=a.prompt, prompt_ids=a.prompt_ids, chat=a.chat, on_text=stream, logprobs=a.logprobs,
+                        **sampling_kwargs(a))
     s = res.stats
     if a.json:
-        print(json.dumps({"text": res.text, "token_ids": res.token_ids, "finish_reason": res.finish_reason,
-                          "stats": s}))
+        out = {"text": res.text, "token_ids": res.token_ids, "finish_reason": res.finish_reason, "stats": s}
+        if res.logprobs is not None:  # as a batch record's
+            out["logprobs"] = [[lp, [list(t) for t in top]] for lp, top in res.logprobs]
+        print(json.dumps(out))
         return
     print()
     if a.stats:
@@ -246,6 +249,8 @@ def parser():
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     add_tp_arg(g)
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    g.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="with --json: each token's logprob under the target and its N best alternatives (0-20)")
     g.add_argument("--stats", action="store_true", help="print a table of acceptance and timing to stderr")
     g.set_defaults(func=cmd_generate)
     s = sub.add_parser("serve", help="HTTP server speaking MindIE Service's APIs (OpenAI, TGI, /infer)")

@@ -30,7 +30,7 @@ LINES = [
     json.dumps({"id": "a", "prompt_ids": [5, 6, 7, 8], "max_new_tokens": 10}),
     json.dumps({"prompt": "hello"}),  # id 2, the default --max-new-tokens
     "{oops",  # id 3: not JSON
-    json.dumps({"id": "d", "messages": [{"role": "user", "content": "hi"}], "max_new_tokens": 6}),
+    json.dumps({"id": "d", "messages": [{"role": "user", "content": "hi"}], "max_new_tokens": 6, "logprobs": 2}),
     json.dumps({"id": "e", "prompt": "x", "temperature": -1}),
     json.dumps({"id": "f", "prompt_ids": [5] * 200}),  # longer than the cache
     "",
@@ -108,12 +108,15 @@ def test_results_equal_target_only_and_bad_lines_become_errors(setup, first_run)
     pipe = mindspec.load(target=setup[0], draft=setup[1], k=2, max_seq=MAX_SEQ)
     refs = {"a": pipe.generate(prompt_ids=[5, 6, 7, 8], max_new_tokens=10, speculate=False),
             2: pipe.generate(prompt="hello", max_new_tokens=5, speculate=False),
-            "d": pipe.generate(prompt="hi", chat=True, max_new_tokens=6, speculate=False),
+            "d": pipe.generate(prompt="hi", chat=True, max_new_tokens=6, speculate=False, logprobs=2),
             "u": pipe.generate(prompt="x\u2028y\u0085z", max_new_tokens=3, speculate=False)}
     for rid, ref in refs.items():
         r = got[rid]
         assert r["token_ids"] == ref.token_ids and r["text"] == ref.text, rid
         assert r["finish_reason"] == ref.finish_reason and r["stats"]["new_tokens"] == len(ref.token_ids)
+        assert ("logprobs" in r) == (rid == "d")
+    assert [lp for lp, _ in got["d"]["logprobs"]] == pytest.approx([lp for lp, _ in refs["d"].logprobs], abs=1e-5)
+    assert [[t for t, _ in top] for _, top in got["d"]["logprobs"]] == [[t for t, _ in top] for _, top in refs["d"].logprobs]
     assert sum(got[r]["stats"]["drafted"] for r in refs) > 0  # the draft really ran
     assert not (setup[3] / "rank_0").exists()
 

@@ -39,10 +39,14 @@ def test_generate_json_speculative_equals_no_speculate(pair):
     assert st["prefill_s"] + st["draft_s"] + st["verify_s"] + st["other_s"] == pytest.approx(st["wall_s"], abs=1e-3)
     assert st["k_used"] == {"2": st["target_calls"] - 1} and len(st["accepted_at"]) == 2
     assert spec["stats"]["new_tokens"] == len(spec["token_ids"]) == 20
-    code, out, _ = run(*args, "--no-speculate")
+    code, out, _ = run(*args, "--no-speculate", "--logprobs", "1")
     base = json.loads(out)
     assert code == 0 and base["token_ids"] == spec["token_ids"] and base["text"] == spec["text"]
-    assert base["stats"]["drafted"] == 0
+    assert base["stats"]["drafted"] == 0 and "logprobs" not in spec
+    assert [top[0][0] for _, top in base["logprobs"]] == base["token_ids"]  # greedy: each token is the best
+    assert all(lp == top[0][1] <= 0 for lp, top in base["logprobs"])
+    code, out, err = run(*args, "--logprobs", "21")
+    assert code == 2 and out == "" and err.startswith("mindspec: error: logprobs must be an integer in [0, 20]")
 
 
 def test_generate_streams_text_and_summarises_on_stderr(pair):
