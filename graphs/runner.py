@@ -116,8 +116,8 @@ class TargetModel:
         # smallest bucket with no valid draft: the kernels of speculation, and 0.87-0.94x the time
         # (default model, 2 cores). See _widen.
         self.rot_rows = rot_rows_for(ms.get_context("device_target"))
-        self.decoder = LlamaDecoder(self.cfg, ckpt.get, cache_positions(self.max_seq, self.k_buckets), slots=max_batch,
-                                    dtype=getattr(ms, dtype), rot_rows=self.rot_rows)
+        self.decoder = LlamaDecoder(self.cfg, ckpt.get, cache_positions(self.max_seq, self.k_buckets),
+                                    slots=max_batch, dtype=getattr(ms, dtype), rot_rows=self.rot_rows)
         # *_exact: the rare rerun when the top-k candidates did not hold a row's kept set (graphs/sampling.py);
         # compiled on first need
         self.cells = {"greedy": GreedyStep(self.decoder), "sample": SampleStep(self.decoder, TOPK_CAP),
@@ -132,7 +132,7 @@ class TargetModel:
     def _run(self, kind, shape, *args, dry=False):
         """Call a graph; the first call of each (graph, shape) compiles it. Every input is a Tensor
         (a Python number would recompile per value). dry: compile (or load from the compile cache)
-        without running, returns None (warm-up: running each graph once cost ~5 of a warm start's
+        without running, returns None (warm-up: running each graph once cost ~5 s of a warm start's
         ~37 s, default model, 39 graphs)."""
         key = f"{kind}{shape}"
         if key in self.compiled and not dry:
