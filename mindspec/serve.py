@@ -112,12 +112,13 @@ class App:
                 share((new, gone))  # also when idle: the other ranks must not wait in a collective for long
             for rid, kw in new:
                 self.live[rid] = jobs[rid]
-            self._account(self.turn(new, gone, self._events))
+            self.turn(new, gone, self._events, account=True)
 
-    def turn(self, new, gone, on_event):
+    def turn(self, new, gone, on_event, account=False):
         """Apply one turn's new requests and aborts, then run one engine step (every rank runs this); returns
         the step's [(request, text)]. on_event(id, kind, value): ("error", MindspecError), ("text", (delta,
-        request)), ("end", request)."""
+        request)), ("end", request). account (rank 0): the step counts for /health before any client hears
+        of it, so a client that got its 500 sees the health that step left."""
         eng = self.pipe.engine
         for rid, kw in new:
             try:
@@ -129,6 +130,8 @@ class App:
         if not eng.has_work:
             return []
         events = eng.step()
+        if account:
+            self._account(events)
         for req, text in events:
             if text:
                 on_event(req.id, "text", (text, req))
