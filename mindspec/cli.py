@@ -138,8 +138,8 @@ def sampling_kwargs(a):
 
 
 def _seed(a):
-    """--seed, else for a sampled run under msrun one drawn from the seed base every rank shares (each
-    machine's launcher draws its own; the ranks take rank 0's), so all ranks draw the same uniforms."""
+    """--seed, else for a sampled run under msrun one drawn from SEED_ENV, the base every rank shares
+    (each machine's launcher draws its own; the ranks take rank 0's), so all ranks draw the same uniforms."""
     from .request import SEED_ENV, draw_seed
     if a.seed is not None or not getattr(a, "temperature", 0) or SEED_ENV not in os.environ:
         return a.seed

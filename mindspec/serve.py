@@ -115,10 +115,10 @@ class App:
             self.turn(new, gone, self._events, account=True)
 
     def turn(self, new, gone, on_event, account=False):
-        """Apply one turn's new requests and aborts, then run one engine step (every rank runs this); returns
-        the step's [(request, text)]. on_event(id, kind, value): ("error", MindspecError), ("text", (delta,
-        request)), ("end", request). account (rank 0): the step counts for /health before any client hears
-        of it, so a client that got its 500 sees the health that step left."""
+        """Apply one turn's new requests and aborts, then run one engine step (every rank runs this).
+        on_event(id, kind, value): ("error", MindspecError), ("text", (delta, request)), ("end", request).
+        account (rank 0): the step counts for /health before any client hears of it, so a client that got
+        its 500 sees the health that step left."""
         eng = self.pipe.engine
         for rid, kw in new:
             try:
@@ -128,7 +128,7 @@ class App:
         for rid in gone:
             eng.abort(rid)
         if not eng.has_work:
-            return []
+            return
         events = eng.step()
         if account:
             self._account(events)
@@ -137,7 +137,6 @@ class App:
                 on_event(req.id, "text", (text, req))
             if req.done:
                 on_event(req.id, "end", req)
-        return events
 
     def _account(self, events):
         """Count engine steps failing in a row (rank 0's worker). A step fails when a request ended in it
