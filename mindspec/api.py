@@ -11,7 +11,7 @@ import traceback
 from aiohttp import web
 
 from . import __version__
-from .errors import MindspecError
+from .errors import MindspecError, summary
 from .formats import TGI, OpenAI, openai_error, tgi_error
 from .request import RequestError, parse
 from .spec import TOP_LOGPROBS
@@ -121,7 +121,7 @@ class Api:
             raise
         except Exception as e:  # a bug: log it, answer one line, keep serving
             traceback.print_exc()
-            return self._answer(name, self.error(500, f"internal error: {type(e).__name__}: {e}", family))
+            return self._answer(name, self.error(500, f"internal error: {summary(e)}", family))
 
     def _answer(self, name, resp):
         self.metrics.answered(name, resp.status)
@@ -197,7 +197,7 @@ class Api:
                         resp = await _sse(request, resp, ev)
                     continue
                 status, msg = {"error": (getattr(val, "status", 400), val),
-                               "fail": (500, f"internal error: {type(val).__name__}: {val}"),
+                               "fail": (500, f"internal error: {summary(val)}"),
                                "unavailable": (503, "the server is shutting down")}[kind]
                 if resp is not None:  # too late for a status code: a last event says what happened
                     await resp.write(_event({"error": _one_line(msg), "status": status}))

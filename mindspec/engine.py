@@ -127,7 +127,7 @@ class Engine:
 
     def _decode(self, running, events):
         """One draft + verify call over the running rows (K = 0: a plain decode call)."""
-        t0 = time.perf_counter()
+        t0, cold = time.perf_counter(), self.target.cold_runs
         caps = [self.target.max_seq - r.pos - 1 for r in running]  # drafts that still fit the cache
         n_valid = self._choose(running, caps)
         K = max(n_valid)
@@ -154,7 +154,8 @@ class Engine:
         acc, nxt, *lps = self.target.step(ids, [r.slot for r in running], [r.pos for r in running], n_valid, s,
                                           logprobs=want_lp)
         t2 = time.perf_counter()
-        if self.dynamic is not None and any(r.policy is not None for r in running):
+        steady = self.target.cold_runs == cold  # a graph's first run is a one-off spike, not what a step costs
+        if self.dynamic is not None and any(r.policy is not None for r in running) and steady:
             self.dynamic.observe(self.spec.batch_bucket(len(running)), K, t1 - t0, t2 - t1)
         for i, r in enumerate(running):
             n = int(acc[i])

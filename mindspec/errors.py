@@ -3,3 +3,11 @@
 
 class MindspecError(Exception):
     """Bad input a user can fix: a broken checkpoint, a mismatched draft, a prompt too long..."""
+
+
+def summary(e):
+    """An exception in one line: its type and the first line of its message (MindSpore's go on with a C++
+    call stack), at most 300 characters. For answers and logs that name an internal error; the whole
+    message goes to the server's stderr."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return (f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__)[:300]

@@ -6,8 +6,10 @@ went away, then runs one engine step over every running row. The HTTP side (mind
 on a thread of its own; the endpoints in mindspec.api) parses a request, hands it over here and
 relays the engine's events to its client. A client that goes away (streamed or not) aborts its row
 at the next step; SIGINT/SIGTERM fail the queued and running requests with 503 and stop the server
-cleanly. A failing engine call ends its requests with a 500 and the worker goes on; FAILED_STEPS
-failed steps in a row make /health answer 503 until a step succeeds (see App._account).
+cleanly. Warm-up compiles every graph before the server says ready; a graph's first run still costs
+~0.3 s more than the next, so an idle server runs one such graph per idle tick (mindspec_graphs_cold).
+A failing engine call ends its requests with a 500 and the worker goes on; FAILED_STEPS failed steps in
+a row make /health answer 503 until a step succeeds (see App._account).
 """
 import asyncio
 import itertools
@@ -18,7 +20,7 @@ import sys
 import threading
 import time
 
-from .errors import MindspecError
+from .errors import MindspecError, summary
 from .formats import pieces
 from .metrics import Metrics
 from .request import RequestError, make, parse
@@ -65,9 +67,11 @@ class App:
         self.metrics.waiting.set_function(lambda: self.jobs.qsize() + len(self._engine("waiting")))
         self.metrics.running.set_function(lambda: len(self._engine("rows")))
         self.metrics.healthy.set_function(lambda: float(self.ready.is_set() and self.failing() is None))
+        self.metrics.cold_graphs.set_function(lambda: len(self.pipe.target.cold()) if self.ready.is_set() else 0)
         # (engine steps failed in a row, the last one's error in one line): written by the worker as one
         # tuple, read by the HTTP thread
         self.engine_state, self._probing = (0, None), False
+        self.warming = False  # the last turn ran a cold graph (see turn): the next takes no tick's wait
         self.call = None  # runs a function on the HTTP loop (set by serve)
 
     def _engine(self, attr):
@@ -107,7 +111,7 @@ class App:
         new requests and aborts to the other ranks (see follow), which apply them and step in lock step."""
         eng = self.pipe.engine
         while True:
-            new, gone, jobs = self._take(block=not eng.has_work)
+            new, gone, jobs = self._take(block=not (eng.has_work or self.warming))
             if self.tp:
                 share((new, gone))  # also when idle: the other ranks must not wait in a collective for long
             for rid, kw in new:
@@ -128,7 +132,11 @@ class App:
         for rid in gone:
             eng.abort(rid)
         if not eng.has_work:
+            # idle (a whole tick with nothing, then back to back until a request comes): the first run of a
+            # graph warm-up compiled, so no request pays it
+            self.warming = not new and not gone and self.pipe.target.warm_next()
             return
+        self.warming = False
         events = eng.step()
         if account:
             self._account(events)
@@ -149,7 +157,7 @@ class App:
         errors = [r.error for r, _ in events if r.finish_reason == "error"]
         if errors:
             self.metrics.engine_errors.inc()
-            self.engine_state = failed + 1, _summary(errors[-1])
+            self.engine_state = failed + 1, summary(errors[-1])
             if failed + 1 == FAILED_STEPS:
                 print(f"mindspec: unhealthy: {self.failing()}; /health answers 503 until a step succeeds",
                       file=sys.stderr, flush=True)
@@ -186,7 +194,7 @@ class App:
                 del self.live[rid]
                 self._probing = False
                 if kind == "error" or val.finish_reason == "error":
-                    print(f"mindspec: health probe failed: {_summary(val if kind == 'error' else val.error)}",
+                    print(f"mindspec: health probe failed: {summary(val if kind == 'error' else val.error)}",
                           file=sys.stderr, flush=True)
             return
         if kind == "text":
@@ -220,13 +228,6 @@ class App:
                 pending.append(self.jobs.get_nowait())
         for job in pending:
             job.put(("unavailable", None))
-
-
-def _summary(e):
-    """An exception in one line: its type and the first line of its message (MindSpore's go on with a C++
-    call stack), at most 300 characters."""
-    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-    return (f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__)[:300]
 
 
 def _stop_on_signals():

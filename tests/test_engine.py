@@ -170,3 +170,23 @@ def test_library_use_from_python_c_and_stdin(tiny_target, draft, how, tmp_path):
                          timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert len(eval(out.stdout.strip().splitlines()[-1])) == 4
+
+
+def test_dynamic_k_learns_no_cost_from_a_graphs_first_run(tiny_target, draft, monkeypatch):
+    """A graph's first run costs more than any later one: the steps that include one teach the in-loop
+    cost model nothing (it learnt such spikes and then avoided the K it had just tried)."""
+    from mindspec.policy import Costs, DynamicK
+    seen = []
+    observe = DynamicK.observe
+    monkeypatch.setattr(DynamicK, "observe", lambda self, *a: (seen.append(a), observe(self, *a)))
+    p = mindspec.load(target=tiny_target[0], draft=draft, k="auto", max_seq=64, max_batch=1)
+    p.ensure(64, 1)
+    p.costs = Costs({1: (0.1, {0: 1.0, 1: 1.05, 2: 1.1, 4: 1.2, 8: 1.4})}, unit_s=0.01)
+    kw = dict(prompt_ids=PROMPTS[1], max_new_tokens=24)
+    first = p.generate(**kw)
+    cold = p.target.cold_runs  # the prefill's and each K's first verify
+    assert cold >= 2 and len(seen) == first.stats["target_calls"] - 1 - (cold - 1)
+    seen.clear()
+    again = p.generate(**kw)
+    assert again.token_ids == first.token_ids and p.target.cold_runs == cold
+    assert len(seen) == again.stats["target_calls"] - 1  # every decode step, now that no graph is cold

@@ -140,3 +140,18 @@ def test_rotate_half_in_the_graph_matches_the_reference(target):
     i32 = lambda a: Tensor(np.asarray(a, np.int32))  # noqa: E731
     got = cell(i32([seq]), i32([0]), i32([0])).asnumpy()[0]
     assert np.abs(got - _ref(ckpt, seq)).max() < 1e-4
+
+
+def test_warm_next_runs_each_graph_warm_up_only_compiled(tiny_target):
+    """Warm-up compiles without running; a graph's first run is counted (cold_runs) and warm_next runs
+    the compiled graphs nothing ran yet, one per call, until none is left."""
+    init_mindspore()
+    m = TargetModel(Checkpoint(tiny_target[0]), max_seq=32, k_buckets=(1,), batch_buckets=(1,), max_batch=1)
+    names = m.graph_names((1,), (0, 1))
+    m.warmup(names)
+    assert m.cold() == names == [("prefill", 1, 32), ("greedy", 1, 2)] and m.cold_runs == 0
+    assert m.warm_next() and m.cold() == names[1:] and m.cold_runs == 1
+    m.step([[5, 6]], [0], [3], [1])  # a request reaching the last cold graph first: its first run
+    assert m.cold() == [] and m.cold_runs == 2 and not m.warm_next()
+    m.step([[5, 6]], [0], [3], [1])
+    assert m.cold_runs == 2
