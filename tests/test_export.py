@@ -1,6 +1,7 @@
 """ONNX draft export (format 2: batched rows, static cache): numerics against the numpy reference,
 quantized variants, manifest refusals."""
 import json
+import os
 import shutil
 
 import numpy as np
@@ -364,6 +365,8 @@ def test_providers_and_options(monkeypatch):
     assert providers("cpu") == providers("CPU") == ["CPUExecutionProvider"]
     so = make_session_options(2)
     assert so.intra_op_num_threads == 2
+    # never 0: onnxruntime pins the threads of a pool whose size it picks itself (they slowed the target)
+    assert make_session_options().intra_op_num_threads == len(os.sched_getaffinity(0))
     assert so.get_session_config_entry("session.intra_op.allow_spinning") == "0"
     assert so.get_session_config_entry("session.inter_op.allow_spinning") == "0"
 
