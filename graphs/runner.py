@@ -135,8 +135,8 @@ class TargetModel:
     def _run(self, kind, shape, *args, dry=False):
         """Call a graph; the first call of each (graph, shape) compiles it. Every input is a Tensor
         (a Python number would recompile per value). dry: compile (or load from the compile cache)
-        without running, returns None (warm-up: running each graph once cost ~5 s of a warm start's
-        ~37 s, default model, 39 graphs)."""
+        without running, returns None (warm-up compiles only; each graph's first run, ~0.3-0.9 s more
+        than the next, is left to an idle moment, see warm_next)."""
         key = f"{kind}{shape}"
         if key in self.ran and not dry:
             return self.cells[kind](*args)
