@@ -130,6 +130,7 @@ class TargetModel:
         # graphs run at least once, and how many calls were a graph's first run (one costs ~0.3-0.9 s more
         # than the next, default model, 2 cores: timings that include one say nothing of the steady state)
         self.ran, self.cold_runs, self.warm_names = set(), 0, []
+        self.writes = 0  # graph runs (each writes K/V into cache slots): the engine's prefix cache checks it
         self._no_seen = {}  # B -> zeros [B, V]
 
     def _run(self, kind, shape, *args, dry=False):
@@ -138,6 +139,7 @@ class TargetModel:
         without running, returns None (warm-up compiles only; each graph's first run, ~0.3-0.9 s more
         than the next, is left to an idle moment, see warm_next)."""
         key = f"{kind}{shape}"
+        self.writes += not dry
         if key in self.ran and not dry:
             return self.cells[kind](*args)
         global _COMPILES

@@ -92,6 +92,9 @@ def _positive(text):
 def add_batch_arg(p):
     p.add_argument("--max-batch", type=_positive, default=MAX_BATCH,
                    help=f"requests running at once (KV-cache slots); new ones join as rows finish (default {MAX_BATCH})")
+    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                   help="prefill every prompt whole (default: a prompt starting with tokens a finished request "
+                        "left in a free slot, e.g. a shared system turn, skips them)")
 
 
 def add_tp_arg(p):
@@ -127,7 +130,7 @@ def load_pipeline(a):
     mem = parse_size(a.device_mem, "--device-mem") if a.device_mem else None
     return load(target=a.target, draft=False if a.no_speculate else a.draft, k=a.k, max_seq=a.max_seq,
                 device_mem=mem, tp=getattr(a, "tp", 1), max_batch=getattr(a, "max_batch", 1), dtype=a.dtype,
-                device=a.device)
+                device=a.device, prefix_cache=getattr(a, "prefix_cache", True))
 
 
 def sampling_kwargs(a):

@@ -9,6 +9,13 @@ serve, batch) only add, read and abort requests: this is the one loop they share
 Rows: the active requests in order; row i uses row i of the draft's cache (rows stay contiguous: a
 leaving row is replaced by the last one) and its own target cache slot. Ragged acceptance is just
 different position moves per row.
+
+Prefix caching: a freed slot keeps the K/V of the tokens its last request fed. A new request takes
+the free slot whose tokens share the longest prefix with its prompt and starts its prefill after
+them (at least its last prompt token is fed again: its logits give the first token). Chat requests
+share their system turn, batch jobs their instructions. The draft's rows are not kept: it feeds the
+whole prompt (its prefill is the cheap part). Anything else that runs the target graphs (warm-up,
+cost measurement) writes into slots: the engine then forgets what they held.
 """
 import time
 from collections import deque
@@ -22,12 +29,15 @@ from .spec import PREFILL_CHUNK
 
 
 class Engine:
-    def __init__(self, target, proposer, spec, dynamic=None):
+    def __init__(self, target, proposer, spec, dynamic=None, prefix_cache=True):
         """target: graphs.runner.TargetModel; proposer: DraftProposer or None (target only); spec:
-        SpecConfig; dynamic: policy.DynamicK for requests with k="auto" (None: measured later)."""
+        SpecConfig; dynamic: policy.DynamicK for requests with k="auto" (None: measured later);
+        prefix_cache: reuse a free slot's cached prompt prefix (see the module's docstring)."""
         self.target, self.proposer, self.spec, self.dynamic = target, proposer, spec, dynamic
         self.waiting, self.rows = deque(), []
-        self.free_slots = list(range(target.max_batch))[::-1]
+        self.free_slots = list(range(target.max_batch))  # least recently freed first
+        self.prefix_cache, self.cached = prefix_cache, {}  # free slot -> the tokens its K/V positions hold
+        self.writes = target.writes  # the target's graph runs when this engine last ran one
 
     @property
     def has_work(self):
@@ -56,6 +66,7 @@ class Engine:
         if running:
             self._guard(running, events, lambda: self._decode(running, events))
         self._release()
+        self.writes = self.target.writes
         return list(events.items())
 
     # ---- scheduling
@@ -71,17 +82,36 @@ class Engine:
 
     def _admit(self):
         """Waiting requests enter prefill while slots are free."""
+        if self.target.writes != self.writes:  # graphs ran outside the engine: slots hold their dummy K/V
+            self.cached.clear()
         while self.waiting and self.free_slots:
             r = self.waiting.popleft()
-            r.slot, r.row, r.pos, r.state = self.free_slots.pop(), len(self.rows), 0, PREFILL
+            r.slot, r.pos = self._slot_for(r.prompt_ids)
+            r.row, r.state, r.stats.cached_tokens = len(self.rows), PREFILL, r.pos
             r.stats.queue_s = time.perf_counter() - r.added
             r.started = time.perf_counter()
             if r.k == "auto" and self.dynamic is not None:
                 r.policy = self.dynamic.start()
             self.rows.append(r)
 
+    def _slot_for(self, prompt):
+        """(a free slot, prompt tokens its cache already holds): the slot sharing the longest prefix
+        with `prompt`, the least recently freed of those (what the others hold stays cached longest);
+        the last prompt token always goes through prefill again."""
+        slot, hit = self.free_slots[0], 0
+        if self.prefix_cache:
+            for s in self.free_slots:
+                n = common_prefix(self.cached.get(s, ()), prompt)
+                if n > hit:
+                    slot, hit = s, n
+        self.free_slots.remove(slot)
+        self.cached.pop(slot, None)
+        return slot, min(hit, len(prompt) - 1)
+
     def _release(self):
-        """Free the slots of finished rows; the last row moves into each freed row."""
+        """Free the slots of finished rows; the last row moves into each freed row. A slot keeps the
+        tokens whose K/V its positions hold: seq[:pos] (the last committed token was never fed), but not
+        max_seq - 1, where padding rows of a batch bucket write, nor anything after a failed call."""
         for r in sorted((r for r in self.rows if r.state == FINISHED), key=lambda r: -r.row):
             last = len(self.rows) - 1
             if self.proposer is not None:
@@ -90,6 +120,8 @@ class Engine:
             if moved is not r:
                 self.rows[r.row], moved.row = moved, r.row
             self.free_slots.append(r.slot)
+            if r.finish_reason != "error":
+                self.cached[r.slot] = r.seq[:min(r.pos, self.target.max_seq - 1)]
             r.stats.wall_s = time.perf_counter() - r.started
 
     def _guard(self, reqs, events, fn):
@@ -113,8 +145,9 @@ class Engine:
         out = self.target.prefill([r.slot for r in pre], [r.pos for r in pre], chunks,
                                   self._sampling(pre, 0, prefill=True), logprobs=want_lp)
         toks, lps = out if want_lp else (out, None)
-        if self.proposer is not None:
-            self.proposer.prefill({r.row: c for r, c in zip(pre, chunks) if r.speculate})
+        if self.proposer is not None:  # the draft catches up from its own position (a cached prefix: from 0)
+            self.proposer.prefill({r.row: r.prompt_ids[self.proposer.cached(r.row):r.pos + len(c)]
+                                   for r, c in zip(pre, chunks) if r.speculate})
         dt = time.perf_counter() - t0
         for i, (r, chunk) in enumerate(zip(pre, chunks)):
             r.pos += len(chunk)
@@ -206,3 +239,10 @@ class Engine:
             u_acc=np.stack([uniforms(sd, st, max(K, 1), ACCEPT) for sd, st in zip(seeds, start)]),
             u_smp=np.stack([uniforms(sd, st, K + 1, SAMPLE) for sd, st in zip(seeds, start)]),
             seen=seen, q=q)
+
+
+def common_prefix(a, b):
+    """How many leading tokens the id lists a and b share."""
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(differ[0]) if len(differ) else n

@@ -109,7 +109,8 @@ class OpenAI:
 
     def _tail(self, ids, res):
         usage = {"prompt_tokens": len(ids), "completion_tokens": len(res.token_ids),
-                 "total_tokens": len(ids) + len(res.token_ids)}
+                 "total_tokens": len(ids) + len(res.token_ids),
+                 "prompt_tokens_details": {"cached_tokens": res.stats.get("cached_tokens", 0)}}
         return {"usage": usage, "mindspec": res.stats}
 
     def response(self, done):

@@ -27,6 +27,8 @@ class Metrics:
         self.finished = Counter("mindspec_requests_finished", "generations ended, by finish reason",
                                 ["reason"], registry=r)
         self.prompt_tokens = Counter("mindspec_prompt_tokens", "prompt tokens of finished generations", registry=r)
+        self.cached_tokens = Counter("mindspec_prompt_tokens_cached", "prompt tokens whose K/V a slot already held "
+                                     "(prefix caching: not prefilled again)", registry=r)
         self.generated_tokens = Counter("mindspec_generation_tokens", "tokens generated", registry=r)
         self.ttft = Histogram("mindspec_time_to_first_token_seconds", "from arrival to the first text",
                               buckets=_SECONDS, registry=r)
@@ -52,6 +54,7 @@ class Metrics:
         s, n = res.stats, len(res.token_ids)
         self.finished.labels(res.finish_reason).inc()
         self.prompt_tokens.inc(prompt_tokens)
+        self.cached_tokens.inc(s.get("cached_tokens", 0))
         self.generated_tokens.inc(n)
         if ttft_s is not None:
             self.ttft.observe(ttft_s)

@@ -17,7 +17,7 @@ __all__ = ["Pipeline", "Result", "load"]
 
 class Pipeline:
     def __init__(self, target, draft=None, k="auto", max_seq=None, buckets=K_BUCKETS, device=None,
-                 device_mem=None, tp=1, max_batch=1, batch_buckets=BATCH_BUCKETS, dtype=None):
+                 device_mem=None, tp=1, max_batch=1, batch_buckets=BATCH_BUCKETS, dtype=None, prefix_cache=True):
         from mindspec.graphs.runner import init_mindspore
         self.device = detect_device(device)  # target and draft: "CPU" or "Ascend"
         self.dtype = resolve_dtype(dtype, self.device)  # the target's; refused before any weight loads
@@ -31,6 +31,7 @@ class Pipeline:
                                 f"is {self.cfg.vocab_size}")
         self.eos = frozenset(self.cfg.eos_token_ids) | frozenset(self.tokenizer.eos_token_ids)
         self.target = self.proposer = self.engine = None
+        self.prefix_cache = prefix_cache  # a new request reuses the K/V of a prefix a finished one left (engine.py)
         self.set_draft(draft)
         self.fixed_max_seq = max_seq
         self.device_mem, self.tp = device_mem, tp  # bytes per device: refuse what cannot fit
@@ -90,7 +91,7 @@ class Pipeline:
                                                    max_batch=t.max_batch, device=self.device)) \
             if self.draft_path else None
         self.costs = None
-        self.engine = Engine(t, self.proposer, self.spec)
+        self.engine = Engine(t, self.proposer, self.spec, prefix_cache=self.prefix_cache)
 
     def _build(self, max_seq, max_batch):
         """(Re)build the target graphs and the draft cache for `max_seq` positions and `max_batch` rows."""

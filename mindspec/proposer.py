@@ -26,6 +26,10 @@ class DraftProposer:
             lo, hi = min(chunks), max(chunks)
             self.session.forward([list(chunks.get(row, ())) for row in range(lo, hi + 1)], start=lo)
 
+    def cached(self, row):
+        """Tokens of row's sequence the draft's cache holds."""
+        return int(self.session.pos[row])
+
     def get_candidates(self, rows, k, need_q):
         """rows: the engine's rows in row order, a Request or None (takes no part). Drafts k tokens for
         each Request row: greedy rows take the argmax, sampling rows sample from q, the draft's

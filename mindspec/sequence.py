@@ -25,6 +25,7 @@ class Stats:
     wall_s: float = 0.0  # from its first prefill chunk to its last token, after the graphs are compiled
     compile_s: float = 0.0  # graph compilation (or compile-cache loading) this request waited for
     queue_s: float = 0.0  # waiting for a free slot
+    cached_tokens: int = 0  # prompt tokens whose K/V a finished request left in its slot (prefix caching)
 
     def record(self, k, n_accepted):
         self.drafted += k
@@ -44,7 +45,7 @@ class Stats:
                 "verify_s": round(self.verify_s, 4),
                 "other_s": round(max(self.wall_s - self.prefill_s - self.draft_s - self.verify_s, 0.0), 4),
                 "wall_s": round(self.wall_s, 4), "compile_s": round(self.compile_s, 4),
-                "queue_s": round(self.queue_s, 4),
+                "queue_s": round(self.queue_s, 4), "cached_tokens": self.cached_tokens,
                 "tokens_per_s": self.new_tokens / self.wall_s if self.wall_s else None}
 
 

@@ -190,3 +190,41 @@ def test_dynamic_k_learns_no_cost_from_a_graphs_first_run(tiny_target, draft, mo
     again = p.generate(**kw)
     assert again.token_ids == first.token_ids and p.target.cold_runs == cold
     assert len(seen) == again.stats["target_calls"] - 1  # every decode step, now that no graph is cold
+
+
+def test_a_prompt_sharing_a_finished_requests_prefix_prefills_only_the_rest(pipe):
+    """Prefix caching: a free slot keeps the K/V of what its last request fed; a prompt starting with
+    those tokens skips them (a whole cached prompt: all but its last token; a follow-up turn: all but
+    the last token generated, never fed), and every token equals the same request's with the cache
+    off, greedy or seeded sampling."""
+    base = list(range(10, 50))  # 40 tokens: longer than a prefill chunk
+    seed = dict(prompt_ids=base, max_new_tokens=6, speculate=False)  # one token a step: fed all but the last
+    answer = pipe.generate(**seed).token_ids
+    kws = [dict(prompt_ids=base[:36] + [7, 8, 9], max_new_tokens=12, k=4),
+           dict(prompt_ids=base[:5] + [300, 301] * 20, max_new_tokens=10, k=2),  # the rest spans two chunks
+           dict(prompt_ids=base, max_new_tokens=9, temperature=0.9, seed=3, k=4),
+           dict(prompt_ids=base + answer + [5, 6], max_new_tokens=8, k=4)]
+    eng = pipe.engine
+    eng.prefix_cache = False
+    try:
+        ref = [pipe.generate(**kw) for kw in kws]
+    finally:
+        eng.prefix_cache = True
+    assert [r.stats["cached_tokens"] for r in ref] == [0, 0, 0, 0]
+    for kw, shared, want in zip(kws, (36, 5, 39, 45), ref):
+        eng.cached.clear()
+        pipe.generate(**seed)  # leaves base + its answer in a free slot
+        got = pipe.generate(**kw)
+        assert got.stats["cached_tokens"] == shared
+        assert got.token_ids == want.token_ids
+
+
+def test_graphs_run_outside_the_engine_void_the_prefix_cache(pipe, alone):
+    """Warm-up runs and cost measurements write dummy K/V into slots: a prompt a slot held before
+    is then prefilled whole, and its tokens stay exact."""
+    first = pipe.generate(prompt_ids=PROMPTS[3], max_new_tokens=MAX_NEW[3], speculate=False)
+    again = pipe.generate(prompt_ids=PROMPTS[3], max_new_tokens=MAX_NEW[3], speculate=False)
+    assert first.token_ids == again.token_ids == alone[3] and again.stats["cached_tokens"] == len(PROMPTS[3]) - 1
+    pipe.target.step(np.ones((4, 5)), np.arange(4), np.zeros(4), np.full(4, 4))  # positions 0..4 of every slot
+    after = pipe.generate(prompt_ids=PROMPTS[3], max_new_tokens=MAX_NEW[3], speculate=False)
+    assert after.stats["cached_tokens"] == 0 and after.token_ids == alone[3]

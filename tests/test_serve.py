@@ -114,8 +114,10 @@ def test_greedy_equals_target_only(server, pipe):
     c = post(base, "/v1/completions", {"model": "tiny", "prompt": IDS, "max_tokens": N})
     assert c["object"] == "text_completion" and c["choices"][0]["text"] == by_ids.text
     assert c["choices"][0]["finish_reason"] == by_ids.finish_reason
-    assert c["usage"] == {"prompt_tokens": len(IDS), "completion_tokens": len(by_ids.token_ids),
-                          "total_tokens": len(IDS) + len(by_ids.token_ids)}
+    usage = dict(c["usage"])
+    assert 0 <= usage.pop("prompt_tokens_details")["cached_tokens"] < len(IDS)
+    assert usage == {"prompt_tokens": len(IDS), "completion_tokens": len(by_ids.token_ids),
+                     "total_tokens": len(IDS) + len(by_ids.token_ids)}
     s = c["mindspec"]
     assert s["drafted"] > 0 and 0 <= s["acceptance_rate"] <= 1 and s["tokens_per_target_call"] >= 1
 
@@ -581,14 +583,32 @@ def test_metrics_count_what_was_sent(server):
     assert after[("mindspec_requests_running", ())] == 0 and after[("mindspec_requests_waiting", ())] == 0
 
 
+def _wait_warm(base):
+    import time
+    deadline = time.time() + 120
+    while (cold := _metrics(base)[("mindspec_graphs_cold", ())]) > 0:
+        assert time.time() < deadline, f"{cold} graphs still cold"
+        time.sleep(0.5)
+
+
 def test_an_idle_server_gives_every_compiled_graph_its_first_run(server):
     """Warm-up only compiles; an idle server runs each graph once (a first run is slower), so a
     request does not pay for it: mindspec_graphs_cold falls to 0 with nobody asking anything."""
-    import time
-    deadline = time.time() + 120
-    while (cold := _metrics(server[0])[("mindspec_graphs_cold", ())]) > 0:
-        assert time.time() < deadline, f"{cold} graphs still cold"
-        time.sleep(0.5)
+    _wait_warm(server[0])
+
+
+def test_a_repeated_prompt_is_served_from_the_prefix_cache(server):
+    """The same prompt again prefills only its last token (the slot its first run freed still holds
+    the rest); usage and /metrics say how many prompt tokens the cache gave, and the text is the same."""
+    base = server[0]
+    _wait_warm(base)  # an idle server's first runs of graphs write into slots: the cache forgets them
+    before = _metrics(base)
+    outs = [post(base, "/v1/completions", {"prompt": IDS, "max_tokens": N}) for _ in range(2)]
+    cached = [o["usage"]["prompt_tokens_details"]["cached_tokens"] for o in outs]
+    assert cached[1] == len(IDS) - 1 and outs[1]["mindspec"]["cached_tokens"] == cached[1]
+    assert outs[0]["choices"][0]["text"] == outs[1]["choices"][0]["text"]
+    key = ("mindspec_prompt_tokens_cached_total", ())
+    assert _metrics(base)[key] - before.get(key, 0) == sum(cached)
 
 
 def test_tokenize_detokenize_version(server, pipe):
