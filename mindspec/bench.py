@@ -196,8 +196,9 @@ def run(target=None, draft=None, prompts="story,chat,code", max_new_tokens=128, 
     longest = max((ids for rows in enc.values() for ids in rows), key=len)
     # one cache size for every prompt, so no mode ever recompiles mid-bench
     max_seq = round_up(len(longest) + max_new_tokens + ks[-1] + 1, SEQ_ROUND)
+    # no prefix cache: every mode runs the same prompts, and each must pay its own prefill
     pipe = mindspec.load(target=target, draft=draft or False, k=ks[-1], max_seq=max_seq, buckets=tuple(ks),
-                         max_batch=sizes[-1], batch_buckets=tuple(sizes))
+                         max_batch=sizes[-1], batch_buckets=tuple(sizes), prefix_cache=False)
     notes, costs = [], None
     modes = [("target-only", 0, dict(speculate=False))]
     if pipe.proposer is None:

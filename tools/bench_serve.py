@@ -2,13 +2,15 @@
 twice and reports the time from launch to ready of each (the first start compiles every graph
 unless MindSpore's compile cache already holds them; the second start reads them from the warm
 cache), the first request's latency against the tenth's, then sends the same requests (the bench
-prompts, whole completions) with 1, 4 and 8 concurrent clients and reports aggregate tokens/s and
+prompts as chat turns, each led by the request's own number so that no two are equal, whole
+completions) with 1, 4 and 8 concurrent clients and reports aggregate tokens/s and
 p50/p95 latency for each, the time to the first streamed text, and the server's own /metrics
 figures (acceptance, tokens per target call, time to first token). The throughput passes start once
 the idle server has run each compiled graph once (a graph's first run is slower).
 
     .venv/bin/python tools/bench_serve.py [--max-new-tokens 64] [--requests 16] [--clients 1,4,8]
                                           [--max-batch 8] [--max-seq 512] [--target DIR --draft PATH]
+                                          [--no-prefix-cache] [--repeat-prompts]
 """
 import argparse
 import json
@@ -89,10 +91,11 @@ def server_figures(base):
     tokens, calls = total("mindspec_generation_tokens"), total("mindspec_spec_target_calls")
     ttft = total("mindspec_time_to_first_token_seconds", "_sum") / max(
         total("mindspec_time_to_first_token_seconds", "_count"), 1)
+    prompt, cached = total("mindspec_prompt_tokens"), total("mindspec_prompt_tokens_cached")
     ks = {s.labels["k"]: int(s.value) for s in fams["mindspec_spec_k_steps"].samples if s.name.endswith("_total")}
     return (f"server /metrics: acceptance {accepted / max(drafted, 1):.3f} ({int(accepted)}/{int(drafted)}), "
             f"{tokens / max(calls, 1):.2f} tokens per target call, mean time to first token {1000 * ttft:.0f} ms, "
-            f"steps by K {dict(sorted(ks.items()))}")
+            f"steps by K {dict(sorted(ks.items()))}, prompt tokens from the prefix cache {int(cached)} of {int(prompt)}")
 
 
 def main():
@@ -104,11 +107,15 @@ def main():
     ap.add_argument("--clients", default="1,4,8")
     ap.add_argument("--max-batch", type=int, default=8)
     ap.add_argument("--max-seq", type=int, default=512)
+    ap.add_argument("--no-prefix-cache", action="store_true", help="the server prefills every prompt whole")
+    ap.add_argument("--repeat-prompts", action="store_true",
+                    help="send the bench prompts as they are, cycled (default: each request's own number first)")
     a = ap.parse_args()
     cmd = [sys.executable, "-m", "mindspec", "serve", "--port", "0", "--max-seq", str(a.max_seq),
            "--max-batch", str(a.max_batch)]
     cmd += ["--target", a.target] if a.target else []
     cmd += ["--draft", a.draft] if a.draft else []
+    cmd += ["--no-prefix-cache"] if a.no_prefix_cache else []
     srv, _, first_start = start(cmd)
     stop(srv)
     srv, base, ready_s = start(cmd)
@@ -117,7 +124,9 @@ def main():
     try:
         url = base + "/v1/chat/completions"
         texts = [p for rows in PROMPT_SETS.values() for p, _ in rows]
-        bodies = [{"messages": [{"role": "user", "content": texts[i % len(texts)]}], "max_tokens": a.max_new_tokens}
+        # no two prompts equal (as a server's traffic): they share the chat template's system turn only
+        bodies = [{"messages": [{"role": "user", "content": texts[i % len(texts)] if a.repeat_prompts else
+                                 f"Request {i}. {texts[i % len(texts)]}"}], "max_tokens": a.max_new_tokens}
                   for i in range(a.requests)]
         first = post(url, bodies[0])[1]
         tenth = [post(url, bodies[i % len(bodies)])[1] for i in range(9)][-1]
