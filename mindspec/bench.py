@@ -349,13 +349,14 @@ def cmd_bench(a):
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "bench.json"), "w") as f:
         json.dump(result, f, indent=1)
+    files = ["bench.json", "bench.png"] + (["bench-batch.png"] if len(result["batch_sizes"]) > 1 else [])
     plot(result, os.path.join(a.out, "bench.png"))
     if len(result["batch_sizes"]) > 1:
         plot_batch(result, os.path.join(a.out, "bench-batch.png"))
     print(table(result))
     for n in result["notes"]:
         print(f"note: {n}")
-    print(f"wrote {os.path.join(a.out, 'bench.json')} and {os.path.join(a.out, 'bench.png')}", file=sys.stderr)
+    print(f"wrote {', '.join(os.path.join(a.out, f) for f in files)}", file=sys.stderr)
 
 
 def _ks(text):
