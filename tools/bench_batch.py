@@ -1,12 +1,13 @@
 """Batch-job benchmark: lines/s and tokens/s of `mindspec batch` at several --dp (and --max-batch) settings.
 
 Each setting runs the real command line in a fresh process on the same generated input (greedy chat
-prompts, or token ids with --prompt-ids) into a fresh output, so load, compile and the merge are all in
+prompts, no two equal, or token ids with --prompt-ids) into a fresh output, so load, compile and the merge are all in
 the wall time; tokens/s is the output's new tokens over that wall time. Settings alternate for --reps
 rounds. Reported per setting: wall seconds, lines/s and tokens/s (median of the rounds).
 
     .venv/bin/python tools/bench_batch.py [--dp 1,2] [--max-batch 8] [--lines 32] [--max-new-tokens 64]
         [--reps 1] [--target DIR --draft X.onnx] [--json OUT.json] [--resume-lines 10000]
+        [--repeat-prompts] [--no-prefix-cache]
 
 --resume-lines N also times a resume: an output already holding N finished records of the job and one
 line left; reported are the seconds from the start of the command to its first new record (reading and
@@ -29,17 +30,20 @@ PROMPTS = ["Write a haiku about the sea.", "What is the capital of France?", "Te
            "Explain recursion in one paragraph.", "List three uses of a paperclip.", "Why is the sky blue?"]
 
 
-def write_input(path, lines, prompt_ids):
+def write_input(path, lines, prompt_ids, repeat=False):
+    """Chat lines that share the system turn only (each user turn led by its line's number; repeat: the
+    prompts cycled as they are), or token-id lines."""
     with open(path, "w", encoding="utf-8") as f:
         for i in range(lines):
+            text = PROMPTS[i % len(PROMPTS)] if repeat else f"Line {i}. {PROMPTS[i % len(PROMPTS)]}"
             row = {"prompt_ids": [5 + i % 50, 6, 7]} if prompt_ids else \
-                {"messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]}
+                {"messages": [{"role": "user", "content": text}]}
             f.write(json.dumps(row) + "\n")
 
 
 def batch_command(a, inp, out, dp, max_batch):
     cmd = ["batch", "--input", inp, "--output", out, "--dp", str(dp), "--max-batch", str(max_batch),
-           "--max-new-tokens", str(a.max_new_tokens), "-k", str(a.k)]
+           "--max-new-tokens", str(a.max_new_tokens), "-k", str(a.k)] + (["--no-prefix-cache"] if a.no_prefix_cache else [])
     return cmd + (["--target", a.target] if a.target else []) + (["--draft", a.draft] if a.draft else [])
 
 
@@ -97,6 +101,8 @@ def main():
     ap.add_argument("-k", default="auto")
     ap.add_argument("--reps", type=int, default=1)
     ap.add_argument("--prompt-ids", action="store_true", help="token-id prompts (any vocabulary, e.g. a tiny model)")
+    ap.add_argument("--repeat-prompts", action="store_true", help="chat lines cycled as they are (default: numbered)")
+    ap.add_argument("--no-prefix-cache", action="store_true", help="the job prefills every prompt whole")
     ap.add_argument("--target", default=None)
     ap.add_argument("--draft", default=None)
     ap.add_argument("--json", default=None, help="write the results here")
@@ -106,7 +112,7 @@ def main():
     walls = {s: [] for s in settings}
     with tempfile.TemporaryDirectory(prefix="bench-batch-") as d:
         inp = os.path.join(d, "in.jsonl")
-        write_input(inp, a.lines, a.prompt_ids)
+        write_input(inp, a.lines, a.prompt_ids, a.repeat_prompts)
         for rep in range(a.reps):
             for dp, mb in settings:
                 out = os.path.join(d, f"out-{dp}-{mb}-{rep}.jsonl")
