@@ -43,7 +43,8 @@ def write_input(path, lines, prompt_ids, repeat=False):
 
 def batch_command(a, inp, out, dp, max_batch):
     cmd = ["batch", "--input", inp, "--output", out, "--dp", str(dp), "--max-batch", str(max_batch),
-           "--max-new-tokens", str(a.max_new_tokens), "-k", str(a.k)] + (["--no-prefix-cache"] if a.no_prefix_cache else [])
+           "--max-new-tokens", str(a.max_new_tokens), "-k", str(a.k)]
+    cmd += ["--no-prefix-cache"] if a.no_prefix_cache else []
     return cmd + (["--target", a.target] if a.target else []) + (["--draft", a.draft] if a.draft else [])
 
 
@@ -101,7 +102,8 @@ def main():
     ap.add_argument("-k", default="auto")
     ap.add_argument("--reps", type=int, default=1)
     ap.add_argument("--prompt-ids", action="store_true", help="token-id prompts (any vocabulary, e.g. a tiny model)")
-    ap.add_argument("--repeat-prompts", action="store_true", help="chat lines cycled as they are (default: numbered)")
+    ap.add_argument("--repeat-prompts", action="store_true",
+                    help="chat lines cycled as they are (default: each led by its number)")
     ap.add_argument("--no-prefix-cache", action="store_true", help="the job prefills every prompt whole")
     ap.add_argument("--target", default=None)
     ap.add_argument("--draft", default=None)

@@ -95,7 +95,8 @@ def server_figures(base):
     ks = {s.labels["k"]: int(s.value) for s in fams["mindspec_spec_k_steps"].samples if s.name.endswith("_total")}
     return (f"server /metrics: acceptance {accepted / max(drafted, 1):.3f} ({int(accepted)}/{int(drafted)}), "
             f"{tokens / max(calls, 1):.2f} tokens per target call, mean time to first token {1000 * ttft:.0f} ms, "
-            f"steps by K {dict(sorted(ks.items()))}, prompt tokens from the prefix cache {int(cached)} of {int(prompt)}")
+            f"steps by K {dict(sorted(ks.items()))}, "
+            f"prompt tokens from the prefix cache {int(cached)} of {int(prompt)}")
 
 
 def main():
