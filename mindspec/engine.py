@@ -14,7 +14,8 @@ Prefix caching: a freed slot keeps the K/V of the tokens its last request fed. A
 the free slot whose tokens share the longest prefix with its prompt and starts its prefill after
 them (at least its last prompt token is fed again: its logits give the first token). Chat requests
 share their system turn, batch jobs their instructions. The draft's rows are not kept: it feeds the
-whole prompt (its prefill is the cheap part). Anything else that runs the target graphs (warm-up,
+whole prompt (its prefill is the cheap part), at most DRAFT_CATCHUP tokens a step, so a long cached
+prefix never stalls the running rows at once: the new row waits for it instead. Anything else that runs the target graphs (warm-up,
 cost measurement) writes into slots: the engine then forgets what they held.
 """
 import time
@@ -25,7 +26,7 @@ import numpy as np
 from .policy import fit
 from .sampling import ACCEPT, SAMPLE, uniforms
 from .sequence import FINISHED, PREFILL, RUNNING, WAITING
-from .spec import PREFILL_CHUNK
+from .spec import DRAFT_CATCHUP, PREFILL_CHUNK
 
 
 class Engine:
@@ -137,26 +138,38 @@ class Engine:
     # ---- the work of a step
 
     def _prefill_chunk(self, pre, events):
-        """The next prompt chunk of each prefilling row, in one call; a row whose prompt ends here gets
-        its first token (the call's time is counted in each row's prefill_s)."""
+        """The next prompt chunk of each prefilling row, in one call, and the draft's catch-up from its
+        own position (at most DRAFT_CATCHUP tokens a row); a row whose prompt ends here gets its first
+        token, and runs once the draft holds its prompt too (the step's time is counted in each row's
+        prefill_s)."""
         t0 = time.perf_counter()
-        chunks = [r.prompt_ids[r.pos:r.pos + PREFILL_CHUNK] for r in pre]
-        want_lp = any(r.logprobs is not None for r in pre)
-        out = self.target.prefill([r.slot for r in pre], [r.pos for r in pre], chunks,
-                                  self._sampling(pre, 0, prefill=True), logprobs=want_lp)
-        toks, lps = out if want_lp else (out, None)
-        if self.proposer is not None:  # the draft catches up from its own position (a cached prefix: from 0)
-            self.proposer.prefill({r.row: r.prompt_ids[self.proposer.cached(r.row):r.pos + len(c)]
-                                   for r, c in zip(pre, chunks) if r.speculate})
+        fed = [r for r in pre if r.pos < len(r.prompt_ids)]  # rows whose target still has prompt to read
+        chunks = [r.prompt_ids[r.pos:r.pos + PREFILL_CHUNK] for r in fed]
+        if fed:
+            want_lp = any(r.logprobs is not None for r in fed)
+            out = self.target.prefill([r.slot for r in fed], [r.pos for r in fed], chunks,
+                                      self._sampling(fed, 0, prefill=True), logprobs=want_lp)
+            toks, lps = out if want_lp else (out, None)
+        if self.proposer is not None:
+            end = {r.id: r.pos + len(c) for r, c in zip(fed, chunks)}
+            catch = {}
+            for r in (r for r in pre if r.speculate):
+                d = self.proposer.cached(r.row)
+                if d < end.get(r.id, r.pos):
+                    catch[r.row] = r.prompt_ids[d:min(end.get(r.id, r.pos), d + DRAFT_CATCHUP)]
+            self.proposer.prefill(catch)
         dt = time.perf_counter() - t0
-        for i, (r, chunk) in enumerate(zip(pre, chunks)):
+        for i, (r, chunk) in enumerate(zip(fed, chunks)):
             r.pos += len(chunk)
-            r.stats.prefill_s += dt
             if r.pos == len(r.prompt_ids):  # the last chunk: its token is the first one generated
-                r.state = RUNNING
                 r.stats.target_calls += 1
                 lp = [lps.at(i, 0, r.logprobs)] if r.logprobs is not None else None
                 events[r] = events.get(r, "") + r.commit([int(toks[i])], lp)
+        for r in pre:
+            r.stats.prefill_s += dt
+            drafted_up = not r.speculate or self.proposer is None or self.proposer.cached(r.row) >= r.pos
+            if r.state == PREFILL and r.pos == len(r.prompt_ids) and drafted_up:
+                r.state = RUNNING
 
     def _decode(self, running, events):
         """One draft + verify call over the running rows (K = 0: a plain decode call)."""

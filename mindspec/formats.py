@@ -124,7 +124,7 @@ class OpenAI:
         out = dict(self.head, choices=choices, **self._tail(ids, results[0]))
         if len(results) > 1:
             n = sum(len(r.token_ids) for r in results)
-            out["usage"] = {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}
+            out["usage"] = dict(out["usage"], completion_tokens=n, total_tokens=len(ids) + n)
             out["mindspec"] = [r.stats for r in results]
         return out
 

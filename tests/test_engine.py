@@ -192,11 +192,18 @@ def test_dynamic_k_learns_no_cost_from_a_graphs_first_run(tiny_target, draft, mo
     assert len(seen) == again.stats["target_calls"] - 1  # every decode step, now that no graph is cold
 
 
-def test_a_prompt_sharing_a_finished_requests_prefix_prefills_only_the_rest(pipe):
+@pytest.mark.parametrize("catchup", [128, 8])
+def test_a_prompt_sharing_a_finished_requests_prefix_prefills_only_the_rest(pipe, catchup, monkeypatch):
     """Prefix caching: a free slot keeps the K/V of what its last request fed; a prompt starting with
     those tokens skips them (a whole cached prompt: all but its last token; a follow-up turn: all but
     the last token generated, never fed), and every token equals the same request's with the cache
-    off, greedy or seeded sampling."""
+    off, greedy or seeded sampling (whose drafts, hence tokens, depend on the draft's catch-up). The
+    draft catches up at most DRAFT_CATCHUP tokens a row per step (8: spread over several steps)."""
+    monkeypatch.setattr("mindspec.engine.DRAFT_CATCHUP", catchup)
+    fed = []
+    real = pipe.engine.proposer.prefill
+    monkeypatch.setattr(pipe.engine.proposer, "prefill", lambda chunks: (fed.extend(map(len, chunks.values())),
+                                                                          real(chunks)))
     base = list(range(10, 50))  # 40 tokens: longer than a prefill chunk
     seed = dict(prompt_ids=base, max_new_tokens=6, speculate=False)  # one token a step: fed all but the last
     answer = pipe.generate(**seed).token_ids
@@ -217,6 +224,7 @@ def test_a_prompt_sharing_a_finished_requests_prefix_prefills_only_the_rest(pipe
         got = pipe.generate(**kw)
         assert got.stats["cached_tokens"] == shared
         assert got.token_ids == want.token_ids
+    assert max(fed) == min(catchup, len(kws[3]["prompt_ids"]))  # the follow-up turn: the longest catch-up
 
 
 def test_graphs_run_outside_the_engine_void_the_prefix_cache(pipe, alone):

@@ -491,6 +491,7 @@ def test_n_choices_run_side_by_side(server):
     both = post(base, "/v1/completions", dict(body, n=2))
     assert [c["index"] for c in both["choices"]] == [0, 1] and [c["text"] for c in both["choices"]] == one
     assert both["usage"]["completion_tokens"] == sum(s["new_tokens"] for s in both["mindspec"])
+    assert both["usage"]["prompt_tokens_details"]["cached_tokens"] == both["mindspec"][0]["cached_tokens"]
     evs = events(base, "/v1/completions", dict(body, n=2, stream=True))
     assert evs[-1] == "[DONE]" and len({e["id"] for e in evs[:-1]}) == 1
     assert ["".join(e["choices"][0]["text"] for e in evs[:-1] if e["choices"][0]["index"] == i) for i in (0, 1)] == one
@@ -597,16 +598,23 @@ def test_an_idle_server_gives_every_compiled_graph_its_first_run(server):
     _wait_warm(server[0])
 
 
-def test_a_repeated_prompt_is_served_from_the_prefix_cache(server):
-    """The same prompt again prefills only its last token (the slot its first run freed still holds
-    the rest); usage and /metrics say how many prompt tokens the cache gave, and the text is the same."""
+def test_a_repeated_prompt_is_served_from_the_prefix_cache(server, pipe):
+    """A prompt no slot holds is prefilled whole; the same prompt again prefills only its last token
+    (the slot its first run freed still holds the rest). Usage and /metrics say how many prompt tokens
+    the cache gave, and both texts are the target's own (the in-process reference runs cache off)."""
     base = server[0]
     _wait_warm(base)  # an idle server's first runs of graphs write into slots: the cache forgets them
     before = _metrics(base)
-    outs = [post(base, "/v1/completions", {"prompt": IDS, "max_tokens": N}) for _ in range(2)]
+    ids = [290, 291, 292, 293, 294, 295, 296, 297, 298]  # no other test's prompt starts with 290
+    outs = [post(base, "/v1/completions", {"prompt": ids, "max_tokens": N}) for _ in range(2)]
     cached = [o["usage"]["prompt_tokens_details"]["cached_tokens"] for o in outs]
-    assert cached[1] == len(IDS) - 1 and outs[1]["mindspec"]["cached_tokens"] == cached[1]
-    assert outs[0]["choices"][0]["text"] == outs[1]["choices"][0]["text"]
+    assert cached == [0, len(ids) - 1] and outs[1]["mindspec"]["cached_tokens"] == cached[1]
+    pipe.engine.prefix_cache = False
+    try:
+        ref = pipe.generate(prompt_ids=ids, max_new_tokens=N, speculate=False).text
+    finally:
+        pipe.engine.prefix_cache = True
+    assert [o["choices"][0]["text"] for o in outs] == [ref, ref]
     key = ("mindspec_prompt_tokens_cached_total", ())
     assert _metrics(base)[key] - before.get(key, 0) == sum(cached)
 
