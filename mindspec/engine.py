@@ -14,9 +14,10 @@ Prefix caching: a freed slot keeps the K/V of the tokens its last request fed. A
 the free slot whose tokens share the longest prefix with its prompt and starts its prefill after
 them (at least its last prompt token is fed again: its logits give the first token). Chat requests
 share their system turn, batch jobs their instructions. The draft's rows are not kept: it feeds the
-whole prompt (its prefill is the cheap part), at most DRAFT_CATCHUP tokens a step, so a long cached
-prefix never stalls the running rows at once: the new row waits for it instead. Anything else that runs the target graphs (warm-up,
-cost measurement) writes into slots: the engine then forgets what they held.
+whole prompt (its prefill is the cheap part), at most DRAFT_CATCHUP tokens a row per step, so a long
+cached prefix never stalls the running rows: the new row waits for its draft instead. Anything else
+that runs the target graphs (warm-up, cost measurement) writes into slots: the engine then forgets
+what they held.
 """
 import time
 from collections import deque
