@@ -246,8 +246,8 @@ def _measure_costs(pipe, batch_sizes, reps=5, cache=True):
     measured on the loaded pipeline at ~COST_CONTEXT positions, median of `reps`. Draft and target
     calls alternate as in the engine (on 2 cores their thread pools interfere: a draft step measured
     alone is cheaper than inside the loop). Cached on disk per (target weights, draft file, cache
-    size, batch size, device) in home()/costs.json; a cached entry's unit is timed again (_time_unit). Uses slots 0..B-1 and draft rows 0..B-1: only
-    while the engine is idle."""
+    size, batch size, device) in home()/costs.json; a cached entry's unit is timed again (_time_unit).
+    Uses slots 0..B-1 and draft rows 0..B-1: only while the engine is idle."""
     if pipe.proposer is None:
         raise MindspecError("measuring the draft/target cost ratio needs a draft")
     saved = _read_costs() if cache else {}
