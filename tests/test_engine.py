@@ -205,8 +205,8 @@ def test_a_prompt_sharing_a_finished_requests_prefix_prefills_only_the_rest(pipe
     monkeypatch.setattr(pipe.engine.proposer, "prefill", lambda chunks: (fed.extend(map(len, chunks.values())),
                                                                           real(chunks)))
     base = list(range(10, 50))  # 40 tokens: longer than a prefill chunk
-    seed = dict(prompt_ids=base, max_new_tokens=6, speculate=False)  # one token a step: fed all but the last
-    answer = pipe.generate(**seed).token_ids
+    first_turn = dict(prompt_ids=base, max_new_tokens=6, speculate=False)  # a token a step: all but the last fed
+    answer = pipe.generate(**first_turn).token_ids
     kws = [dict(prompt_ids=base[:36] + [7, 8, 9], max_new_tokens=12, k=4),
            dict(prompt_ids=base[:5] + [300, 301] * 20, max_new_tokens=10, k=2),  # the rest spans two chunks
            dict(prompt_ids=base, max_new_tokens=9, temperature=0.9, seed=3, k=4),
@@ -220,7 +220,7 @@ def test_a_prompt_sharing_a_finished_requests_prefix_prefills_only_the_rest(pipe
     assert [r.stats["cached_tokens"] for r in ref] == [0, 0, 0, 0]
     for kw, shared, want in zip(kws, (36, 5, 39, 45), ref):
         eng.cached.clear()
-        pipe.generate(**seed)  # leaves base + its answer in a free slot
+        pipe.generate(**first_turn)  # leaves base + its answer in a free slot
         got = pipe.generate(**kw)
         assert got.stats["cached_tokens"] == shared
         assert got.token_ids == want.token_ids
