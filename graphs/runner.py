@@ -139,19 +139,17 @@ class TargetModel:
         without running, returns None (warm-up compiles only; each graph's first run, ~0.3-0.9 s more
         than the next, is left to an idle moment, see warm_next)."""
         key = f"{kind}{shape}"
-        self.writes += not dry
-        if key in self.ran and not dry:
-            return self.cells[kind](*args)
+        if not dry:
+            self.writes += 1
+            if key in self.ran:
+                return self.cells[kind](*args)
         global _COMPILES
-        if key not in self.compiled:
-            _COMPILES += 1
-        elif not dry:  # compiled dry: its first run builds what compile left (see warm_next); not compile time
-            self.ran.add(key)
-            self.cold_runs += 1
-            return self.cells[kind](*args)
+        fresh = key not in self.compiled
+        _COMPILES += fresh
         t = time.perf_counter()
         out = self.cells[kind].compile(*args) if dry else self.cells[kind](*args)
-        self.compile_s += time.perf_counter() - t
+        if dry or fresh:  # the first run of a graph compiled dry builds what compile left: not compile time
+            self.compile_s += time.perf_counter() - t
         self.compiled.add(key)
         if not dry:
             self.ran.add(key)

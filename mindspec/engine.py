@@ -152,12 +152,13 @@ class Engine:
                                       self._sampling(fed, 0, prefill=True), logprobs=want_lp)
             toks, lps = out if want_lp else (out, None)
         if self.proposer is not None:
-            end = {r.id: r.pos + len(c) for r, c in zip(fed, chunks)}
+            end = {r.id: r.pos + len(c) for r, c in zip(fed, chunks)}  # the target's position after this call
             catch = {}
             for r in (r for r in pre if r.speculate):
                 d = self.proposer.cached(r.row)
-                if d < end.get(r.id, r.pos):
-                    catch[r.row] = r.prompt_ids[d:min(end.get(r.id, r.pos), d + DRAFT_CATCHUP)]
+                stop = min(end.get(r.id, r.pos), d + DRAFT_CATCHUP)
+                if stop > d:
+                    catch[r.row] = r.prompt_ids[d:stop]
             self.proposer.prefill(catch)
         dt = time.perf_counter() - t0
         for i, (r, chunk) in enumerate(zip(fed, chunks)):

@@ -225,11 +225,16 @@ def measure_costs(pipe, batch_sizes=(1,), reps=5, cache=True):
     return share(_measure_costs(pipe, batch_sizes, reps, cache))
 
 
+def _context(t):
+    """Positions of context the costs are measured at: COST_CONTEXT, or what the cache leaves room for."""
+    return max(1, min(COST_CONTEXT, t.max_seq - max(t.k_buckets) - 2))
+
+
 def _time_unit(t, s, reps):
     """Seconds of one batch-1 plain decode now, timed as _measure_costs times it (alternating with a
     draft call; median of reps after a first run, which may be the graph's first)."""
     import numpy as np
-    ctx = max(1, min(COST_CONTEXT, t.max_seq - max(t.k_buckets) - 2))
+    ctx = _context(t)
     times = []
     for _ in range(reps + 1):
         s.forward([[5]])
@@ -260,7 +265,7 @@ def _measure_costs(pipe, batch_sizes, reps=5, cache=True):
         # run look cheaper (or dearer) than the others by the whole drift, so the unit is timed again
         return Costs({B: (h["c"], {int(k): x for k, x in h["v"].items()}) for B, h in hits.items()
                       if B in batch_sizes}, _time_unit(t, s, reps))
-    ctx = max(1, min(COST_CONTEXT, t.max_seq - max(t.k_buckets) - 2))
+    ctx = _context(t)
     prompt = [i % t.cfg.vocab_size for i in range(7, 7 + ctx)]  # content does not change the cost
     t.warmup(t.graph_names(sizes, (0,) + t.k_buckets))
     B_max = max(sizes)
