@@ -2,6 +2,7 @@
 generate (one request), generate_many (many, continuously batched) and run (what serve and batch
 use)."""
 import os
+from collections import deque
 
 from .checkpoint import Checkpoint
 from .engine import Engine
@@ -206,10 +207,11 @@ class Pipeline:
         finish). on_event(request, text) gets each step's new text per request."""
         self.prepare(reqs, max_batch)
         compile_s = self.target.compile_s
-        for r in reqs:
-            self.engine.add(r)
-        pending = set(reqs)
-        while pending:
+        todo, pending = deque(reqs), set()
+        while todo or pending:
+            while todo and len(pending) < max_batch:  # the engine may have more slots than max_batch
+                pending.add(todo[0])
+                self.engine.add(todo.popleft())
             for r, text in self.engine.step():
                 if on_event is not None and (text or r.done):
                     on_event(r, text)

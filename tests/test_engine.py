@@ -45,6 +45,24 @@ def test_every_row_of_a_continuous_batch_equals_the_target_alone(pipe, alone, k)
     assert all(r.stats["queue_s"] >= 0 for r in res) and max(r.stats["queue_s"] for r in res) > 0
 
 
+def test_generate_many_runs_at_most_max_batch_rows_at_once(pipe, alone):
+    """max_batch below the engine's slots: the rest wait (found: an engine with 4 slots ran every
+    request given, whatever max_batch said)."""
+    running, step = [], pipe.engine.step
+
+    def counting_step():
+        running.append(len(pipe.engine.rows))
+        return step()
+    pipe.engine.step = counting_step
+    try:
+        res = pipe.generate_many([dict(prompt_ids=p, max_new_tokens=n, k=2) for p, n in zip(PROMPTS, MAX_NEW)],
+                                 max_batch=2)
+    finally:
+        del pipe.engine.step
+    assert [r.token_ids for r in res] == alone
+    assert max(running) == 2
+
+
 def test_dynamic_k_and_target_only_rows_in_one_batch(pipe, alone):
     pipe.costs, pipe.engine.dynamic = {b: (0.1, {0: 1.0, 1: 1.1, 2: 1.15, 4: 1.25, 8: 1.5}) for b in (1, 2, 4)}, None
     kws = [dict(prompt_ids=p, max_new_tokens=n, k="auto" if i % 3 else 2, speculate=i % 4 != 1)
