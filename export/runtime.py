@@ -83,7 +83,9 @@ class DraftSession:
     """An exported draft with a static KV cache of max_batch rows x max_seq positions per layer.
 
     Row r holds one sequence; pos[r] positions of it are cached. Slots past pos[r] are stale (a
-    rollback is moving pos) and masked by the graph, so nothing ever needs clearing. The manifest's
+    rollback is moving pos) and masked by the graph, so nothing ever needs clearing. Rows from `live`
+    on are spare (host cache): what they hold is kept while it fits, but no call sizes the cache for
+    them (the engine parks a finished request's row there for a later prompt sharing its prefix). The manifest's
     profile picks the cache: host numpy buffers fed per call (cpu), or device buffers the graph writes
     itself, bound with IOBinding (ascend: BoundCache)."""
 
@@ -102,6 +104,7 @@ class DraftSession:
         L, KV, D = m["num_layers"], m["num_key_value_heads"], m["head_dim"]
         self.vocab_size = m["vocab_size"]
         self.pos = np.zeros(self.max_batch, np.int64)                                    # [R] cached length
+        self.live = self.max_batch  # rows 0..live-1 in use; the rest spare (see the class docstring)
         self.device_kv = BoundCache(self.session, m, self.max_batch, self.max_seq, threads) if bound else None
         if bound:  # no host copy of the cache (BoundCache)
             self.keys = self.values = None
@@ -147,7 +150,7 @@ class DraftSession:
         for b, t in enumerate(tokens):
             ids[b, :len(t)] = t
         rows = slice(start, start + B)
-        self._fit(max(int(self.pos.max()), int((self.pos[rows] + n).max())))
+        self._fit(max(int(self.pos[:self.live].max(initial=0)), int((self.pos[rows] + n).max())))
         feed = {"input_ids": ids, "positions": self.pos[rows].copy(), "last": np.maximum(n - 1, 0)}
         for i, (k, v) in enumerate(zip(self.keys, self.values)):
             feed[f"past_key_{i}"], feed[f"past_value_{i}"] = k[rows], v[rows]           # [B, KV, W, D] views
@@ -159,7 +162,8 @@ class DraftSession:
         """Resize the host buffers to W positions, the multiple of ATTEND_STEP covering `need` (the
         longest row after this call), when W grows or falls to half: attention reads every fed position
         (B=8 at S=1032: ~35 ms a call over the used 128-multiple, ~71 over all), and whole buffers feed
-        onnxruntime without a copy (a copy of each used prefix per call was 13% of a B=8 K=4 run)."""
+        onnxruntime without a copy (a copy of each used prefix per call was 13% of a B=8 K=4 run).
+        Spare rows keep the positions that still fit."""
         W, have = min(-(-max(need, 1) // ATTEND_STEP) * ATTEND_STEP, self.max_seq), self.keys[0].shape[2]
         if W > have or W * 2 <= have:
             keep = min(W, have)
@@ -167,6 +171,7 @@ class DraftSession:
                 for i, old in enumerate(buf):
                     buf[i] = np.zeros(old.shape[:2] + (W,) + old.shape[3:], old.dtype)
                     buf[i][:, :, :keep] = old[:, :, :keep]
+            np.minimum(self.pos, keep, out=self.pos)  # only spare rows can hold more than `need`
 
     def _write(self, new, start, n):
         """Store the valid new K/V (new[2i], new[2i+1]: [B, KV, T, D]) behind each row's cache."""
@@ -217,6 +222,19 @@ class DraftSession:
             self.pos[:] = 0
         else:
             self.pos[self._row(row)] = 0
+
+    def swap(self, a, b):
+        """Exchange rows a and b, cached positions and all (host cache only: the engine parks a
+        finished row among the spare ones)."""
+        a, b = self._row(a), self._row(b)
+        if self.device_kv:
+            raise MindspecError("swap needs the host cache (cpu profile)")
+        p = int(max(self.pos[a], self.pos[b]))
+        if a != b and p:
+            for buf in (self.keys, self.values):
+                for x in buf:
+                    x[[a, b], :, :p] = x[[b, a], :, :p]                                  # [2, KV, p, D]
+        self.pos[[a, b]] = self.pos[[b, a]]
 
     def move(self, src, dst):
         """Copy row src's cached positions into row dst (keeps the running rows contiguous)."""

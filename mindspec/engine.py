@@ -13,11 +13,12 @@ different position moves per row.
 Prefix caching: a freed slot keeps the K/V of the tokens its last request fed. A new request takes
 the free slot whose tokens share the longest prefix with its prompt and starts its prefill after
 them (at least its last prompt token is fed again: its logits give the first token). Chat requests
-share their system turn, batch jobs their instructions. The draft's rows are not kept: it feeds the
-whole prompt (its prefill is the cheap part), at most DRAFT_CATCHUP tokens a row per step, so a long
-cached prefix never stalls the running rows: the new row waits for its draft instead. Anything else
-that runs the target graphs (warm-up, cost measurement) writes into slots: the engine then forgets
-what they held.
+share their system turn, batch jobs their instructions. The draft (host cache) parks a finished
+row's cache among its spare rows, and a new row starts from the spare one sharing the longest prefix
+with its prompt; it feeds the rest, at most DRAFT_CATCHUP tokens a row per step, so a long uncached
+prompt never stalls the running rows: the new row waits for its draft instead. Anything else that
+runs the target graphs (warm-up, cost measurement) writes into slots: the engine then forgets what
+they held.
 """
 import time
 from collections import deque
@@ -39,6 +40,7 @@ class Engine:
         self.waiting, self.rows = deque(), []
         self.free_slots = list(range(target.max_batch))  # least recently freed first
         self.prefix_cache, self.cached = prefix_cache, {}  # free slot -> the tokens its K/V positions hold
+        self.parked = {}  # spare draft row -> the tokens its cache holds (a prefix: see proposer.cached)
         self.writes = target.writes  # the target's graph runs when this engine last ran one
 
     @property
@@ -86,10 +88,13 @@ class Engine:
         """Waiting requests enter prefill while slots are free."""
         if self.target.writes != self.writes:  # graphs ran outside the engine: slots hold their dummy K/V
             self.cached.clear()
+            self.parked.clear()  # (cost measurement also resets the draft's rows)
         while self.waiting and self.free_slots:
             r = self.waiting.popleft()
             r.slot, r.pos = self._slot_for(r.prompt_ids)
             r.row, r.state, r.stats.cached_tokens = len(self.rows), PREFILL, r.pos
+            if self.proposer is not None:
+                self._draft_row_for(r)
             r.stats.queue_s = time.perf_counter() - r.added
             r.started = time.perf_counter()
             if r.k == "auto" and self.dynamic is not None:
@@ -110,6 +115,20 @@ class Engine:
         self.cached.pop(slot, None)
         return slot, min(hit, len(prompt) - 1)
 
+    def _draft_row_for(self, r):
+        """Give new request r (row r.row) the parked draft row sharing the longest prefix with its
+        prompt (the draft needs no logits from its prompt: all of it may come from there)."""
+        best, hit = r.row, 0
+        if self.prefix_cache:
+            for j, toks in self.parked.items():
+                n = min(common_prefix(toks, r.prompt_ids), self.proposer.cached(j))
+                if n > hit:
+                    best, hit = j, n
+        self.proposer.adopt(r.row, best, hit)
+        self.parked.pop(best, None)
+        if r.row in self.parked:  # what row r.row held moved to `best`
+            self.parked[best] = self.parked.pop(r.row)
+
     def _release(self):
         """Free the slots of finished rows; the last row moves into each freed row. A slot keeps the
         tokens whose K/V its positions hold: seq[:pos] (the last committed token was never fed), but not
@@ -117,7 +136,10 @@ class Engine:
         for r in sorted((r for r in self.rows if r.state == FINISHED), key=lambda r: -r.row):
             last = len(self.rows) - 1
             if self.proposer is not None:
-                self.proposer.release(r.row, last)
+                keep = self.prefix_cache and r.finish_reason != "error" and self.proposer.keeps_rows
+                self.proposer.release(r.row, last, keep)
+                if keep:
+                    self.parked[last] = r.seq[:self.proposer.cached(last)]
             moved = self.rows.pop()
             if moved is not r:
                 self.rows[r.row], moved.row = moved, r.row

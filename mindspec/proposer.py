@@ -79,12 +79,31 @@ class DraftProposer:
         """Roll a row's cache back to request r's committed sequence (its last token is fed next step)."""
         self.session.rollback(row, min(int(self.session.pos[row]), len(r.seq) - 1))
 
-    def release(self, row, last_row):
+    @property
+    def keeps_rows(self):
+        """Whether a finished row's cache can be parked for a later request (the host cache; the
+        device cache of the ascend profile keeps only the rows its calls cover)."""
+        return self.session.device_kv is None
+
+    def release(self, row, last_row, keep):
         """Row `row` left: the engine moves its last row there (rows stay contiguous, so a batch of n
-        rows is the cache's first n rows, no copy)."""
-        if row != last_row:
-            self.session.move(last_row, row)
-        self.session.reset(last_row)
+        rows is the cache's first n rows, no copy). keep: the leaving row's cache is parked in
+        last_row, now spare (when keeps_rows), else emptied."""
+        if keep and self.keeps_rows:
+            self.session.swap(row, last_row)
+        else:
+            if row != last_row:
+                self.session.move(last_row, row)
+            self.session.reset(last_row)
+        self.session.live = last_row
+
+    def adopt(self, row, src, n):
+        """A new request takes row `row` (the engine's row count), starting from the first n tokens
+        that spare row src holds (n = 0: empty)."""
+        if src != row:
+            self.session.swap(src, row)
+        self.session.rollback(row, n)
+        self.session.live = row + 1
 
 
 def _top_prob(logits):

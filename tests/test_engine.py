@@ -238,11 +238,44 @@ def test_a_prompt_sharing_a_finished_requests_prefix_prefills_only_the_rest(pipe
     assert [r.stats["cached_tokens"] for r in ref] == [0, 0, 0, 0]
     for kw, shared, want in zip(kws, (36, 5, 39, 45), ref):
         eng.cached.clear()
+        eng.parked.clear()  # the draft feeds the whole prompt (the first turn never feeds it)
         pipe.generate(**first_turn)  # leaves base + its answer in a free slot
         got = pipe.generate(**kw)
         assert got.stats["cached_tokens"] == shared
         assert got.token_ids == want.token_ids
     assert max(fed) == min(catchup, len(kws[3]["prompt_ids"]))  # the follow-up turn: the longest catch-up
+
+
+def test_a_new_row_starts_from_the_parked_draft_row_sharing_its_prefix(pipe, monkeypatch):
+    """A finished row's draft cache is parked; a prompt sharing its prefix feeds the draft only the
+    rest, and drafts exactly what a draft fed the whole prompt drafts (same acceptance, same tokens)."""
+    fed = []
+    real = pipe.engine.proposer.prefill
+    monkeypatch.setattr(pipe.engine.proposer, "prefill", lambda chunks: (fed.extend(map(len, chunks.values())),
+                                                                          real(chunks)))
+    eng, base = pipe.engine, list(range(60, 100))
+    kws = [dict(prompt_ids=base[:30] + [7, 8, 9], max_new_tokens=12, k=4),
+           dict(prompt_ids=base + [5], max_new_tokens=10, k=2)]
+    runs = {}
+    for on in (False, True):
+        eng.prefix_cache = on
+        try:
+            runs[on] = []
+            for kw in kws:
+                eng.cached.clear()
+                eng.parked.clear()
+                # base (row 1) ends first and is parked in row 1, the decoy in row 0: the new row 0 takes row 1's
+                pipe.generate_many([dict(prompt_ids=[3] * 12, max_new_tokens=20, k=4),
+                                    dict(prompt_ids=base, max_new_tokens=3, k=4)])
+                fed.clear()
+                runs[on].append((pipe.generate(**kw), sum(fed)))
+        finally:
+            eng.prefix_cache = True
+    assert [n for _, n in runs[False]] == [33, 41]
+    assert [n for _, n in runs[True]] == [3, 1]
+    for (a, _), (b, _) in zip(runs[False], runs[True]):
+        assert a.token_ids == b.token_ids
+        assert (a.stats["drafted"], a.stats["accepted"]) == (b.stats["drafted"], b.stats["accepted"])
 
 
 def test_graphs_run_outside_the_engine_void_the_prefix_cache(pipe, alone):

@@ -211,6 +211,31 @@ def test_move(tiny_target, fp32_draft):
         sess.move(0, 3)
 
 
+def test_swap_and_spare_rows(tiny_target, tmp_path):
+    """swap exchanges two rows, positions and K/V; rows from `live` on are spare: no call sizes the
+    cache for them, a shrink keeps what still fits of them (their position clamped), and each row's
+    logits stay the reference's."""
+    from mindspec.export.runtime import ATTEND_STEP
+    path = str(tmp_path / "long.onnx")
+    export_draft(tiny_target[0], path, max_seq=3 * ATTEND_STEP)
+    long, short = _ids(ATTEND_STEP + 40, 320, seed=5), _ids(20, 320, seed=6)
+    sess = _prefilled(path, [short[:6], long[:ATTEND_STEP + 20]])
+    sess.swap(0, 1)
+    assert sess.pos.tolist() == [ATTEND_STEP + 20, 6]
+    got = sess.forward([long[ATTEND_STEP + 20:ATTEND_STEP + 21], short[6:8]])
+    np.testing.assert_allclose(got[0], _ref(tiny_target[0], long[:ATTEND_STEP + 21])[-1], atol=TOL, rtol=0)
+    np.testing.assert_allclose(got[1], _ref(tiny_target[0], short[:8])[-1], atol=TOL, rtol=0)
+    sess.swap(0, 1)  # the long row back to row 1, now spare: the short row alone sizes the cache
+    sess.live = 1
+    got = sess.forward([short[8:9]])
+    assert sess.keys[0].shape[2] == ATTEND_STEP and sess.pos.tolist() == [9, ATTEND_STEP]
+    np.testing.assert_allclose(got[0], _ref(tiny_target[0], short[:9])[-1], atol=TOL, rtol=0)
+    sess.rollback(1, 30)  # what the spare row kept is its sequence's first positions
+    sess.live = 2
+    got = sess.forward([short[9:10], long[30:31]])
+    np.testing.assert_allclose(got[1], _ref(tiny_target[0], long[:31])[-1], atol=TOL, rtol=0)
+
+
 def test_forward_refusals(fp32_draft):
     sess = _prefilled(fp32_draft, [[1, 2], [3]])
     for tokens, start in [([[], []], 0), ([[1], [2]], 1), ([], 0), ([[1]], -1)]:
