@@ -85,9 +85,9 @@ class DraftSession:
     Row r holds one sequence; pos[r] positions of it are cached. Slots past pos[r] are stale (a
     rollback is moving pos) and masked by the graph, so nothing ever needs clearing. Rows from `live`
     on are spare (host cache): what they hold is kept while it fits, but no call sizes the cache for
-    them (the engine parks a finished request's row there for a later prompt sharing its prefix). The manifest's
-    profile picks the cache: host numpy buffers fed per call (cpu), or device buffers the graph writes
-    itself, bound with IOBinding (ascend: BoundCache)."""
+    them (the engine parks a finished request's row there for a later prompt sharing its prefix).
+    The manifest's profile picks the cache: host numpy buffers fed per call (cpu), or device buffers
+    the graph writes itself, bound with IOBinding (ascend: BoundCache)."""
 
     def __init__(self, onnx_path, max_seq=None, max_batch=1, threads=None, device=None):
         self.manifest = m = read_manifest(onnx_path)
