@@ -61,17 +61,32 @@ class Engine:
         """One engine step. Returns [(request, text)] for every request that committed tokens or ended
         (text: what can be streamed now; request.done tells whether it ended)."""
         events = {}
-        self._reap(events)
-        self._admit()
-        pre = [r for r in self.rows if r.state == PREFILL]
-        if pre:
-            self._guard(pre, events, lambda: self._prefill_chunk(pre, events))
-        running = [r for r in self.rows if r.state == RUNNING]
-        if running:
-            self._guard(running, events, lambda: self._decode(running, events))
-        self._release()
+        try:
+            self._reap(events)
+            self._admit()
+            pre = [r for r in self.rows if r.state == PREFILL]
+            if pre:
+                self._guard(pre, events, lambda: self._prefill_chunk(pre, events))
+            running = [r for r in self.rows if r.state == RUNNING]
+            if running:
+                self._guard(running, events, lambda: self._decode(running, events))
+            self._release()
+        except Exception as e:  # noqa: BLE001 - bookkeeping between the calls failed: see _restart
+            self._restart(e, events)
         self.writes = self.target.writes
         return list(events.items())
+
+    def _restart(self, e, events):
+        """After a failure outside the graph calls (which _guard keeps to their rows) the rows' state is
+        unknown: every request ends with the error and the engine starts again from empty slots and rows."""
+        for r in list(self.waiting) + self.rows:
+            if not r.done:
+                r.error = e
+                events[r] = events.get(r, "") + r.finish("error")
+        self.waiting.clear()
+        self.rows, self.free_slots, self.cached, self.parked = [], list(range(self.target.max_batch)), {}, {}
+        if self.proposer is not None:
+            self.proposer.session.reset()
 
     # ---- scheduling
 

@@ -176,6 +176,28 @@ def test_a_failing_step_ends_its_rows_and_the_engine_goes_on(pipe, alone, monkey
     assert all(r.state == FINISHED for r in pipe.engine.rows) and not pipe.engine.rows
 
 
+def test_a_failure_between_calls_ends_the_requests_and_the_engine_starts_clean(pipe, alone, monkeypatch):
+    """Bookkeeping outside the graph calls (a draft row swap when a row leaves) that raises leaves the
+    rows' state unknown: every request then ends with the error, the engine starts from empty slots
+    and rows, and the next requests are exact (before: the exception left step() and ended the
+    server's worker loop)."""
+    real = pipe.engine.proposer.release
+
+    def broken(*a, **kw):
+        raise RuntimeError("simulated row swap failure")
+
+    monkeypatch.setattr(pipe.engine.proposer, "release", broken)
+    res = pipe.generate_many([dict(prompt_ids=p, max_new_tokens=n, k=2) for p, n in zip(PROMPTS[:3], MAX_NEW[:3])])
+    # the first to end (12 tokens) ended whole before its row's swap failed; the others end with the error
+    assert [r.finish_reason for r in res] == ["error", "length", "error"] and res[1].token_ids == alone[1]
+    assert all("simulated row swap failure" in res[i].error for i in (0, 2))
+    eng = pipe.engine
+    assert not eng.rows and not eng.waiting and sorted(eng.free_slots) == list(range(4)) and not eng.cached
+    monkeypatch.setattr(pipe.engine.proposer, "release", real)
+    res = pipe.generate_many([dict(prompt_ids=p, max_new_tokens=n, k=2) for p, n in zip(PROMPTS[:3], MAX_NEW[:3])])
+    assert [r.token_ids for r in res] == alone[:3]
+
+
 @pytest.mark.parametrize("how", ["-c", "stdin"])
 def test_library_use_from_python_c_and_stdin(tiny_target, draft, how, tmp_path):
     """MindSpore's compile cache opens sys.argv[0] as the entry script: `python -c` and `python -` must
