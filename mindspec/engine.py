@@ -86,7 +86,7 @@ class Engine:
         self.waiting.clear()
         self.rows, self.free_slots, self.cached, self.parked = [], list(range(self.target.max_batch)), {}, {}
         if self.proposer is not None:
-            self.proposer.session.reset()
+            self.proposer.reset()
 
     # ---- scheduling
 

@@ -97,6 +97,11 @@ class DraftProposer:
             self.session.reset(last_row)
         self.session.live = last_row
 
+    def reset(self):
+        """Empty every row (the engine starts again)."""
+        self.session.reset()
+        self.session.live = 0
+
     def adopt(self, row, src, n):
         """A new request takes row `row` (the engine's row count), starting from the first n tokens
         that spare row src holds (n = 0: empty)."""
