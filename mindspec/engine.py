@@ -37,11 +37,16 @@ class Engine:
         SpecConfig; dynamic: policy.DynamicK for requests with k="auto" (None: measured later);
         prefix_cache: reuse a free slot's cached prompt prefix (see the module's docstring)."""
         self.target, self.proposer, self.spec, self.dynamic = target, proposer, spec, dynamic
-        self.waiting, self.rows = deque(), []
-        self.free_slots = list(range(target.max_batch))  # least recently freed first
-        self.prefix_cache, self.cached = prefix_cache, {}  # free slot -> the tokens its K/V positions hold
-        self.parked = {}  # spare draft row -> the tokens its cache holds (a prefix: see proposer.cached)
+        self.prefix_cache = prefix_cache
+        self._empty()
         self.writes = target.writes  # the target's graph runs when this engine last ran one
+
+    def _empty(self):
+        """No request, every slot free, nothing cached."""
+        self.waiting, self.rows = deque(), []
+        self.free_slots = list(range(self.target.max_batch))  # least recently freed first
+        self.cached = {}  # free slot -> the tokens its K/V positions hold
+        self.parked = {}  # spare draft row -> the tokens its cache holds (a prefix: see proposer.cached)
 
     @property
     def has_work(self):
@@ -83,8 +88,7 @@ class Engine:
             if not r.done:
                 r.error = e
                 events[r] = events.get(r, "") + r.finish("error")
-        self.waiting.clear()
-        self.rows, self.free_slots, self.cached, self.parked = [], list(range(self.target.max_batch)), {}, {}
+        self._empty()
         if self.proposer is not None:
             self.proposer.reset()
 
