@@ -28,6 +28,9 @@ def export_draft(model_dir, out_path, quantize=None, layers=None, max_seq=None, 
     ckpt = Checkpoint(model_dir)
     cfg = ckpt.config
     n = cfg.num_hidden_layers
+    if profile == "cpu" and cfg.head_dim % 16:
+        raise MindspecError(f"--profile cpu needs a head_dim that is a multiple of 16 (onnxruntime's GroupQueryAttention "
+                            f"kernel), this checkpoint's is {cfg.head_dim}: export it with --profile ascend")
     if layers is not None and (isinstance(layers, bool) or not isinstance(layers, int) or not 1 <= layers <= n):
         raise MindspecError(f"--layers must be between 1 and {n} (the checkpoint's layers), got {layers!r}")
     max_seq = cfg.max_position_embeddings if max_seq is None else max_seq

@@ -1,17 +1,19 @@
 """Build a Llama decoder ONNX graph straight from numpy weights (no torch).
 
-Interface (draft format 2; B rows, T new tokens per row, S = cache buffer length):
+Profile "cpu" (draft format 3; onnxruntime's CPU provider; B rows, T new tokens per row, S = cache length):
   inputs   input_ids [B, T] int64, positions [B] int64 (cached length of each row = absolute
            position of input_ids[b, 0]), last [B] int64 (the token of each row whose logits are
            returned), past_key_i / past_value_i [B, KV, S, D] in the export's dtype
-  outputs  logits [B, V] float32 (after token last[b]), new_key_i / new_value_i [B, KV, T, D] in the
-           export's dtype (keys after RoPE)
-dtype float16: weights, activations and the KV cache in float16; RMSNorm statistics, RoPE angles, the
-attention softmax and the logits in float32 (as the target's graph).
-The past inputs are a static preallocated cache: the caller passes the whole buffer (no per-call
-shape change, no copy) and only slots s < positions[b] count; the rest is masked, whatever (finite)
-values it holds. Query t of row b sees those slots and new keys t' <= t, so right-padded rows are exact for
-their real tokens. RoPE tables are computed in-graph from the positions: no maximum length baked in.
+  outputs  logits [B, V] float32 (after token last[b]), present_key_i / present_value_i [B, KV, S, D]:
+           the past buffers with each row's T new tokens (keys after RoPE) written at positions[b]..
+Attention is onnxruntime's GroupQueryAttention (com.microsoft): RoPE, the cache write and attention
+in one node a layer. The runtime binds present_* to the past_* memory, so the static preallocated
+cache is written in place (no per-call shape change, no copy), and each row attends to its own
+positions[b] + T slots only, whatever the stale slots past them hold; right-padded rows are exact for
+their real tokens. Its CPU kernel runs several tokens a row only in a call of one row (B = 1) or one
+token a row (T = 1): the runtime splits other calls. RoPE tables of max_seq + 1 positions.
+dtype float16: weights, activations and the KV cache in float16; RMSNorm statistics and the logits in
+float32 (as the target's graph).
 
 Profile "ascend" (for CANN's graph mode: ops of cann_ops.py, opset ASCEND_OPSET, float16, one compile per
 static (B, T, S)): the graph writes the cache itself and never returns K/V to the host.
@@ -94,39 +96,6 @@ def _rope(g, x, cos, sin_signed, swap):
     return g.op("Add", [g.op("Mul", [x, cos]), g.op("Mul", [g.op("Gather", [x, swap], axis=-1), sin_signed])])
 
 
-def _rope_tables(g, cfg, t):
-    """cos, signed sin [B, T, 1, D] of positions[b] + t for t [T]. Angles in float64 reduced mod 2*pi
-    before the float32 Cos/Sin (ORT has no double Cos), so RoPE stays exact to ~1e-7 at any position."""
-    D = cfg.head_dim
-    pos = g.op("Add", [g.op("Unsqueeze", ["positions", g.i64([1])]), t])                # [B, T]
-    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, D, 2, dtype=np.float64) / D))
-    ang = g.op("Mul", [g.op("Unsqueeze", [g.op("Cast", [pos], to=TensorProto.DOUBLE), g.i64([2])]),
-                       g.const(np.concatenate([inv_freq, inv_freq]))])                   # [B, T, D] float64
-    ang = g.op("Cast", [g.op("Mod", [ang, g.const(2 * np.pi)], fmod=1)], to=TensorProto.FLOAT)
-    cos = g.op("Unsqueeze", [g.op("Cos", [ang]), g.i64([2])])                          # [B, T, 1, D]
-    sin = g.op("Mul", [g.op("Unsqueeze", [g.op("Sin", [ang]), g.i64([2])]),
-                       g.const(np.repeat([-1.0, 1.0], D // 2).astype(np.float32))])    # [B, T, 1, D], [-sin, sin]
-    return g.narrow(cos), g.narrow(sin)
-
-
-def _mask(g, G, S, t):
-    """Additive mask [B, 1, G*T, S+T] over the joint scores (past slots, then new keys); row g*T+t
-    of the grouped queries is query t. It hides slot s >= positions[b] and new key t' > t. NEG, not
-    -inf: stale K/V (or zeros) beyond positions[b] are finite, their weight comes out exactly 0."""
-    neg, zero = g.const(NEG, dtype=np.float32), g.const(0.0, dtype=np.float32)
-    one = g.i64([1])
-    past = g.op("GreaterOrEqual", [g.op("Unsqueeze", [g.arange(S), g.i64([0])]),
-                                   g.op("Unsqueeze", ["positions", g.i64([1])])])        # [B, S]
-    past = g.op("Unsqueeze", [g.op("Where", [past, neg, zero]), g.i64([1, 2])])         # [B, 1, 1, S]
-    rows = g.op("Tile", [t, g.i64([G])])                                                 # [G*T]: t of row g*T+t
-    new = g.op("Greater", [g.op("Unsqueeze", [t, g.i64([0])]), g.op("Unsqueeze", [rows, g.i64([1])])])
-    new = g.op("Where", [new, neg, zero])                                                # [G*T, T]
-    GT, B = g.op("Shape", [rows]), g.op("Shape", ["positions"])                          # [1], [1]
-    past = g.op("Expand", [past, g.op("Concat", [one, one, GT, one], axis=0)])          # [B, 1, G*T, S]
-    new = g.op("Expand", [new, g.op("Concat", [B, one, one, one], axis=0)])             # [B, 1, G*T, T]
-    return g.op("Concat", [past, new], axis=-1)                                          # [B, 1, G*T, S+T]
-
-
 def _group_queries(g, q, KV, G, D):
     """q [B, T, KV*G, D] -> [B, KV, G*T, D]: GQA without repeating K/V, the G query heads of a KV head
     become G*T rows of one matmul (row g*T+t is query t)."""
@@ -140,21 +109,6 @@ def _ungroup(g, a, KV, G, D):
     return g.op("Reshape", [a, g.i64([0, 0, KV * G * D])])
 
 
-def _attention(g, i, q, k, v, mask, ST, dims):
-    """GQA over the past buffer and the new keys, one joint softmax; returns [B, T, H*D]."""
-    H, KV, D = dims
-    G = H // KV
-    qg = _group_queries(g, q, KV, G, D)                                                 # [B, KV, G*T, D]
-    # past scores straight off the buffer (ORT folds the Transpose into the MatMul): never copied;
-    # only the small score tensors are concatenated
-    sp = g.op("MatMul", [qg, g.op("Transpose", [f"past_key_{i}"], perm=[0, 1, 3, 2])])   # [B, KV, G*T, S]
-    sn = g.op("MatMul", [qg, g.op("Transpose", [k], perm=[0, 1, 3, 2])])                # [B, KV, G*T, T]
-    s = g.op("Add", [g.wide(g.op("Concat", [sp, sn], axis=-1)), mask])                 # [B, KV, G*T, S+T] float32
-    pp, pn = g.op("Split", [g.narrow(g.op("Softmax", [s], axis=-1)), ST], n_out=2, axis=-1)  # [.., S], [.., T]
-    a = g.op("Add", [g.op("MatMul", [pp, f"past_value_{i}"]), g.op("MatMul", [pn, v])])  # [B, KV, G*T, D]
-    return _ungroup(g, a, KV, G, D)                                                     # [B, T, H*D]
-
-
 def _last_rows(g, x, T, d):
     """x [B, T, d] -> [B, d] at token last[b] of each row: the head then runs on B rows, not B*T.
     A flat Gather (b*T + last[b]) rather than GatherND: every provider has it."""
@@ -163,17 +117,27 @@ def _last_rows(g, x, T, d):
     return g.op("Gather", [flat, g.op("Add", [base, "last"])], axis=0)                 # [B, d]
 
 
-def _cpu_attention(g, cfg):
-    """The cpu profile's per-layer pieces: RoPE from in-graph angles, attention over the past buffer
-    plus the new keys, new K/V as outputs [B, KV, T, D]."""
+def _gqa_attention(g, cfg, max_seq):
+    """The cpu profile's attention: onnxruntime's GroupQueryAttention (com.microsoft, CPU provider), one
+    node a layer for RoPE, the cache write and attention: it writes the new K/V into the past buffers
+    themselves (the runtime binds present_* to the past_* memory) and reads each row's own length, not
+    the whole buffer. RoPE tables of max_seq + 1 positions (a row sitting out of a call writes one
+    token at its position, at most max_seq). Returns attend(i, qkv [B, T, (H+2KV)*D]) -> [B, T, H*D]."""
     H, KV, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    S, T = g.dim("past_key_0", 2), g.dim("input_ids", 1)                               # scalars
-    t = g.arange(T)                                                                     # [T]
-    cos, sin = _rope_tables(g, cfg, t)
-    mask = _mask(g, H // KV, S, t)                                                      # [B, 1, G*T, S+T]
-    ST = g.op("Concat", [g.op("Unsqueeze", [n, g.i64([0])]) for n in (S, T)], axis=0)  # [2]: split of the scores
-    attend = lambda i, q, k, v: _attention(g, i, q, k, v, mask, ST, (H, KV, D))  # noqa: E731
-    return cos, sin, attend, lambda i, n: f"new_{n}_{i}"
+    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, D, 2, dtype=np.float64) / D))
+    ang = np.arange(max_seq + 1, dtype=np.float64)[:, None] * inv_freq                   # [P, D/2], float64
+    cos, sin = g.weight(np.cos(ang), "rope_cos"), g.weight(np.sin(ang), "rope_sin")
+    end = g.op("Add", ["positions", g.dim("input_ids", 1)])                              # [B]: cached + T
+    i32 = TensorProto.INT32
+    seqlens = g.op("Cast", [g.op("Sub", [end, g.i64(1)])], to=i32)                      # [B]: each row's length - 1
+    total = g.op("Cast", [g.op("ReduceMax", [end], keepdims=0)], to=i32)                # scalar
+
+    def attend(i, qkv):
+        q, k, v = g.op("Split", [qkv, g.i64([H * D, KV * D, KV * D])], n_out=3, axis=-1)
+        return g.op("GroupQueryAttention", [q, k, v, f"past_key_{i}", f"past_value_{i}", seqlens, total, cos, sin],
+                    out=[f"attn{i}", f"present_key_{i}", f"present_value_{i}"], domain="com.microsoft",
+                    num_heads=H, kv_num_heads=KV, do_rotary=1, rotary_interleaved=0, scale=1.0)[0]
+    return attend
 
 
 def _reshape(g, x, shape):
@@ -224,13 +188,22 @@ def _cache_attention(g, i, q, k, v, maps, dims):
 
 
 def _ascend_attention(g, cfg, max_seq):
-    """The ascend profile's per-layer pieces: RoPE tables of max_seq positions, the cache written and
-    attended in the graph; K/V stay intermediate."""
+    """The ascend profile's attention: RoPE tables of max_seq positions, the cache written and attended
+    in the graph (K/V stay intermediate). Returns attend(i, qkv [B, T, (H+2KV)*D]) -> [B, T, H*D]."""
     H, KV, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     cos, sin = _rope_lookup(g, cfg, max_seq)
     maps = _slot_maps(g, H // KV)
-    attend = lambda i, q, k, v: _cache_attention(g, i, q, k, v, maps, (H, KV, D))  # noqa: E731
-    return cos, sin, attend, lambda i, n: None
+    swap = g.i64(np.concatenate([np.arange(D // 2, D), np.arange(D // 2)]))             # [D]: halves swapped
+
+    def attend(i, qkv):
+        qkv = g.op("Reshape", [qkv, g.i64([0, 0, H + 2 * KV, D])])                     # [B, T, H+2KV, D]
+        qk, v = g.op("Split", [qkv, g.i64([H + KV, KV])], n_out=2, axis=2)            # v [B, T, KV, D]
+        qk = _rope(g, qk, cos, sin, swap)                                               # q and k rotated together
+        q, k = g.op("Split", [qk, g.i64([H, KV])], n_out=2, axis=2)                    # q [B, T, H, D]
+        k = g.op("Transpose", [k], perm=[0, 2, 1, 3])                                   # [B, KV, T, D]
+        v = g.op("Transpose", [v], perm=[0, 2, 1, 3])                                   # [B, KV, T, D]
+        return _cache_attention(g, i, q, k, v, maps, (H, KV, D))
+    return attend
 
 
 def _io(cfg, L, kv_dtype, profile):
@@ -239,28 +212,26 @@ def _io(cfg, L, kv_dtype, profile):
     vi = helper.make_tensor_value_info
     if profile == "cpu":
         ins = [vi("input_ids", i64, ["B", "T"]), vi("positions", i64, ["B"]), vi("last", i64, ["B"])]
-        out, out_len = "new", "T"
     else:
         ins = [vi("input_ids", i64, ["B", "T"]), vi("positions", i64, ["B", "T"]), vi("slots", i64, ["B", "T"]),
                vi("last_index", i64, ["B"])]
-        out, out_len = "present", "S"
     outs = [vi("logits", TensorProto.FLOAT, ["B", cfg.vocab_size])]
     for i in range(L):
         ins += [vi(f"past_{n}_{i}", kv_dtype, ["B", KV, "S", D]) for n in ("key", "value")]
-        outs += [vi(f"{out}_{n}_{i}", kv_dtype, ["B", KV, out_len, D]) for n in ("key", "value")]
+        outs += [vi(f"present_{n}_{i}", kv_dtype, ["B", KV, "S", D]) for n in ("key", "value")]
     return ins, outs
 
 
 def build_decoder(ckpt, n_layers=None, dtype="float32", profile="cpu", max_seq=None):
     """ONNX ModelProto of the first `n_layers` layers (all by default) + final norm + LM head, with
-    weights and KV cache in `dtype` (float32 or float16). profile "ascend" (cann_ops.py): the cache
-    written in the graph, RoPE tables of `max_seq` positions, opset ASCEND_OPSET."""
+    weights and KV cache in `dtype` (float32 or float16), RoPE tables of `max_seq` positions (default:
+    the checkpoint's). profile "cpu": GroupQueryAttention; "ascend" (cann_ops.py): the cache written in
+    the graph by standard ops, opset ASCEND_OPSET."""
     cfg = ckpt.config
     L = cfg.num_hidden_layers if n_layers is None else int(n_layers)
-    H, KV, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    D, max_seq = cfg.head_dim, max_seq or cfg.max_position_embeddings
     g = _Graph(dtype)
-    cos, sin, attend, kv_name = _cpu_attention(g, cfg) if profile == "cpu" else _ascend_attention(g, cfg, max_seq)
-    swap = g.i64(np.concatenate([np.arange(D // 2, D), np.arange(D // 2)]))             # [D]: halves swapped
+    attend = (_gqa_attention if profile == "cpu" else _ascend_attention)(g, cfg, max_seq)
 
     x = g.op("Gather", [g.weight(ckpt.get("model.embed_tokens.weight"), "embed_tokens"), "input_ids"], axis=0)
     eps, inter = cfg.rms_norm_eps, cfg.intermediate_size                                # x [B, T, d]
@@ -269,19 +240,13 @@ def build_decoder(ckpt, n_layers=None, dtype="float32", profile="cpu", max_seq=N
         h = _rms_norm(g, x, w("input_layernorm"), eps)
         # one fused QKV matmul; 1/sqrt(D) folded into Wq (RoPE is linear, q is not an output)
         wqkv = np.concatenate([w("self_attn.q_proj") / np.sqrt(D), w("self_attn.k_proj"), w("self_attn.v_proj")]).T
-        qkv = g.op("MatMul", [h, g.weight(wqkv, f"l{i}.qkv")])
+        qkv = g.op("MatMul", [h, g.weight(wqkv, f"l{i}.qkv")])                        # [B, T, (H+2KV)*D]
         if cfg.qkv_bias:  # Qwen2
             bqkv = np.concatenate([ckpt.get(f"model.layers.{i}.self_attn.q_proj.bias") / np.sqrt(D),
                                    ckpt.get(f"model.layers.{i}.self_attn.k_proj.bias"),
                                    ckpt.get(f"model.layers.{i}.self_attn.v_proj.bias")])
             qkv = g.op("Add", [qkv, g.weight(bqkv, f"l{i}.qkv_bias")])
-        qkv = g.op("Reshape", [qkv, g.i64([0, 0, H + 2 * KV, D])])                     # [B, T, H+2KV, D]
-        qk, v = g.op("Split", [qkv, g.i64([H + KV, KV])], n_out=2, axis=2)            # v [B, T, KV, D]
-        qk = _rope(g, qk, cos, sin, swap)                                               # q and k rotated together
-        q, k = g.op("Split", [qk, g.i64([H, KV])], n_out=2, axis=2)                    # q [B, T, H, D]
-        k = g.op("Transpose", [k], perm=[0, 2, 1, 3], out=kv_name(i, "key"))           # [B, KV, T, D]
-        v = g.op("Transpose", [v], perm=[0, 2, 1, 3], out=kv_name(i, "value"))         # [B, KV, T, D]
-        a = attend(i, q, k, v)                                                          # [B, T, H*D]
+        a = attend(i, qkv)                                                              # [B, T, H*D]
         x = g.op("Add", [x, g.op("MatMul", [a, g.weight(w("self_attn.o_proj").T, f"l{i}.o")])])
         h = _rms_norm(g, x, w("post_attention_layernorm"), eps)
         wgu = np.concatenate([w("mlp.gate_proj"), w("mlp.up_proj")]).T
@@ -300,13 +265,16 @@ def build_decoder(ckpt, n_layers=None, dtype="float32", profile="cpu", max_seq=N
     if g.half:
         g.op("Cast", [logits], to=TensorProto.FLOAT, out="logits")
     inputs, outs = _io(cfg, L, g.onnx_dtype, profile)
-    return _model(g, "mindspec_draft", inputs, outs, OPSET if profile == "cpu" else ASCEND_OPSET)
+    if profile == "cpu":
+        return _model(g, "mindspec_draft", inputs, outs, OPSET, ms=True)
+    return _model(g, "mindspec_draft", inputs, outs, ASCEND_OPSET)
 
 
-def _model(g, name, inputs, outputs, opset):
+def _model(g, name, inputs, outputs, opset, ms=False):
+    """ms: the graph uses onnxruntime's com.microsoft ops (the cpu profile's GroupQueryAttention)."""
     graph = helper.make_graph(g.nodes, name, inputs, outputs, initializer=g.inits)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)],
-                             producer_name="mindspec", ir_version=IR_VERSION)
+    domains = [helper.make_opsetid("", opset)] + ([helper.make_opsetid("com.microsoft", 1)] if ms else [])
+    return helper.make_model(graph, opset_imports=domains, producer_name="mindspec", ir_version=IR_VERSION)
 
 
 def build_row_copy(n, shape, dtype="float16"):

@@ -9,7 +9,7 @@ import os
 
 from mindspec.errors import MindspecError
 
-FORMAT, VERSION = "mindspec-draft", 2  # 2: batched inputs and a static [B, KV, S, D] cache (builder.py)
+FORMAT, VERSION = "mindspec-draft", 3  # 2: batched, a static [B, KV, S, D] cache; 3: cpu on GroupQueryAttention
 PROFILES = ("cpu", "ascend")  # builder.py: the graph's interface and how DraftSession runs it
 INT_KEYS = ("vocab_size", "num_layers", "source_layers", "num_key_value_heads", "head_dim",
             "hidden_size", "max_seq", "onnx_bytes")

@@ -35,8 +35,10 @@ def quantize(model_proto_or_path, mode, out_path):
         level = root.level
         root.setLevel(logging.ERROR)  # it warns "consider pre-processing" on the root logger
         try:
+            # onnx's shape inference has no type for GroupQueryAttention's output (a com.microsoft op): float
             quantize_dynamic(model, out_path, op_types_to_quantize=["MatMul"], nodes_to_quantize=_weight_matmuls(model),
-                             weight_type=QuantType.QInt8, use_external_data_format=big)
+                             weight_type=QuantType.QInt8, use_external_data_format=big,
+                             extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
         finally:
             root.setLevel(level)
         return out_path

@@ -66,7 +66,7 @@ def make_session_options(threads=None, dims=None):
     return so
 
 
-ATTEND_STEP = 128  # the host cache's length follows the longest row in steps of this (one ORT shape per step)
+MAX_T = 128  # most tokens a row feeds in one call of the cpu profile (its attention scratch grows with T x S)
 T_BUCKETS = (1, PREFILL_CHUNK)  # ascend profile: tokens per row and call (a draft step, a prefill chunk)
 
 
@@ -83,11 +83,9 @@ class DraftSession:
     """An exported draft with a static KV cache of max_batch rows x max_seq positions per layer.
 
     Row r holds one sequence; pos[r] positions of it are cached. Slots past pos[r] are stale (a
-    rollback is moving pos) and masked by the graph, so nothing ever needs clearing. Rows from `live`
-    on are spare (host cache): what they hold is kept while it fits, but no call sizes the cache for
-    them (the engine parks a finished request's row there for a later prompt sharing its prefix).
-    The manifest's profile picks the cache: host numpy buffers fed per call (cpu), or device buffers
-    the graph writes itself, bound with IOBinding (ascend: BoundCache)."""
+    rollback is moving pos): no call reads them, and later tokens overwrite them. The manifest's profile
+    picks the cache: host numpy buffers the graph writes in place, bound with IOBinding (cpu), or
+    device buffers (ascend: BoundCache)."""
 
     def __init__(self, onnx_path, max_seq=None, max_batch=1, threads=None, device=None):
         self.manifest = m = read_manifest(onnx_path)
@@ -99,21 +97,21 @@ class DraftSession:
             raise ValueError(f"max_batch must be a positive integer, got {max_batch!r}")
         self.max_batch = int(max_batch)
         bound = m["profile"] == "ascend"  # the cache on the session's device, written by the graph
-        self.session = start_session(onnx_path, make_session_options(threads, {"S": self.max_seq} if bound else None),
-                                     providers(device, graph=bound))
+        S = self.max_seq if bound else self.max_seq + 1  # + 1: see the host buffers below
+        self.session = start_session(onnx_path, make_session_options(threads, {"S": S}), providers(device, graph=bound))
         L, KV, D = m["num_layers"], m["num_key_value_heads"], m["head_dim"]
         self.vocab_size = m["vocab_size"]
         self.pos = np.zeros(self.max_batch, np.int64)                                    # [R] cached length
-        self.live = self.max_batch  # rows 0..live-1 in use; the rest spare (see the class docstring)
         self.device_kv = BoundCache(self.session, m, self.max_batch, self.max_seq, threads) if bound else None
         if bound:  # no host copy of the cache (BoundCache)
             self.keys = self.values = None
             return
-        # attention reads every fed position: the buffers hold W <= max_seq positions (see _fit), fed whole
-        shape, dtype = (self.max_batch, KV, min(ATTEND_STEP, self.max_seq), D), np.dtype(m["dtype"])  # export's
-        self.keys = [np.zeros(shape, dtype) for _ in range(L)]                           # [R, KV, W, D]
-        self.values = [np.zeros(shape, dtype) for _ in range(L)]                         # [R, KV, W, D]
-        self.output_names = ["logits"] + [f"new_{n}_{i}" for i in range(L) for n in ("key", "value")]
+        # + 1: a row sitting out of a call (T = 1) gets one padding token written at its position. Untouched
+        # pages of np.zeros are never committed: memory follows the positions rows reach
+        shape, self.dtype = (self.max_batch, KV, self.max_seq + 1, D), np.dtype(m["dtype"])  # export's dtype
+        self.keys = [np.zeros(shape, self.dtype) for _ in range(L)]                      # [R, KV, S+1, D]
+        self.values = [np.zeros(shape, self.dtype) for _ in range(L)]                    # [R, KV, S+1, D]
+        self.cache = [(f"{n}_{i}", buf[i]) for i in range(L) for n, buf in (("key", self.keys), ("value", self.values))]
 
     def _row(self, row):
         if not 0 <= row < self.max_batch:
@@ -145,49 +143,48 @@ class DraftSession:
         n = self._check(tokens, start)
         if self.device_kv:
             return self._forward_bound(tokens, start)
-        B, T = len(tokens), int(n.max())
-        ids = np.zeros((B, T), np.int64)                                                # [B, T], right-padded
-        for b, t in enumerate(tokens):
-            ids[b, :len(t)] = t
-        rows = slice(start, start + B)
-        self._fit(max(int(self.pos[:self.live].max(initial=0)), int((self.pos[rows] + n).max())))
-        feed = {"input_ids": ids, "positions": self.pos[rows].copy(), "last": np.maximum(n - 1, 0)}
-        for i, (k, v) in enumerate(zip(self.keys, self.values)):
-            feed[f"past_key_{i}"], feed[f"past_value_{i}"] = k[rows], v[rows]           # [B, KV, W, D] views
-        out = self.session.run(self.output_names, feed)
-        self._write(out[1:], start, n)
-        return out[0]                                                                   # [B, V]
+        # GroupQueryAttention runs several tokens a row only in a call of one row (builder.py): rows with
+        # more than one token feed all but their last first, then every row its last token in one call.
+        # Alone or in any batch a row's calls are then the same (q8 rounds activations to int8, so the
+        # float noise between a joint and a split call grows to ~0.6 in the default draft's logits: a
+        # seeded request's draws would depend on its batch)
+        if n.max() > 1:
+            lag = np.flatnonzero(n > 1)
+            if len(lag) > 1 and n.max() == 2:  # one token behind on several rows (all drafts accepted): one call
+                lo, hi = int(lag[0]), int(lag[-1]) + 1
+                self._run([tokens[b][:1] if n[b] == 2 else [] for b in range(lo, hi)], start + lo)
+            else:
+                for b in lag:
+                    self._run([tokens[b][:-1]], start + int(b))
+            tokens = [t[-1:] for t in tokens]
+        return self._run(tokens, start)
 
-    def _fit(self, need):
-        """Resize the host buffers to W positions, the multiple of ATTEND_STEP covering `need` (the
-        longest row after this call), when W grows or falls to half: attention reads every fed position
-        (B=8 at S=1032: ~35 ms a call over the used 128-multiple, ~71 over all), and whole buffers feed
-        onnxruntime without a copy (a copy of each used prefix per call was 13% of a B=8 K=4 run).
-        Spare rows keep the positions that still fit."""
-        W, have = min(-(-max(need, 1) // ATTEND_STEP) * ATTEND_STEP, self.max_seq), self.keys[0].shape[2]
-        if W > have or W * 2 <= have:
-            keep = min(W, have)
-            for buf in (self.keys, self.values):
-                for i, old in enumerate(buf):
-                    buf[i] = np.zeros(old.shape[:2] + (W,) + old.shape[3:], old.dtype)
-                    buf[i][:, :, :keep] = old[:, :, :keep]
-            np.minimum(self.pos, keep, out=self.pos)  # only spare rows can hold more than `need`
-
-    def _write(self, new, start, n):
-        """Store the valid new K/V (new[2i], new[2i+1]: [B, KV, T, D]) behind each row's cache."""
-        B = len(n)
-        if B <= 4:  # plain slices per row: ~0.6 us each against ~2.5 us for a fancy-indexed copy
-            for b in np.flatnonzero(n):
-                r, p, m = start + b, int(self.pos[start + b]), int(n[b])
-                for i, (k, v) in enumerate(zip(self.keys, self.values)):
-                    k[r, :, p:p + m], v[r, :, p:p + m] = new[2 * i][b, :, :m], new[2 * i + 1][b, :, :m]
-        else:  # one fancy-indexed copy per tensor: (row, slot) <- (b, t) for every valid token
-            b = np.repeat(np.arange(B), n)                                              # [N]
-            t = np.arange(len(b)) - np.repeat(np.cumsum(n) - n, n)                      # [N]: 0..n_b-1
-            row, slot = start + b, self.pos[start + b] + t
-            for i, (k, v) in enumerate(zip(self.keys, self.values)):
-                k[row, :, slot], v[row, :, slot] = new[2 * i][b, :, t], new[2 * i + 1][b, :, t]  # [N, KV, D]
-        self.pos[start:start + B] += n
+    def _run(self, tokens, start):
+        """Calls over rows start..start+B-1 (B = 1, or at most one token a row) in pieces of at most MAX_T
+        tokens; present_* are bound to the past_* memory (a call's rows are contiguous: the leading axis),
+        so the graph writes each row's new K/V into the cache itself. Returns the last call's logits [B, V]."""
+        B = len(tokens)
+        while True:
+            n = np.array([min(len(t), MAX_T) for t in tokens], np.int64)               # [B]
+            ids = np.zeros((B, int(n.max())), np.int64)                                 # [B, T], right-padded
+            for b, t in enumerate(tokens):
+                ids[b, :n[b]] = t[:n[b]]
+            logits = np.empty((B, self.vocab_size), np.float32)                         # [B, V]
+            io = self.session.io_binding()
+            io.bind_cpu_input("input_ids", ids)
+            io.bind_cpu_input("positions", self.pos[start:start + B].copy())
+            io.bind_cpu_input("last", np.maximum(n - 1, 0))
+            io.bind_output("logits", "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
+            shape = [B] + list(self.keys[0].shape[1:])                                  # [B, KV, S+1, D]
+            for name, buf in self.cache:
+                at = buf[start].ctypes.data
+                io.bind_input(f"past_{name}", "cpu", 0, self.dtype, shape, at)
+                io.bind_output(f"present_{name}", "cpu", 0, self.dtype, shape, at)
+            self.session.run_with_iobinding(io)
+            self.pos[start:start + B] += n
+            tokens = [t[m:] for t, m in zip(tokens, n)]
+            if not any(len(t) for t in tokens):
+                return logits
 
     def _forward_bound(self, tokens, start):
         """The ascend profile: rows 0..Bb-1 run together, Bb the bucket covering every cached row (the

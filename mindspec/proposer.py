@@ -95,12 +95,10 @@ class DraftProposer:
             if row != last_row:
                 self.session.move(last_row, row)
             self.session.reset(last_row)
-        self.session.live = last_row
 
     def reset(self):
         """Empty every row (the engine starts again)."""
         self.session.reset()
-        self.session.live = 0
 
     def adopt(self, row, src, n):
         """A new request takes row `row` (the engine's row count), starting from the first n tokens
@@ -108,7 +106,6 @@ class DraftProposer:
         if src != row:
             self.session.swap(src, row)
         self.session.rollback(row, n)
-        self.session.live = row + 1
 
 
 def _top_prob(logits):
