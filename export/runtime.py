@@ -148,8 +148,8 @@ class DraftSession:
         # more than one token feed all but their last first, then every row its last token in one call.
         # Alone or in any batch a row's calls are then the same (q8 rounds activations to int8, so the
         # float noise between a joint and a split call grows to ~0.6 in the default draft's logits: a
-        # seeded request's draws would depend on its batch)
-        if n.max() > 1:
+        # seeded request's draws would depend on its batch). A one-row session never batches: one call
+        if n.max() > 1 and self.max_batch > 1:
             lag = np.flatnonzero(n > 1)
             if len(lag) > 1 and n.max() == 2:  # one token behind on several rows (all drafts accepted): one call
                 lo, hi = int(lag[0]), int(lag[-1]) + 1

@@ -127,9 +127,9 @@ def test_quantization_leaves_attention_alone(q8_draft):
     assert readers == {"GroupQueryAttention"}
 
 
-def _prefilled(path, prefixes, **kw):
-    """A session whose row r holds prefixes[r] (fed row by row)."""
-    sess = DraftSession(path, max_batch=len(prefixes), **kw)
+def _prefilled(path, prefixes, rows=None, **kw):
+    """A session (of `rows` rows, default one per prefix) whose row r holds prefixes[r] (fed row by row)."""
+    sess = DraftSession(path, max_batch=rows or len(prefixes), **kw)
     for r, p in enumerate(prefixes):
         if p:
             sess.forward([p], start=r)
@@ -240,6 +240,18 @@ def test_swap_and_long_calls(tiny_target, tmp_path):
     np.testing.assert_allclose(got[1], _ref(tiny_target[0], long[:31])[-1], atol=TOL, rtol=0)
 
 
+def test_several_tokens_split_only_where_rows_can_batch(fp32_draft):
+    """A row's several tokens run as all-but-the-last, then the last (the same calls alone and in any
+    batch); a one-row session, which never batches, runs them in one call."""
+    calls = {}
+    for rows in (1, 2):
+        sess = DraftSession(fp32_draft, max_batch=rows)
+        run, calls[rows] = sess.session.run_with_iobinding, []
+        sess.session.run_with_iobinding = lambda io, run=run, log=calls[rows]: log.append(1) or run(io)
+        sess.forward([[1, 2, 3]])
+    assert (len(calls[1]), len(calls[2])) == (1, 2)
+
+
 def test_rows_one_token_behind_and_a_full_row(tiny_target, tmp_path):
     """Several rows one token behind (all their drafts accepted) and a row at max_seq sitting out of
     the call (it gets a padding token past its positions): every fed row exact, the full row's cache
@@ -301,7 +313,7 @@ def test_quantized_batched_like_alone(tiny_target, q8_draft, tmp_path, mode):
     got = [sess.forward([st for _, st in plan])] + [sess.forward([[s[t]] for s in seqs]) for t in (8, 9, 10)]
     got = np.stack(got, axis=1)                                                        # [3, 4, V]
     for r, (prefix, step) in enumerate(plan):
-        alone = _prefilled(path, [prefix])
+        alone = _prefilled(path, [prefix], rows=3)  # alone in a session that batches, as in the engine
         want = np.stack([alone.forward([step])[0]] + [alone.forward([[seqs[r][t]]])[0] for t in (8, 9, 10)])
         if mode == "q8":
             np.testing.assert_array_equal(got[r], want)
