@@ -160,6 +160,20 @@ class DraftSession:
             tokens = [t[-1:] for t in tokens]
         return self._run(tokens, start)
 
+    def feed(self, chunks):
+        """Cache tokens without their logits (a prompt's catch-up): chunks {row: ids}. Host cache: each
+        row in calls of its own (a row's calls the same alone and in any batch, and no extra call for
+        the last tokens, as forward needs for its logits); the ascend profile: one call over the rows."""
+        if self.device_kv:
+            lo, hi = min(chunks), max(chunks)
+            self.forward([list(chunks.get(row, ())) for row in range(lo, hi + 1)], start=lo)
+            return
+        chunks = {row: list(ids) for row, ids in chunks.items() if len(ids)}
+        for row, ids in chunks.items():
+            self._check([ids], row)
+        for row, ids in chunks.items():
+            self._run([ids], row)
+
     def _run(self, tokens, start):
         """Calls over rows start..start+B-1 (B = 1, or at most one token a row) in pieces of at most MAX_T
         tokens. Returns the last call's logits [B, V]."""

@@ -20,11 +20,10 @@ class DraftProposer:
         self.vocab_size = session.vocab_size
 
     def prefill(self, chunks):
-        """Feed prompt tokens to rows' caches in one call: chunks {row: ids} (their logits are not
-        needed: drafting starts later)."""
+        """Feed prompt tokens to rows' caches: chunks {row: ids} (their logits are not needed: drafting
+        starts later)."""
         if chunks:
-            lo, hi = min(chunks), max(chunks)
-            self.session.forward([list(chunks.get(row, ())) for row in range(lo, hi + 1)], start=lo)
+            self.session.feed(chunks)
 
     def cached(self, row):
         """Tokens of row's sequence the draft's cache holds."""

@@ -252,6 +252,22 @@ def test_several_tokens_split_only_where_rows_can_batch(fp32_draft):
     assert (len(calls[1]), len(calls[2])) == (1, 2)
 
 
+def test_feed_caches_rows_without_logits(tiny_target, fp32_draft):
+    """feed caches prompt tokens per row, each row in calls of its own: the cache bit for bit what the
+    row caches alone, the next logits the reference's."""
+    seqs = _histories(3, length=24)
+    sess = DraftSession(fp32_draft, max_batch=3)
+    sess.feed({0: seqs[0][:5], 1: [], 2: seqs[2][:20]})
+    assert sess.pos.tolist() == [5, 0, 20]
+    alone = DraftSession(fp32_draft, max_batch=3)
+    alone.feed({0: seqs[2][:20]})
+    for i in range(2):
+        np.testing.assert_array_equal(sess.keys[i][2, :, :20], alone.keys[i][0, :, :20])
+    got = sess.forward([seqs[0][5:6], [], seqs[2][20:21]])
+    np.testing.assert_allclose(got[0], _ref(tiny_target[0], seqs[0][:6])[-1], atol=TOL, rtol=0)
+    np.testing.assert_allclose(got[2], _ref(tiny_target[0], seqs[2][:21])[-1], atol=TOL, rtol=0)
+
+
 def test_rows_one_token_behind_and_a_full_row(tiny_target, tmp_path):
     """Several rows one token behind (all their drafts accepted) and a row at max_seq sitting out of
     the call (it gets a padding token past its positions): every fed row exact, the full row's cache
