@@ -234,7 +234,7 @@ def parser():
     e.add_argument("--layers", type=int, default=None, help="keep only the first N layers")
     e.add_argument("--max-seq", type=int, default=None, help="default KV-cache length for the draft")
     e.add_argument("--dtype", choices=["float32", "float16"], default=None,
-                   help="weights and KV cache (softmax, norms and logits stay float32; default float32, "
+                   help="weights and KV cache (norms and logits stay float32; default float32, "
                         "float16 with --profile ascend)")
     e.add_argument("--profile", choices=["cpu", "ascend"], default="cpu",
                    help="cpu: onnxruntime's CPU provider (default); ascend: CANN graph mode, static shapes, "
