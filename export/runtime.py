@@ -108,7 +108,7 @@ class DraftSession:
             return
         # + 1: a row sitting out of a call (T = 1) gets one padding token written at its position. Untouched
         # pages of np.zeros are never committed: memory follows the positions rows reach
-        shape, self.dtype = (self.max_batch, KV, self.max_seq + 1, D), np.dtype(m["dtype"])  # export's dtype
+        shape, self.dtype = (self.max_batch, KV, S, D), np.dtype(m["dtype"])              # export's dtype
         self.keys = [np.zeros(shape, self.dtype) for _ in range(L)]                      # [R, KV, S+1, D]
         self.values = [np.zeros(shape, self.dtype) for _ in range(L)]                    # [R, KV, S+1, D]
         self.cache = [(f"{n}_{i}", buf[i]) for i in range(L) for n, buf in (("key", self.keys), ("value", self.values))]
@@ -155,8 +155,7 @@ class DraftSession:
                 lo, hi = int(lag[0]), int(lag[-1]) + 1
                 self._run([tokens[b][:1] if n[b] == 2 else [] for b in range(lo, hi)], start + lo)
             else:
-                for b in lag:
-                    self._run([tokens[b][:-1]], start + int(b))
+                self.feed({start + int(b): tokens[b][:-1] for b in lag})
             tokens = [t[-1:] for t in tokens]
         return self._run(tokens, start)
 
