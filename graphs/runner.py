@@ -185,19 +185,16 @@ class TargetModel:
         return next(b for b in self.batch_buckets if b >= n)
 
     def _pad(self, n, B, slots):
-        """Rows of n real ones in a call of bucket B: (at [n], the index of each real row in the bucket;
-        pad(a, fill) -> [B, ...] with padding rows filled). A bucket of every slot puts each row at its
-        slot's index (the graph then attends to the cache in place)."""
-        at = np.asarray(slots) if B == self.max_batch else np.arange(n)
-
+        """n real rows in a call of bucket B: (slot_of [B], each row's slot, padding rows in one slot no
+        real row of the call uses; pad(a, fill) -> [B, ...], the padding rows filled). Padding rows write
+        at positions >= max_seq - 1 of that slot: positions any row writes again before attending to them."""
         def pad(a, fill=0):
             a = np.asarray(a)
-            if n == B and B < self.max_batch or n == B == 1:
+            if n == B:
                 return a
-            out = np.full((B,) + a.shape[1:], fill, a.dtype)
-            out[at] = a
-            return out
-        return at, pad
+            return np.concatenate([a, np.full((B - n,) + a.shape[1:], fill, a.dtype)])
+        spare = int(np.setdiff1d(np.arange(self.max_batch), slots)[0]) if n < B else 0
+        return pad(slots, spare), pad
 
     def prefill(self, slots, pos, chunks, s, dry=False, logprobs=False):
         """Feed one prompt chunk per row (chunks [n]: at most PREFILL_CHUNK ids each) at pos [n] of
@@ -209,14 +206,10 @@ class TargetModel:
         if any(p + len(c) > self.max_seq for p, c in zip(pos, chunks)):
             raise MindspecError(f"prompt would exceed the target's max_seq {self.max_seq}")
         B = self._bucket(n)
-        at, pad = self._pad(n, B, slots)
+        slot_of, pad = self._pad(n, B, slots)
         ids = np.zeros((n, C), np.int32)
         for i, c in enumerate(chunks):
             ids[i, :len(c)] = c
-        slot_of = pad(slots)
-        if n < B:
-            slot_of[np.setdiff1d(np.arange(B), at)] = np.setdiff1d(np.arange(B), slots) if B == self.max_batch \
-                else slots[0]  # the tail of any slot: nobody attends there before writing it
         V = self.cfg.vocab_size
         top_k = np.minimum(np.asarray(s.top_k, np.int64), V)  # k >= V means off; keeps int32 in range
         args = (self._i32(pad(ids)), self._i32(slot_of), self._i32(pad(pos, self.max_seq)),
@@ -226,8 +219,8 @@ class TargetModel:
         out = self._sampled("prefill", (B, C), *args, dry=dry)
         if dry:
             return None
-        tok = out[0].asnumpy()[at].astype(np.int64)
-        return (tok, Logprobs(*(x.asnumpy()[at] for x in out[1:4]))) if logprobs else tok
+        tok = out[0].asnumpy()[:n].astype(np.int64)
+        return (tok, Logprobs(*(x.asnumpy()[:n] for x in out[1:4]))) if logprobs else tok
 
     def step(self, ids, slots, pos, n_valid, s=None, dry=False, logprobs=False):
         """One decode (K = 0) or verify step over n rows: ids [n, K+1] (last committed token + K drafts),
@@ -244,12 +237,7 @@ class TargetModel:
         assert K == 0 or K in self.k_buckets, (K, self.k_buckets)
         if (np.asarray(pos) + T > self.max_seq + max(self.k_buckets)).any():
             raise MindspecError(f"sequence would exceed the target's max_seq {self.max_seq}")
-        at, rows = self._pad(n, B, slots)
-        slot_of = rows(slots)
-        if n < B:  # padding rows write at positions >= max_seq - 1 of a slot no real row of this call uses:
-            # positions that any row writes again before it attends to them
-            unused = np.setdiff1d(np.arange(self.max_batch), slots)
-            slot_of[np.setdiff1d(np.arange(B), at)] = unused if B == self.max_batch else unused[0]
+        slot_of, rows = self._pad(n, B, slots)
         head = (self._i32(rows(ids)), self._i32(slot_of), self._i32(rows(pos, self.max_seq - 1)),
                 self._i32(rows(n_valid)))
         if s is None:
@@ -266,8 +254,8 @@ class TargetModel:
                                 self._seen(None if s.seen is None else rows(s.seen), B), dry=dry)
         if dry:
             return None
-        acc, nxt = out[0].asnumpy()[at].astype(np.int64), out[1].asnumpy()[at].astype(np.int64)
-        return (acc, nxt, Logprobs(*(x.asnumpy()[at] for x in out[2:5]))) if logprobs else (acc, nxt)
+        acc, nxt = out[0].asnumpy()[:n].astype(np.int64), out[1].asnumpy()[:n].astype(np.int64)
+        return (acc, nxt, Logprobs(*(x.asnumpy()[:n] for x in out[2:5]))) if logprobs else (acc, nxt)
 
     def _decode_k(self, B, K):
         """The K a step of batch bucket B and K drafts really runs (a one-row decode: a verify, see __init__)."""
