@@ -9,6 +9,7 @@ import pytest
 
 from mindspec.device import AscendEnv, ascend_env, check_tp, detect_device, device_id, elf_arch, mindspore_arch
 from mindspec.errors import MindspecError
+from mindspec.doctor import int8_dot
 from mindspec.export import DraftSession
 
 
@@ -110,8 +111,18 @@ def test_doctor_on_this_machine():
     lines = {line[4:].split("  ")[0].strip(): line[:3].strip() for line in p.stdout.splitlines() if line[:3].strip()}
     assert lines["CPU run (MindSpore graph + onnxruntime)"] == "ok" and lines["MindSpore"] == "ok"
     assert lines["Ascend ready"] == "--" and "no NPU is visible" in p.stdout
+    with open("/proc/cpuinfo") as f:  # the int8 check names what this CPU has
+        assert lines["CPU int8 dot product"] == ("ok" if int8_dot(f.read()) else "--")
     assert "CANN versions MindSpore accepts          8." in p.stdout  # read from the installed MindSpore
     assert p.stdout.strip().splitlines()[-1].startswith("--device auto runs on CPU: target MindSpore GRAPH_MODE on CPU")
     p = subprocess.run([sys.executable, "-m", "mindspec", "doctor", "--device", "ascend"], capture_output=True,
                        text=True, env=env)
     assert p.returncode == 1 and "--device ascend: cannot run: --device ascend: no NPU is visible" in p.stdout
+
+
+def test_int8_dot_product_flags_from_cpuinfo():
+    x86 = "processor\t: 0\nflags\t\t: fpu sse avx2 fma avx512f avx512_vnni\nprocessor\t: 1\nflags\t\t: fpu avx2 avx512_vnni\n"
+    assert int8_dot(x86) == ["avx512_vnni"]
+    assert int8_dot("flags\t\t: fpu sse avx avx2 fma\n") == []  # AVX2 only (AMD EPYC Zen 2)
+    assert int8_dot("Features\t: fp asimd evtstrm aes asimddp sve i8mm\n") == ["asimddp", "i8mm"]  # Arm
+    assert int8_dot("model name\t: avx512_vnni in a name is not a flag\n") == []
