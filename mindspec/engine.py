@@ -16,7 +16,9 @@ them (at least its last prompt token is fed again: its logits give the first tok
 share their system turn, batch jobs their instructions. The draft (host cache) parks a finished
 row's cache among its spare rows, and a new row starts from the spare one sharing the longest prefix
 with its prompt; it feeds the rest, at most DRAFT_CATCHUP tokens a row per step, so a long uncached
-prompt never stalls the running rows: the new row waits for its draft instead. Anything else that
+prompt never stalls the running rows: the new row waits for its draft instead. A dynamic-K row
+admitted where drafting could not pay even fully accepted (a batch too large for the draft's cost)
+skips its draft; should the batch shrink to where drafting pays, it catches up the same way. Anything else that
 runs the target graphs (warm-up, cost measurement) writes into slots: the engine then forgets what
 they held.
 """
@@ -195,7 +197,7 @@ class Engine:
         if self.proposer is not None:
             end = {r.id: r.pos + len(c) for r, c in zip(fed, chunks)}  # the target's position after this call
             catch = {}
-            for r in (r for r in pre if r.speculate):
+            for r in (r for r in pre if r.speculate and self._may_draft(r)):
                 d = self.proposer.cached(r.row)
                 stop = min(end.get(r.id, r.pos), d + DRAFT_CATCHUP)
                 if stop > d:
@@ -210,7 +212,8 @@ class Engine:
                 events[r] = events.get(r, "") + r.commit([int(toks[i])], lp)
         for r in pre:
             r.stats.prefill_s += dt
-            drafted_up = not r.speculate or self.proposer is None or self.proposer.cached(r.row) >= r.pos
+            drafted_up = not r.speculate or self.proposer is None or self.proposer.cached(r.row) >= r.pos \
+                or not self._may_draft(r)
             if r.state == PREFILL and r.pos == len(r.prompt_ids) and drafted_up:
                 r.state = RUNNING
 
@@ -219,6 +222,13 @@ class Engine:
         t0, cold = time.perf_counter(), self.target.cold_runs
         caps = [self.target.max_seq - r.pos - 1 for r in running]  # drafts that still fit the cache
         n_valid = self._choose(running, caps)
+        if self.proposer is not None and max(n_valid):
+            # a row whose draft fell far behind (it skipped its prompt while drafting could not pay) sits
+            # this step out and catches up, at most DRAFT_CATCHUP tokens a step, as a new row does
+            behind = {r.row: r.seq[self.proposer.cached(r.row):][:DRAFT_CATCHUP] for r in running
+                      if r.speculate and len(r.seq) - self.proposer.cached(r.row) > DRAFT_CATCHUP}
+            self.proposer.prefill(behind)
+            n_valid = [0 if r.row in behind else n for r, n in zip(running, n_valid)]
         K = max(n_valid)
         drafts = np.zeros((len(running), K), np.int64)
         q = None
@@ -261,6 +271,14 @@ class Engine:
                 self.proposer.update_candidate_strategy(r.row, r)
             if not r.done and r.pos >= self.target.max_seq:
                 events[r] += r.finish("length")  # the cache is full
+
+    def _may_draft(self, r):
+        """Whether request r's draft may run soon: not when r takes dynamic K and drafting could not
+        pay at the current batch even fully accepted (then its prompt is not fed to the draft: the
+        draft catches up if the batch shrinks, see _decode)."""
+        if r.k != "auto" or self.dynamic is None:
+            return True
+        return self.dynamic.can_pay(self.spec.batch_bucket(len(self.rows)), len(self.rows))
 
     def _choose(self, running, caps):
         """Each row's valid drafts this step: fixed-K rows their K, auto rows the K the dynamic policy

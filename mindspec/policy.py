@@ -123,7 +123,8 @@ class DynamicK:
     (K=0) step brings no evidence, so estimates decay toward that prior instead: a few unlucky
     rejections do not switch drafting off for good. When even the prior makes K=0 best (a useless
     draft), every `probe_every` plain steps one step drafts the smallest bucket to see whether the
-    text became predictable again."""
+    text became predictable again — unless drafting could not pay there even fully accepted
+    (can_pay: a batch too large for the draft's cost)."""
 
     MIN_SEEN = 8  # draft tokens judged before past acceptance replaces α0 as the prior
 
@@ -148,10 +149,20 @@ class DynamicK:
         """A new request's estimate."""
         return Acceptance(self.prior(), self.prior_weight, self.decay)
 
+    def can_pay(self, B, n):
+        """Whether drafting could pay for n rows at batch bucket B even if every draft were accepted.
+        When not, the costs alone rule it out: a probe learns nothing and a new row's draft needs no
+        prompt (found on a CPU whose 8-bit draft kernels cost ~B times one row: at B=8 the policy ran
+        K=0 and still paid a probe's catch-up every 16 steps and every new row's prompt catch-up,
+        0.63-0.80x target-only)."""
+        c, v = self.costs[B]
+        return batch_best_k([1.0] * n, [max(self.buckets)] * n, c, v, self.buckets) > 0
+
     def choose(self, estimates, caps, B=1):
         c, v = self.costs[B]
         k = batch_best_k([e.alpha for e in estimates], caps, c, v, self.buckets)
-        if k == 0 and self.probe_every and self.plain_steps >= self.probe_every and max(caps, default=0) > 0:
+        if k == 0 and self.probe_every and self.plain_steps >= self.probe_every and max(caps, default=0) > 0 \
+                and self.can_pay(B, len(estimates)):
             k = self.buckets[0]
         self.plain_steps = self.plain_steps + 1 if k == 0 else 0
         return k

@@ -141,6 +141,21 @@ def test_dynamic_k_switches_a_useless_draft_off_and_probes_now_and_then():
     assert max(tail) == 1
 
 
+def test_no_probe_where_even_full_acceptance_would_not_pay():
+    """A batch too large for the draft's cost (found: at B=8 a draft costing ~B times one row's call ran
+    K=0 and still probed every 16 steps, each probe feeding every row's 16-token lag): no probes there;
+    the same draft probes at a batch where drafting could pay."""
+    costly = DynamicK(BUCKETS, {8: (3.0, {0: 1.25, 1: 1.5, 2: 1.8, 4: 2.4, 8: 3.6}), 1: (0.3, {0: 1.0, **V})},
+                      alpha0=0.9, probe_every=4)
+    assert not costly.can_pay(8, 8) and costly.can_pay(1, 1)
+    rows = [costly.start() for _ in range(8)]
+    assert [costly.choose(rows, [100] * 8, B=8) for _ in range(20)] == [0] * 20
+    one = [costly.start()]
+    for e in one:
+        e.acc = 0.0  # a lone row whose estimate says useless: plain steps, then a probe
+    assert 1 in [costly.choose(one, [100], B=1) for _ in range(10)]
+
+
 def test_dynamic_k_respects_limit_and_resets():
     p = One(dynamic(0.05, alpha0=0.95))
     assert p.choose(100) == 8 and p.choose(5) == 4 and p.choose(0) == 0
