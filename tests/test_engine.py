@@ -252,8 +252,10 @@ def test_dynamic_k_learns_no_cost_from_a_graphs_first_run(tiny_target, draft, mo
     assert cold >= 2 and len(seen) == first.stats["target_calls"] - 1 - (cold - 1)
     seen.clear()
     again = p.generate(**kw)
-    assert again.token_ids == first.token_ids and p.target.cold_runs == cold
-    assert len(seen) == again.stats["target_calls"] - 1  # every decode step, now that no graph is cold
+    assert again.token_ids == first.token_ids
+    # every decode step but the first run of a K the first request never ran (the in-loop costs it learnt
+    # may steer it there: found flaky in CI, where two workers share the cores)
+    assert len(seen) == again.stats["target_calls"] - 1 - (p.target.cold_runs - cold)
 
 
 @pytest.mark.parametrize("catchup", [128, 8])
