@@ -225,3 +225,18 @@ def test_measured_verify_costs_are_at_least_decode_and_monotone(pipe, tmp_path, 
     for _, v in measure_costs(pipe, (1, 2), reps=1, cache=False).values():
         ks = sorted(v)
         assert ks[0] == 0 and all(v[a] <= v[b] for a, b in zip(ks, ks[1:]))
+
+
+def test_tensor_parallel_ranks_learn_no_costs_in_the_loop(pipe, monkeypatch):
+    """Each rank times its own steps: costs learnt from them would differ between ranks, and so could the
+    K each picks (different graphs, mismatched collectives). Under TP the ranks keep the shared measured
+    costs; alone, the engine learns from its steps."""
+    from mindspec.policy import Costs
+    costs = {1: (0.1, {0: 1.0, 1: 1.05, 2: 1.1, 4: 1.2}), 2: (0.2, {0: 1.1, 1: 1.2, 2: 1.3, 4: 1.4})}
+    for size, learns in ((2, False), (1, True)):
+        monkeypatch.setattr("mindspec.pipeline.tp_size", lambda: size)
+        pipe.costs, pipe.engine.dynamic = Costs(dict(costs), unit_s=0.01), None
+        pipe._dynamic_for([1, 2])
+        d = pipe.engine.dynamic
+        d.observe(2, 4, 0.5, 0.5)
+        assert (d.costs[2] != costs[2]) == learns
