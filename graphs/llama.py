@@ -67,7 +67,6 @@ class LlamaDecoder(nn.Cell):
         self.qkv_bias = cfg.qkv_bias  # Qwen2: q/k/v biases (a compile-time branch)
         self.b = ParameterTuple([_param(w[f"qkv_bias.{i}"], f"qkv_bias.{i}", dtype) for i in range(self.L)]) \
             if cfg.qkv_bias else None
-        self.slots = slots
         shape = (slots * self.KV * max_seq, self.D)  # [slots*KV*S, D]: row (slot*KV + h)*S + position
         self.k_cache = ParameterTuple([_param(np.zeros(shape, host), f"k_cache.{i}", dtype) for i in range(self.L)])
         self.v_cache = ParameterTuple([_param(np.zeros(shape, host), f"v_cache.{i}", dtype) for i in range(self.L)])

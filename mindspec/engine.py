@@ -187,6 +187,7 @@ class Engine:
         token, and runs once the draft holds its prompt too (the step's time is counted in each row's
         prefill_s)."""
         t0 = time.perf_counter()
+        may_draft = self._may_draft()
         fed = [r for r in pre if r.pos < len(r.prompt_ids)]  # rows whose target still has prompt to read
         chunks = [r.prompt_ids[r.pos:r.pos + PREFILL_CHUNK] for r in fed]
         if fed:
@@ -197,7 +198,7 @@ class Engine:
         if self.proposer is not None:
             end = {r.id: r.pos + len(c) for r, c in zip(fed, chunks)}  # the target's position after this call
             catch = {}
-            for r in (r for r in pre if r.speculate and self._may_draft(r)):
+            for r in (r for r in pre if r.speculate and may_draft(r)):
                 d = self.proposer.cached(r.row)
                 stop = min(end.get(r.id, r.pos), d + DRAFT_CATCHUP)
                 if stop > d:
@@ -213,7 +214,7 @@ class Engine:
         for r in pre:
             r.stats.prefill_s += dt
             drafted_up = not r.speculate or self.proposer is None or self.proposer.cached(r.row) >= r.pos \
-                or not self._may_draft(r)
+                or not may_draft(r)
             if r.state == PREFILL and r.pos == len(r.prompt_ids) and drafted_up:
                 r.state = RUNNING
 
@@ -272,13 +273,12 @@ class Engine:
             if not r.done and r.pos >= self.target.max_seq:
                 events[r] += r.finish("length")  # the cache is full
 
-    def _may_draft(self, r):
-        """Whether request r's draft may run soon: not when r takes dynamic K and drafting could not
+    def _may_draft(self):
+        """request -> whether its draft may run soon: not when it takes dynamic K and drafting could not
         pay at the current batch even fully accepted (then its prompt is not fed to the draft: the
         draft catches up if the batch shrinks, see _decode)."""
-        if r.k != "auto" or self.dynamic is None:
-            return True
-        return self.dynamic.can_pay(self.spec.batch_bucket(len(self.rows)), len(self.rows))
+        pays = self.dynamic is None or self.dynamic.can_pay(self.spec.batch_bucket(len(self.rows)), len(self.rows))
+        return lambda r: pays or r.k != "auto"
 
     def _choose(self, running, caps):
         """Each row's valid drafts this step: fixed-K rows their K, auto rows the K the dynamic policy

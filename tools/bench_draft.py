@@ -12,7 +12,7 @@ import os
 import statistics
 import time
 
-from mindspec.export import DraftSession
+from mindspec.export import DraftSession, read_manifest
 
 CACHED = 60  # positions each row holds before the timed calls
 
@@ -61,7 +61,7 @@ def main():
     for path in a.drafts:
         calls = [call_ms(path, B, a.reps, max(sizes)) for B in sizes]
         feeds = [catchup_ms(path, T, a.reps) for T in lengths]
-        q = DraftSession(path, max_seq=8).manifest.get("quantize") or "none"
+        q = read_manifest(path).get("quantize") or "none"
         print(f"| {os.path.basename(path)} | {q} | " + " | ".join(f"{x:.1f}" for x in calls) + " | "
               + " | ".join(f"{x:.0f}" for x in feeds) + " |", flush=True)
 
