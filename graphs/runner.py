@@ -64,6 +64,22 @@ def _source_hash():
 _SOURCE = _source_hash()
 
 
+def _pin_cache_dependencies():
+    """MindSpore checks cached graphs against a hash of the entry script and of every module it imports
+    from outside sys.path, a list that depends on the working directory: run from the repository, the
+    package is on sys.path and only the entry script counts; from anywhere else each imported mindspec
+    module does. So a command run from another directory than the last one compiled every graph again
+    (found: `mindspec batch` from two directories, a cold compile each time). The graphs depend on this
+    package's graph code, which the cache key covers (_SOURCE): MindSpore's list is pinned to those
+    files. (A private MindSpore function; where it is missing the cache still works, per directory.)"""
+    here = os.path.dirname(os.path.abspath(__file__))
+    files = [os.path.join(here, n) for n in sorted(os.listdir(here)) if n.endswith(".py")]
+    for name in ("mindspore.graph.api", "mindspore.common.api"):
+        mod = sys.modules.get(name)
+        if mod is not None and hasattr(mod, "_get_compile_cache_dep_files"):
+            mod._get_compile_cache_dep_files = lambda: list(files)
+
+
 @dataclass
 class RowSampling:
     """Per-row sampling inputs of one step (n rows): temperature, top_k, top_p, penalty [n]; seen [n, V]
@@ -315,6 +331,7 @@ class TargetModel:
             lock = open(path + ".lock", "w")  # noqa: SIM115 - held until the graphs are in
             fcntl.flock(lock, fcntl.LOCK_EX)  # two processes starting at once: one writes, then the other reads
             os.environ.update(MS_COMPILER_CACHE_ENABLE="1", MS_COMPILER_CACHE_PATH=path)  # read per compile
+            _pin_cache_dependencies()
         try:
             for kind, B, T in names:
                 self._compile(kind, B, T - 1)

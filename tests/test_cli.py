@@ -12,9 +12,9 @@ from mindspec.export import export_draft
 from conftest import make_tiny_checkpoint
 
 
-def run(*args, env=None):
+def run(*args, env=None, cwd=None):
     p = subprocess.run([sys.executable, "-m", "mindspec", *args], capture_output=True, text=True,
-                       timeout=600, env=dict(os.environ, **(env or {})))
+                       timeout=600, env=dict(os.environ, **(env or {})), cwd=cwd)
     return p.returncode, p.stdout, p.stderr
 
 
@@ -165,18 +165,22 @@ def test_tp_must_be_positive(bad, capsys):
 
 def test_compile_cache_is_written_then_used(pair, tmp_path):
     """The first run fills MindSpore's compile cache (one entry per warm-up, keyed by device, dtype,
-    weights, shapes, graph source and TP layout); a second process loads its graphs from it."""
+    weights, shapes, graph source and TP layout); a second process loads its graphs from it, run from
+    another directory (found: MindSpore's own check of the entry script's imports depends on the working
+    directory, and a run from anywhere but the last one's compiled every graph again)."""
     target, draft, _ = pair
     args = ["generate", "--target", target, "--draft", draft, "-k", "2", "--max-seq", "64", "--prompt-ids", "5,6,7",
             "--max-new-tokens", "8", "--json"]
     env = {"MINDSPEC_HOME": str(tmp_path)}
-    code, out1, err = run(*args, env=env)
+    code, out1, err = run(*args, env=env, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert code == 0, err
     entries = [e for e in os.listdir(tmp_path / "compile_cache") if not e.endswith(".lock")]
     assert len(entries) == 1
     graphs = os.listdir(tmp_path / "compile_cache" / entries[0] / "rank_0" / "graph_cache")
     assert sum(g.endswith(".mindir") for g in graphs) >= 3  # prefill, decode, verify K=2
-    code, out2, err = run(*args, env=dict(env, GLOG_v="2"))  # MindSpore's warnings on: it says when it uses the cache
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    code, out2, err = run(*args, env=dict(env, GLOG_v="2"), cwd=other)  # MindSpore says when it uses the cache
     assert code == 0 and "Use the compilation cache" in err
     assert json.loads(out2)["token_ids"] == json.loads(out1)["token_ids"]
 
