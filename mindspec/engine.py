@@ -17,8 +17,8 @@ share their system turn, batch jobs their instructions. The draft (host cache) p
 row's cache among its spare rows, and a new row starts from the spare one sharing the longest prefix
 with its prompt; it feeds the rest, at most DRAFT_CATCHUP tokens a row per step, so a long uncached
 prompt never stalls the running rows: the new row waits for its draft instead. A dynamic-K row
-admitted where drafting could not pay even fully accepted (a batch too large for the draft's cost)
-skips its draft; should the batch shrink to where drafting pays, it catches up the same way. Anything else that
+admitted where the policy would not draft (a batch too large for the draft's cost) skips its draft;
+should the policy start drafting (a smaller batch, a probe), it catches up the same way. Anything else that
 runs the target graphs (warm-up, cost measurement) writes into slots: the engine then forgets what
 they held.
 """
@@ -274,10 +274,11 @@ class Engine:
                 events[r] += r.finish("length")  # the cache is full
 
     def _may_draft(self):
-        """request -> whether its draft may run soon: not when it takes dynamic K and drafting could not
-        pay at the current batch even fully accepted (then its prompt is not fed to the draft: the
-        draft catches up if the batch shrinks, see _decode)."""
-        pays = self.dynamic is None or self.dynamic.can_pay(self.spec.batch_bucket(len(self.rows)), len(self.rows))
+        """request -> whether its draft may run soon: not when it takes dynamic K and the policy would not
+        draft at the current batch with the acceptance a new request starts from (then its prompt is not
+        fed to the draft: the draft catches up if the policy starts drafting, see _decode)."""
+        n = len(self.rows)
+        pays = self.dynamic is None or self.dynamic.would_draft(self.spec.batch_bucket(n), n)
         return lambda r: pays or r.k != "auto"
 
     def _choose(self, running, caps):

@@ -149,14 +149,20 @@ class DynamicK:
         """A new request's estimate."""
         return Acceptance(self.prior(), self.prior_weight, self.decay)
 
+    def would_draft(self, B, n, alpha=None):
+        """Whether n rows at batch bucket B, each at acceptance `alpha` (None: the prior a new request
+        starts from), would draft. A new row whose batch would not draft skips its draft's prompt: the
+        policy starts it from that prior, so it would run K=0 anyway (found on a CPU whose 8-bit draft costs ~B times one row: at B=4 rows fed their prompts to a
+        draft the policy then never ran and waited for it, 0.86x target-only)."""
+        c, v = self.costs[B]
+        a = self.prior() if alpha is None else alpha
+        return batch_best_k([a] * n, [max(self.buckets)] * n, c, v, self.buckets) > 0
+
     def can_pay(self, B, n):
         """Whether drafting could pay for n rows at batch bucket B even if every draft were accepted.
-        When not, the costs alone rule it out: a probe learns nothing and a new row's draft needs no
-        prompt (found on a CPU whose 8-bit draft kernels cost ~B times one row: at B=8 the policy ran
-        K=0 and still paid a probe's catch-up every 16 steps and every new row's prompt catch-up,
-        0.63-0.80x target-only)."""
-        c, v = self.costs[B]
-        return batch_best_k([1.0] * n, [max(self.buckets)] * n, c, v, self.buckets) > 0
+        When not, the costs alone rule it out and a probe learns nothing (found on that CPU: at B=8 the
+        policy ran K=0 and still paid a probe's catch-up every 16 steps, 0.63-0.80x target-only)."""
+        return self.would_draft(B, n, 1.0)
 
     def choose(self, estimates, caps, B=1):
         c, v = self.costs[B]

@@ -72,17 +72,20 @@ def test_dynamic_k_and_target_only_rows_in_one_batch(pipe, alone):
     assert res[1].stats["drafted"] == 0 and res[0].stats["drafted"] > 0
 
 
-def test_rows_skip_the_draft_where_it_cannot_pay_and_catch_up_when_the_batch_shrinks(pipe, alone, monkeypatch):
-    """Dynamic-K rows admitted at a batch where drafting could not pay even fully accepted (costs: B >= 2)
-    feed the draft nothing (found: at B=8 such rows still fed every prompt to the draft and waited for
-    it, 0.63-0.80x target-only on a CPU whose 8-bit draft costs ~B times one row). When the batch
-    shrinks to one row, where drafting pays, a row far behind catches up DRAFT_CATCHUP tokens a step
-    (8 here) and then drafts; every row is still the target's own output."""
+@pytest.mark.parametrize("c, costly, alpha0", [
+    (5.0, {0: 1.3, 1: 2.0, 2: 2.5, 4: 3.0, 8: 4.0}, 0.8),  # B >= 2: drafting cannot pay even fully accepted
+    (0.5, {0: 1.3, 1: 1.6, 2: 1.9, 4: 2.5, 8: 3.5}, 0.5)])  # full acceptance would pay, the prior does not
+def test_rows_skip_the_draft_where_the_policy_would_not_draft_and_catch_up_when_the_batch_shrinks(
+        pipe, alone, monkeypatch, c, costly, alpha0):
+    """Dynamic-K rows admitted at a batch where the policy would not draft for them (costs: B >= 2) feed
+    the draft nothing (found: at B=8, then at B=4, such rows still fed every prompt to the draft and
+    waited for it, 0.63-0.86x target-only on a CPU whose 8-bit draft costs ~B times one row). When the
+    batch shrinks to one row, where drafting pays, a row far behind catches up DRAFT_CATCHUP tokens a
+    step (8 here) and then drafts; every row is still the target's own output."""
     from mindspec.policy import DynamicK
     monkeypatch.setattr("mindspec.engine.DRAFT_CATCHUP", 8)
-    costly = {0: 1.3, 1: 2.0, 2: 2.5, 4: 3.0, 8: 4.0}
-    pipe.costs = {1: (0.05, {0: 1.0, 1: 1.05, 2: 1.1, 4: 1.2, 8: 1.4}), 2: (5.0, costly), 4: (5.0, costly)}
-    pipe.engine.dynamic = DynamicK((1, 2, 4, 8), pipe.costs)
+    pipe.costs = {1: (0.05, {0: 1.0, 1: 1.05, 2: 1.1, 4: 1.2, 8: 1.4}), 2: (c, costly), 4: (c, costly)}
+    pipe.engine.dynamic = DynamicK((1, 2, 4, 8), pipe.costs, alpha0=alpha0, probe_every=0)
     monkeypatch.setattr(pipe, "_dynamic_for", lambda sizes: None)  # keep these costs
     fed, drafting_at = [], []
     prop = pipe.engine.proposer

@@ -156,6 +156,19 @@ def test_no_probe_where_even_full_acceptance_would_not_pay():
     assert 1 in [costly.choose(one, [100], B=1) for _ in range(10)]
 
 
+def test_a_batch_drafts_by_the_prior_a_new_request_starts_from():
+    """would_draft: what the policy's first step would choose for n new rows (found: at B=4, where full
+    acceptance pays and the acceptance seen does not, new rows fed their prompts to a draft the policy
+    never ran). It follows the prior as acceptance is seen; can_pay is the same at full acceptance."""
+    p = DynamicK(BUCKETS, {4: (0.5, {0: 1.3, 1: 1.6, 2: 1.9, 4: 2.5, 8: 3.5})}, alpha0=0.5)
+    assert p.can_pay(4, 4) and not p.would_draft(4, 4)
+    assert p.choose([p.start() for _ in range(4)], [100] * 4, B=4) == 0  # what would_draft foresaw
+    est = p.start()
+    for _ in range(4):
+        p.update(est, 8, 8)  # the draft turns out good: the prior a new request starts from rises
+    assert p.would_draft(4, 4) and p.choose([p.start() for _ in range(4)], [100] * 4, B=4) > 0
+
+
 def test_dynamic_k_respects_limit_and_resets():
     p = One(dynamic(0.05, alpha0=0.95))
     assert p.choose(100) == 8 and p.choose(5) == 4 and p.choose(0) == 0
