@@ -182,7 +182,8 @@ class Pipeline:
         drafting = self.proposer is not None and (every_graph or any(r.speculate for r in reqs))
         greedy = every_graph or any(r.params.plain_greedy and r.logprobs is None for r in reqs)
         sample = every_graph or any(not r.params.plain_greedy or r.logprobs is not None for r in reqs)
-        ks = [0] + (list(t.k_buckets) if drafting else [])
+        ks = [0] + [k for k in t.k_buckets if drafting and (every_graph or any(
+            r.speculate and (r.k == "auto" or k <= r.k) for r in reqs))]  # a fixed K runs buckets <= K only
         t.warmup(t.graph_names(sizes, ks, greedy, sample), self.cache_dir)
         if drafting and (every_graph or any(r.k == "auto" for r in reqs)):
             self._dynamic_for(sizes)
