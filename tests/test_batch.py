@@ -267,6 +267,10 @@ def test_full_disk_stops_with_one_line_an_honest_count_and_a_file_that_resumes(s
     assert sorted(r["id"] for r in records(out)) == list(range(1, 31))
 
 
+# TP_GRAPHS: the tensor-parallel jobs of this file run one set of graphs (batch buckets 1 and 2, greedy and
+# sampling rows, K <= 2), so the first compiles them and the others load them from the compile cache
+
+
 def test_tensor_parallel_batch_equals_tp1(setup, first_run, tmp_path):
     """`batch --tp 2` (msrun, 127.0.0.1): both ranks run the job in lock step, rank 0 alone writes;
     greedy lines equal the TP=1 run, and a sampled line without a seed gets the same drawn seed on
@@ -275,7 +279,7 @@ def test_tensor_parallel_batch_equals_tp1(setup, first_run, tmp_path):
     inp.write_text(LINES[0] + "\n" + LINES[3] + "\n" +
                    json.dumps({"id": "s", "prompt_ids": [9, 8, 7], "temperature": 1.0, "max_new_tokens": 8}) + "\n")
     out = tmp_path / "out.jsonl"
-    code, err = batch(setup, out, inp, extra=["--tp", "2"])
+    code, err = batch(setup, out, inp, extra=["--tp", "2", "--max-batch", "2"])  # (TP_GRAPHS)
     assert code == 0, err
     assert "3 lines: 3 done, 0 failed, 0 left" in last(err), err
     recs = records(out)
@@ -491,12 +495,13 @@ def test_kill_9_of_a_tensor_parallel_launcher_ends_the_whole_job(setup, tmp_path
     and a resume then writes every id exactly once."""
     import signal
     inp = tmp_path / "in.jsonl"
-    inp.write_text("".join(json.dumps({"id": i, "prompt_ids": [5 + i, 6, 7], "max_new_tokens": 40}) + "\n"
-                           for i in range(12)))
+    inp.write_text("".join(json.dumps({"id": i, "prompt_ids": [5 + i, 6, 7], "max_new_tokens": 40,
+                                       **({"temperature": 0.7} if i == 0 else {})}) + "\n" for i in range(12)))
     out, tmp = tmp_path / "out.jsonl", tmp_path / "tmp"
     tmp.mkdir()
     env = dict(os.environ, TMPDIR=str(tmp), MINDSPEC_PROGRESS_S="3600")
-    p = subprocess.Popen(command(setup, out, inp, ["--tp", "2", "--max-batch", "2", "--max-new-tokens", "40"]),
+    tp = ["--tp", "2", "--max-batch", "2", "--max-new-tokens", "40"]  # TP_GRAPHS (a sampled line: line 0)
+    p = subprocess.Popen(command(setup, out, inp, tp),
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
     deadline = time.time() + 240
     while time.time() < deadline and not (out.exists() and records(out)):
@@ -524,7 +529,8 @@ def test_a_tensor_parallel_job_over_two_nodes_on_one_machine_equals_tp1(setup, f
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_text(LINES[0] + "\n" + LINES[3] + "\n" +
                    json.dumps({"id": "s", "prompt_ids": [9, 8, 7], "temperature": 1.0, "max_new_tokens": 8}) + "\n")
-    nodes = ["--tp", "2", "--nodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+    nodes = ["--tp", "2", "--nodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+             "--max-batch", "2"]  # (TP_GRAPHS)
     procs = [subprocess.Popen(command(setup, out, inp, nodes + ["--node-rank", str(r)]), stderr=subprocess.PIPE,
                               text=True) for r in (0, 1)]
     (code0, err0), (code1, err1) = [(p.wait(timeout=600), p.stderr.read()) for p in procs]
