@@ -152,8 +152,9 @@ class DynamicK:
     def would_draft(self, B, n, alpha=None):
         """Whether n rows at batch bucket B, each at acceptance `alpha` (None: the prior a new request
         starts from), would draft. A new row whose batch would not draft skips its draft's prompt: the
-        policy starts it from that prior, so it would run K=0 anyway (found on a CPU whose 8-bit draft costs ~B times one row: at B=4 rows fed their prompts to a
-        draft the policy then never ran and waited for it, 0.86x target-only)."""
+        policy starts it from that prior, so it would run K=0 anyway (found on a CPU whose 8-bit draft
+        costs ~B times one row: at B=4 rows fed their prompts to a draft the policy then never ran and
+        waited for it, 0.86x target-only)."""
         c, v = self.costs[B]
         a = self.prior() if alpha is None else alpha
         return batch_best_k([a] * n, [max(self.buckets)] * n, c, v, self.buckets) > 0
