@@ -71,13 +71,17 @@ def _pin_cache_dependencies():
     module does. So a command run from another directory than the last one compiled every graph again
     (found: `mindspec batch` from two directories, a cold compile each time). The graphs depend on this
     package's graph code, which the cache key covers (_SOURCE): MindSpore's list is pinned to those
-    files. (A private MindSpore function; where it is missing the cache still works, per directory.)"""
+    files. (A private MindSpore function; where it is missing the cache still works, per directory.)
+    Returns what puts MindSpore's own back (other networks in the process keep MindSpore's check)."""
     here = os.path.dirname(os.path.abspath(__file__))
     files = [os.path.join(here, n) for n in sorted(os.listdir(here)) if n.endswith(".py")]
+    saved = {}
     for name in ("mindspore.graph.api", "mindspore.common.api"):
         mod = sys.modules.get(name)
         if mod is not None and hasattr(mod, "_get_compile_cache_dep_files"):
+            saved[mod] = mod._get_compile_cache_dep_files
             mod._get_compile_cache_dep_files = lambda: list(files)
+    return lambda: [setattr(mod, "_get_compile_cache_dep_files", f) for mod, f in saved.items()]
 
 
 @dataclass
@@ -331,13 +335,14 @@ class TargetModel:
             lock = open(path + ".lock", "w")  # noqa: SIM115 - held until the graphs are in
             fcntl.flock(lock, fcntl.LOCK_EX)  # two processes starting at once: one writes, then the other reads
             os.environ.update(MS_COMPILER_CACHE_ENABLE="1", MS_COMPILER_CACHE_PATH=path)  # read per compile
-            _pin_cache_dependencies()
+            unpin = _pin_cache_dependencies()
         try:
             for kind, B, T in names:
                 self._compile(kind, B, T - 1)
         finally:
             if cached:
                 os.environ.pop("MS_COMPILER_CACHE_ENABLE")  # later graphs compile in any order
+                unpin()
                 lock.close()
 
     def cache_key(self, names):
