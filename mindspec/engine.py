@@ -224,10 +224,10 @@ class Engine:
         caps = [self.target.max_seq - r.pos - 1 for r in running]  # drafts that still fit the cache
         n_valid = self._choose(running, caps)
         if self.proposer is not None and max(n_valid):
-            # a row whose draft fell far behind (it skipped its prompt while drafting could not pay) sits
-            # this step out and catches up, at most DRAFT_CATCHUP tokens a step, as a new row does
-            behind = {r.row: r.seq[self.proposer.cached(r.row):][:DRAFT_CATCHUP] for r in running
-                      if r.speculate and len(r.seq) - self.proposer.cached(r.row) > DRAFT_CATCHUP}
+            # a row whose draft fell far behind (it skipped its prompt where the policy would not draft)
+            # sits this step out and catches up, at most DRAFT_CATCHUP tokens a step, as a new row does
+            lag = {r.row: r.seq[self.proposer.cached(r.row):] for r in running if r.speculate}
+            behind = {row: toks[:DRAFT_CATCHUP] for row, toks in lag.items() if len(toks) > DRAFT_CATCHUP}
             self.proposer.prefill(behind)
             n_valid = [0 if r.row in behind else n for r, n in zip(running, n_valid)]
         K = max(n_valid)
