@@ -10,7 +10,7 @@ the idle server has run each compiled graph once (a graph's first run is slower)
 
     .venv/bin/python tools/bench_serve.py [--max-new-tokens 64] [--requests 16] [--clients 1,4,8]
                                           [--max-batch 8] [--max-seq 512] [--target DIR --draft PATH]
-                                          [--no-prefix-cache] [--repeat-prompts]
+                                          [--no-prefix-cache] [--repeat-prompts] [--no-speculate | -k K]
 """
 import argparse
 import json
@@ -111,12 +111,16 @@ def main():
     ap.add_argument("--no-prefix-cache", action="store_true", help="the server prefills every prompt whole")
     ap.add_argument("--repeat-prompts", action="store_true",
                     help="send the bench prompts as they are, cycled (default: each request's own number first)")
+    ap.add_argument("--no-speculate", action="store_true", help="the server decodes target-only (the baseline)")
+    ap.add_argument("-k", help="the server's K (a bucket, or auto: the default)")
     a = ap.parse_args()
     cmd = [sys.executable, "-m", "mindspec", "serve", "--port", "0", "--max-seq", str(a.max_seq),
            "--max-batch", str(a.max_batch)]
     cmd += ["--target", a.target] if a.target else []
     cmd += ["--draft", a.draft] if a.draft else []
     cmd += ["--no-prefix-cache"] if a.no_prefix_cache else []
+    cmd += ["--no-speculate"] if a.no_speculate else []
+    cmd += ["-k", a.k] if a.k else []
     srv, _, first_start = start(cmd)
     stop(srv)
     srv, base, ready_s = start(cmd)
