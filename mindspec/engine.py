@@ -291,7 +291,11 @@ class Engine:
         k_auto = 0
         if auto:
             B = self.spec.batch_bucket(len(running))
-            k_auto = self.dynamic.choose([r.policy for r, _ in auto], [c for _, c in auto], B)
+            # per row: what its draft missed beyond a step's usual one or two tokens (plain steps), and the
+            # tokens it may still commit (DynamicK.choose: a catch-up must pay back)
+            behind = [(max(0, len(r.seq) - self.proposer.cached(r.row) - 2), r.max_new_tokens - len(r.output))
+                      for r, _ in auto]
+            k_auto = self.dynamic.choose([r.policy for r, _ in auto], [c for _, c in auto], B, behind)
         want = [0 if not r.speculate else (k_auto if r.k == "auto" else r.k) for r in running]
         return [fit(buckets, min(w, c)) for w, c in zip(want, caps)]
 

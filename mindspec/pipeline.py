@@ -198,12 +198,14 @@ class Pipeline:
         if not all(b in have for b in sizes):
             from .policy import Costs
             new = measure_costs(self, [b for b in sizes if b not in have])
-            self.costs = Costs({**have, **new}, getattr(have, "unit_s", None) or new.unit_s)
+            self.costs = Costs({**have, **new}, getattr(have, "unit_s", None) or new.unit_s,
+                               getattr(have, "feed", None) or new.feed)
         prior = self.engine.dynamic
         # under tensor parallelism every rank must pick the same K (the same graphs, matching collectives):
         # each rank would learn its own in-loop timings, so ranks keep the shared measured costs (unit None)
         unit = getattr(self.costs, "unit_s", None) if tp_size() == 1 else None
-        self.engine.dynamic = DynamicK(self.spec.k_buckets, self.costs, unit_s=unit)
+        self.engine.dynamic = DynamicK(self.spec.k_buckets, self.costs, unit_s=unit,
+                                       feed=getattr(self.costs, "feed", 0.0))
         if prior is not None:
             self.engine.dynamic.seen_acc, self.engine.dynamic.seen_trials = prior.seen_acc, prior.seen_trials
 

@@ -18,6 +18,11 @@ PROMPTS = [[5, 6, 7], [100, 3, 250, 17, 9], [42], list(range(10, 50)), [300, 301
 MAX_NEW = [30, 12, 25, 7, 19, 30, 3, 22]  # rows finish at different steps; the later ones join mid-way
 
 
+def calls(c):
+    """Draft costs {K: K calls} of a draft whose every call costs c (decodes)."""
+    return {k: k * c for k in (1, 2, 4, 8)}
+
+
 @pytest.fixture(scope="module")
 def draft(noisy_draft):
     return noisy_draft
@@ -64,7 +69,7 @@ def test_generate_many_runs_at_most_max_batch_rows_at_once(pipe, alone):
 
 
 def test_dynamic_k_and_target_only_rows_in_one_batch(pipe, alone):
-    pipe.costs, pipe.engine.dynamic = {b: (0.1, {0: 1.0, 1: 1.1, 2: 1.15, 4: 1.25, 8: 1.5}) for b in (1, 2, 4)}, None
+    pipe.costs, pipe.engine.dynamic = {b: (calls(0.1), {0: 1.0, 1: 1.1, 2: 1.15, 4: 1.25, 8: 1.5}) for b in (1, 2, 4)}, None
     kws = [dict(prompt_ids=p, max_new_tokens=n, k="auto" if i % 3 else 2, speculate=i % 4 != 1)
            for i, (p, n) in enumerate(zip(PROMPTS, MAX_NEW))]
     res = pipe.generate_many(kws)
@@ -84,7 +89,7 @@ def test_rows_skip_the_draft_where_the_policy_would_not_draft_and_catch_up_when_
     step (8 here) and then drafts; every row is still the target's own output."""
     from mindspec.policy import DynamicK
     monkeypatch.setattr("mindspec.engine.DRAFT_CATCHUP", 8)
-    pipe.costs = {1: (0.05, {0: 1.0, 1: 1.05, 2: 1.1, 4: 1.2, 8: 1.4}), 2: (c, costly), 4: (c, costly)}
+    pipe.costs = {1: (calls(0.05), {0: 1.0, 1: 1.05, 2: 1.1, 4: 1.2, 8: 1.4}), **{B: (calls(c), costly) for B in (2, 4)}}
     pipe.engine.dynamic = DynamicK((1, 2, 4, 8), pipe.costs, alpha0=alpha0, probe_every=0)
     monkeypatch.setattr(pipe, "_dynamic_for", lambda sizes: None)  # keep these costs
     fed, drafting_at = [], []
@@ -248,7 +253,7 @@ def test_dynamic_k_learns_no_cost_from_a_graphs_first_run(tiny_target, draft, mo
     monkeypatch.setattr(DynamicK, "observe", lambda self, *a: (seen.append(a), observe(self, *a)))
     p = mindspec.load(target=tiny_target[0], draft=draft, k="auto", max_seq=64, max_batch=1)
     p.ensure(64, 1)
-    p.costs = Costs({1: (0.1, {0: 1.0, 1: 1.05, 2: 1.1, 4: 1.2, 8: 1.4})}, unit_s=0.01)
+    p.costs = Costs({1: (calls(0.1), {0: 1.0, 1: 1.05, 2: 1.1, 4: 1.2, 8: 1.4})}, unit_s=0.01)
     kw = dict(prompt_ids=PROMPTS[1], max_new_tokens=24)
     first = p.generate(**kw)
     cold = p.target.cold_runs  # the prefill's and each K's first verify

@@ -13,8 +13,13 @@ BUCKETS = (1, 2, 4, 8)
 V = {1: 1.15, 2: 1.2, 4: 1.3, 8: 1.6}  # verify cost / decode cost, as measured on CPU (docs/design.md)
 
 
+def calls(c):
+    """Draft costs {K: K calls} of a draft whose every call costs c (decodes)."""
+    return {k: k * c for k in BUCKETS}
+
+
 def dynamic(c, alpha0=0.8, **kw):
-    return DynamicK(BUCKETS, {1: (c, {0: 1.0, **V})}, alpha0=alpha0, **kw)
+    return DynamicK(BUCKETS, {1: (calls(c), {0: 1.0, **V})}, alpha0=alpha0, **kw)
 
 
 class One:
@@ -48,23 +53,23 @@ def test_expected_tokens():
 @pytest.mark.parametrize("alpha", [0.0, 0.1, 0.3, 0.5, 0.7, 0.8, 0.9, 0.97, 1.0])
 @pytest.mark.parametrize("c", [0.05, 0.2, 0.45, 1.0])
 def test_best_k_is_the_formulas_argmax(alpha, c):
-    k = best_k(alpha, c, V, BUCKETS)
-    rates = {kk: rate(alpha, kk, c, V) for kk in (0,) + BUCKETS}
+    k = best_k(alpha, calls(c), V, BUCKETS)
+    rates = {kk: rate(alpha, kk, calls(c), V) for kk in (0,) + BUCKETS}
     assert rates[k] == pytest.approx(max(rates.values()))
     assert rates[0] == 1.0  # plain decode: one token per unit of cost
 
 
 def test_best_k_hand_computed():
     # α=0.8, c=0.1: E/cost = 1.8/1.25=1.44, 2.44/1.4=1.74, 3.36/1.7=1.98, 4.33/2.4=1.80 -> K=4
-    assert best_k(0.8, 0.1, V, BUCKETS) == 4
-    assert best_k(0.99, 0.02, V, BUCKETS) == 8  # a near-perfect cheap draft drafts the most
-    assert best_k(0.05, 0.3, V, BUCKETS) == 0  # a useless draft is switched off
-    assert best_k(0.99, 1.5, V, BUCKETS) == 0  # a draft slower than the target is too
-    assert best_k(0.9, 0.1, V, [1, 2]) == 2  # only the buckets offered
+    assert best_k(0.8, calls(0.1), V, BUCKETS) == 4
+    assert best_k(0.99, calls(0.02), V, BUCKETS) == 8  # a near-perfect cheap draft drafts the most
+    assert best_k(0.05, calls(0.3), V, BUCKETS) == 0  # a useless draft is switched off
+    assert best_k(0.99, calls(1.5), V, BUCKETS) == 0  # a draft slower than the target is too
+    assert best_k(0.9, calls(0.1), V, [1, 2]) == 2  # only the buckets offered
 
 
 def test_best_k_is_monotone_in_alpha():
-    ks = [best_k(a / 100, 0.25, V, BUCKETS) for a in range(101)]
+    ks = [best_k(a / 100, calls(0.25), V, BUCKETS) for a in range(101)]
     assert ks == sorted(ks) and ks[0] == 0 and ks[-1] == 8
 
 
@@ -77,15 +82,15 @@ def test_fixed_k_rows_fit_the_room_left():
 def test_batch_k_switches_speculation_off_where_verify_stops_paying():
     """At batch 8 a verify of K+1 positions per row costs much more than a decode of one (measured
     shape on CPU); at batch 1 it barely does: the same acceptance drafts at B=1 and not at B=8."""
-    costs = {1: (0.3, {0: 1.0, 1: 1.15, 2: 1.2, 4: 1.3, 8: 1.6}),
-             8: (0.6, {0: 1.8, 1: 2.6, 2: 3.4, 4: 5.0, 8: 8.0})}
+    costs = {1: (calls(0.3), {0: 1.0, 1: 1.15, 2: 1.2, 4: 1.3, 8: 1.6}),
+             8: (calls(0.6), {0: 1.8, 1: 2.6, 2: 3.4, 4: 5.0, 8: 8.0})}
     p = DynamicK(BUCKETS, costs, alpha0=0.6)
     rows = [p.start() for _ in range(8)]
     assert p.choose(rows[:1], [100], B=1) > 0
     assert p.choose(rows, [100] * 8, B=8) == 0
     # what the engine really pays moves the model: a verify of 8 rows that costs 3.9 decodes in the loop
     # (measured alone: 2.6) turns drafting off at a batch where the measured costs still said it pays
-    q = DynamicK(BUCKETS, {8: (0.5, {0: 1.2, 1: 2.0, 2: 2.2, 4: 2.4, 8: 3.5})}, alpha0=0.9, unit_s=0.05)
+    q = DynamicK(BUCKETS, {8: (calls(0.5), {0: 1.2, 1: 2.0, 2: 2.2, 4: 2.4, 8: 3.5})}, alpha0=0.9, unit_s=0.05)
     rows = [q.start() for _ in range(8)]
     assert q.choose(rows, [100] * 8, B=8) > 0
     for _ in range(10):
@@ -100,7 +105,7 @@ def test_batch_k_switches_speculation_off_where_verify_stops_paying():
     c, v = costs[8]
     k = batch_best_k(alphas, caps, c, v, BUCKETS)
     rates = {kk: sum(expected_tokens(a, fit(BUCKETS, min(kk, cap))) for a, cap in zip(alphas, caps))
-             / (v[0] if kk == 0 else kk * c + v[kk]) for kk in (0,) + BUCKETS}
+             / (v[0] if kk == 0 else c[kk] + v[kk]) for kk in (0,) + BUCKETS}
     assert rates[k] == pytest.approx(max(rates.values()))
 
 
@@ -145,7 +150,7 @@ def test_no_probe_where_even_full_acceptance_would_not_pay():
     """A batch too large for the draft's cost (found: at B=8 a draft costing ~B times one row's call ran
     K=0 and still probed every 16 steps, each probe feeding every row's 16-token lag): no probes there;
     the same draft probes at a batch where drafting could pay."""
-    costly = DynamicK(BUCKETS, {8: (3.0, {0: 1.25, 1: 1.5, 2: 1.8, 4: 2.4, 8: 3.6}), 1: (0.3, {0: 1.0, **V})},
+    costly = DynamicK(BUCKETS, {8: (calls(3.0), {0: 1.25, 1: 1.5, 2: 1.8, 4: 2.4, 8: 3.6}), 1: (calls(0.3), {0: 1.0, **V})},
                       alpha0=0.9, probe_every=4)
     assert not costly.can_pay(8, 8) and costly.can_pay(1, 1)
     rows = [costly.start() for _ in range(8)]
@@ -154,13 +159,38 @@ def test_no_probe_where_even_full_acceptance_would_not_pay():
     for e in one:
         e.acc = 0.0  # a lone row whose estimate says useless: plain steps, then a probe
     assert 1 in [costly.choose(one, [100], B=1) for _ in range(10)]
+    # a probe first feeds each row the probe_every tokens it missed, one call a row (found on that CPU, where
+    # its draft feeds ~8 ms a token a row: B=8 probes fed rows that had skipped their prompts, 0.69-0.76x
+    # target-only): where full acceptance would pay but not after that catch-up, no probes either
+    costs = {8: (calls(0.5), {0: 1.25, 1: 1.5, 2: 1.8, 4: 2.4, 8: 3.6}), 1: (calls(0.3), {0: 1.0, **V})}
+    assert DynamicK(BUCKETS, costs, probe_every=4).can_pay(8, 8)
+    fed = DynamicK(BUCKETS, costs, alpha0=0.9, probe_every=4, feed=0.2)
+    assert not fed.can_pay(8, 8) and fed.can_pay(1, 1)
+    rows = [fed.start() for _ in range(8)]
+    for e in rows:
+        e.acc = 0.0
+    assert [fed.choose(rows, [100] * 8, B=8) for _ in range(20)] == [0] * 20
+
+
+def test_a_batch_whose_drafts_fell_behind_drafts_only_if_the_catch_up_pays_back():
+    """Drafting after plain steps first feeds every row what its draft missed, a call a row (found on a CPU
+    whose draft feeds ~8 ms a token a row: at B=8 one K=2 step fed 8 rows their prompts, 0.84x
+    target-only). The batch drafts only if that catch-up pays back over the tokens its rows have left."""
+    costs = {8: (calls(0.2), {0: 1.6, 1: 1.7, 2: 1.8, 4: 2.0, 8: 2.6})}
+    p = DynamicK(BUCKETS, costs, alpha0=0.9, probe_every=0, feed=0.1)
+    rows = [p.start() for _ in range(8)]
+    assert p.choose(rows, [100] * 8, B=8) > 0  # drafting pays once caught up
+    assert p.choose(rows, [100] * 8, B=8, behind=[(0, 40)] * 8) > 0  # nothing missed
+    assert p.choose(rows, [100] * 8, B=8, behind=[(60, 40)] * 8) == 0  # 60 tokens a row for 40 left: no
+    assert p.choose(rows, [100] * 8, B=8, behind=[(60, 2000)] * 8) > 0  # for 2000 left: yes
+    assert DynamicK(BUCKETS, costs, alpha0=0.9, probe_every=0).choose(rows, [100] * 8, B=8, behind=[(60, 40)] * 8) > 0
 
 
 def test_a_batch_drafts_by_the_prior_a_new_request_starts_from():
     """would_draft: what the policy's first step would choose for n new rows (found: at B=4, where full
     acceptance pays and the acceptance seen does not, new rows fed their prompts to a draft the policy
     never ran). It follows the prior as acceptance is seen; can_pay is the same at full acceptance."""
-    p = DynamicK(BUCKETS, {4: (0.5, {0: 1.3, 1: 1.6, 2: 1.9, 4: 2.5, 8: 3.5})}, alpha0=0.5)
+    p = DynamicK(BUCKETS, {4: (calls(0.5), {0: 1.3, 1: 1.6, 2: 1.9, 4: 2.5, 8: 3.5})}, alpha0=0.5)
     assert p.can_pay(4, 4) and not p.would_draft(4, 4)
     assert p.choose([p.start() for _ in range(4)], [100] * 4, B=4) == 0  # what would_draft foresaw
     est = p.start()
@@ -192,7 +222,7 @@ def test_dynamic_k_alpha_is_the_pooled_geometric_estimate():
         p.update(k, n)
     assert p.alpha == pytest.approx(6 / 8)
     with pytest.raises(mindspec.MindspecError):
-        DynamicK((1, 16), {1: (0.1, V)})  # no cost for bucket 16
+        DynamicK((1, 16), {1: (calls(0.1), V)})  # no cost for bucket 16
 
 
 def test_stop_early():
@@ -214,19 +244,28 @@ def test_measure_costs_and_cache(pipe, tmp_path, monkeypatch):
     costs = measure_costs(pipe, (1, 2), reps=3)
     assert set(costs) == {1, 2}
     for c, v in costs.values():
-        assert 0 < c < 50 and set(v) == {0} | set(pipe.target.k_buckets)
-        assert all(0 < x < 50 and math.isfinite(x) for x in v.values())
+        assert set(c) == set(pipe.target.k_buckets) and set(v) == {0} | set(pipe.target.k_buckets)
+        assert all(0 < x < 50 and math.isfinite(x) for x in list(c.values()) + list(v.values()))
+        # K draft calls, the first of them feeding two tokens a row: c[1] = that call, each further K one call
+        call = c[2] - c[1]
+        assert 0 < call <= c[1] and c[4] == pytest.approx(c[1] + 3 * call)
     assert costs[1][1][0] == 1.0  # batch 1's decode is the unit
+    assert 0 < costs.feed < 10  # a row's catch-up per token
     assert list(pipe.proposer.session.pos) == [0, 0]
     saved = json.loads((tmp_path / "costs.json").read_text())
     assert len(saved) == 2  # one entry per batch size; the entry of a draft file that is gone was dropped
     for entry in saved.values():
-        entry["c"] = 123.0  # a cached value is returned without measuring again
+        entry["c"] = {k: 123.0 for k in entry["c"]}  # a cached value is returned without measuring again
         entry["decode_s"] = 123.0  # ... but the unit is this machine's now (its speed drifts)
+        entry["feed"] = 0.5
     (tmp_path / "costs.json").write_text(json.dumps(saved))
     again = measure_costs(pipe, (2,))
-    assert again[2][0] == 123.0 and 0 < again.unit_s < 5
+    assert again[2][0] == {1: 123.0, 2: 123.0, 4: 123.0} and 0 < again.unit_s < 5 and again.feed == 0.5
     assert list(pipe.proposer.session.pos) == [0, 0]
+    for entry in saved.values():
+        entry["c"] = 0.5  # the format before: one draft call's cost, not each K's; measured again
+    (tmp_path / "costs.json").write_text(json.dumps(saved))
+    assert set(measure_costs(pipe, (2,), reps=1)[2][0]) == {1, 2, 4}
     # the pipeline still generates correctly afterwards
     a = pipe.generate(prompt_ids=[5, 6, 7], max_new_tokens=10, speculate=False)
     b = pipe.generate(prompt_ids=[5, 6, 7], max_new_tokens=10, k=2)
@@ -245,7 +284,7 @@ def test_tensor_parallel_ranks_learn_no_costs_in_the_loop(pipe, monkeypatch):
     K each picks (different graphs, mismatched collectives). Under TP the ranks keep the shared measured
     costs; alone, the engine learns from its steps."""
     from mindspec.policy import Costs
-    costs = {1: (0.1, {0: 1.0, 1: 1.05, 2: 1.1, 4: 1.2}), 2: (0.2, {0: 1.1, 1: 1.2, 2: 1.3, 4: 1.4})}
+    costs = {1: (calls(0.1), {0: 1.0, 1: 1.05, 2: 1.1, 4: 1.2}), 2: (calls(0.2), {0: 1.1, 1: 1.2, 2: 1.3, 4: 1.4})}
     for size, learns in ((2, False), (1, True)):
         monkeypatch.setattr("mindspec.pipeline.tp_size", lambda: size)
         pipe.costs, pipe.engine.dynamic = Costs(dict(costs), unit_s=0.01), None
