@@ -88,9 +88,10 @@ def test_streamed_text_equals_final_text(pipe):
 
 
 def test_dynamic_k_output_equals_target_only(pipe):
-    # fixed costs (draft step = 0.1 decode, verify a bit dearer per K) so the K schedule does not
+    # fixed costs (draft call = 0.1 decode, verify a bit dearer per K) so the K schedule does not
     # depend on timings measured on a busy machine
-    pipe.costs, pipe.engine.dynamic = {1: (0.1, {0: 1.0, 1: 1.1, 2: 1.15, 4: 1.25, 8: 1.5})}, None
+    pipe.costs, pipe.engine.dynamic = {1: ({k: 0.1 * k for k in (1, 2, 4, 8)},
+                                              {0: 1.0, 1: 1.1, 2: 1.15, 4: 1.25, 8: 1.5})}, None
     used = {}
     for ids in PROMPTS:
         base = pipe.generate(prompt_ids=ids, max_new_tokens=30, speculate=False)
