@@ -210,7 +210,8 @@ def run(target=None, draft=None, prompts="story,chat,code", max_new_tokens=128, 
         for _, _, kw in modes:
             pipe.generate_many([dict(prompt_ids=longest, max_new_tokens=WARMUP_TOKENS, **kw)] * B, max_batch=B)
     if pipe.proposer is not None:
-        costs = {str(B): {n: {str(k): x for k, x in d.items()} for n, d in zip("cv", cv)} for B, cv in pipe.costs.items()}
+        costs = {str(B): {n: {str(k): x for k, x in d.items()} for n, d in zip("cv", cv)}
+                 for B, cv in pipe.costs.items()}
     hf_model, hf_modes = None, []
     if hf and _hf_available() and 1 in sizes:
         hf_model = HF(target, pipe.eos)

@@ -154,15 +154,17 @@ class DynamicK:
         """A new request's estimate."""
         return Acceptance(self.prior(), self.prior_weight, self.decay)
 
-    def would_draft(self, B, n, alpha=None):
+    def would_draft(self, B, n, alpha=None, missed=0):
         """Whether n rows at batch bucket B, each at acceptance `alpha` (None: the prior a new request
-        starts from), would draft. A new row whose batch would not draft skips its draft's prompt: the
-        policy starts it from that prior, so it would run K=0 anyway (found on a CPU whose 8-bit draft
-        costs ~B times one row: at B=4 rows fed their prompts to a draft the policy then never ran and
-        waited for it, 0.86x target-only)."""
+        starts from) and with `missed` tokens to feed its draft first (a call a row), would draft. A new
+        row whose batch would not draft skips its draft's prompt: the policy starts it from that prior,
+        so it would run K=0 anyway (found on a CPU whose 8-bit draft costs ~B times one row: at B=4 rows
+        fed their prompts to a draft the policy then never ran and waited for it, 0.86x target-only)."""
         c, v = self.costs[B]
         a = self.prior() if alpha is None else alpha
-        return batch_best_k([a] * n, [max(self.buckets)] * n, c, v, self.buckets) > 0
+        lag = n * missed * self.feed
+        return batch_best_k([a] * n, [max(self.buckets)] * n, {k: x + lag for k, x in c.items()}, v,
+                            self.buckets) > 0
 
     def can_pay(self, B, n):
         """Whether a probe could pay for n rows at batch bucket B: drafting at full acceptance after
@@ -171,10 +173,7 @@ class DynamicK:
         a row: at B=8 the policy ran K=0 and still paid a probe's catch-up every 16 steps, 0.63-0.80x
         target-only; with the catch-up left out of this test, probes at B=8 fed rows that had skipped
         their prompts, 0.69-0.76x)."""
-        c, v = self.costs[B]
-        lag = n * self.probe_every * self.feed
-        return batch_best_k([1.0] * n, [max(self.buckets)] * n, {k: x + lag for k, x in c.items()}, v,
-                            self.buckets) > 0
+        return self.would_draft(B, n, 1.0, self.probe_every)
 
     def choose(self, estimates, caps, B=1, behind=None):
         """K for the rows with these estimates and rooms (caps) at batch bucket B. behind: per row, (tokens

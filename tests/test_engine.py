@@ -69,7 +69,8 @@ def test_generate_many_runs_at_most_max_batch_rows_at_once(pipe, alone):
 
 
 def test_dynamic_k_and_target_only_rows_in_one_batch(pipe, alone):
-    pipe.costs, pipe.engine.dynamic = {b: (calls(0.1), {0: 1.0, 1: 1.1, 2: 1.15, 4: 1.25, 8: 1.5}) for b in (1, 2, 4)}, None
+    costs = {b: (calls(0.1), {0: 1.0, 1: 1.1, 2: 1.15, 4: 1.25, 8: 1.5}) for b in (1, 2, 4)}
+    pipe.costs, pipe.engine.dynamic = costs, None
     kws = [dict(prompt_ids=p, max_new_tokens=n, k="auto" if i % 3 else 2, speculate=i % 4 != 1)
            for i, (p, n) in enumerate(zip(PROMPTS, MAX_NEW))]
     res = pipe.generate_many(kws)
@@ -89,7 +90,8 @@ def test_rows_skip_the_draft_where_the_policy_would_not_draft_and_catch_up_when_
     step (8 here) and then drafts; every row is still the target's own output."""
     from mindspec.policy import DynamicK
     monkeypatch.setattr("mindspec.engine.DRAFT_CATCHUP", 8)
-    pipe.costs = {1: (calls(0.05), {0: 1.0, 1: 1.05, 2: 1.1, 4: 1.2, 8: 1.4}), **{B: (calls(c), costly) for B in (2, 4)}}
+    pipe.costs = {1: (calls(0.05), {0: 1.0, 1: 1.05, 2: 1.1, 4: 1.2, 8: 1.4}),
+                  **{B: (calls(c), costly) for B in (2, 4)}}
     pipe.engine.dynamic = DynamicK((1, 2, 4, 8), pipe.costs, alpha0=alpha0, probe_every=0)
     monkeypatch.setattr(pipe, "_dynamic_for", lambda sizes: None)  # keep these costs
     fed, drafting_at = [], []

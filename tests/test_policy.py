@@ -150,7 +150,8 @@ def test_no_probe_where_even_full_acceptance_would_not_pay():
     """A batch too large for the draft's cost (found: at B=8 a draft costing ~B times one row's call ran
     K=0 and still probed every 16 steps, each probe feeding every row's 16-token lag): no probes there;
     the same draft probes at a batch where drafting could pay."""
-    costly = DynamicK(BUCKETS, {8: (calls(3.0), {0: 1.25, 1: 1.5, 2: 1.8, 4: 2.4, 8: 3.6}), 1: (calls(0.3), {0: 1.0, **V})},
+    costly = DynamicK(BUCKETS, {8: (calls(3.0), {0: 1.25, 1: 1.5, 2: 1.8, 4: 2.4, 8: 3.6}),
+                                1: (calls(0.3), {0: 1.0, **V})},
                       alpha0=0.9, probe_every=4)
     assert not costly.can_pay(8, 8) and costly.can_pay(1, 1)
     rows = [costly.start() for _ in range(8)]
