@@ -226,7 +226,7 @@ class Engine:
         if self.proposer is not None and max(n_valid):
             # a row whose draft fell far behind (it skipped its prompt where the policy would not draft)
             # sits this step out and catches up, at most DRAFT_CATCHUP tokens a step, as a new row does
-            lag = {r.row: r.seq[self.proposer.cached(r.row):] for r in running if r.speculate}
+            lag = {r.row: r.seq[self.proposer.cached(r.row):] for r, n in zip(running, n_valid) if n}
             behind = {row: toks[:DRAFT_CATCHUP] for row, toks in lag.items() if len(toks) > DRAFT_CATCHUP}
             self.proposer.prefill(behind)
             n_valid = [0 if r.row in behind else n for r, n in zip(running, n_valid)]
@@ -274,30 +274,37 @@ class Engine:
                 events[r] += r.finish("length")  # the cache is full
 
     def _may_draft(self):
-        """request -> whether its draft may run soon: not when it takes dynamic K and the policy would not
-        draft at the current batch with the acceptance a new request starts from (then its prompt is not
-        fed to the draft: the draft catches up if the policy starts drafting, see _decode)."""
-        n = len(self.rows)
-        pays = self.dynamic is None or self.dynamic.would_draft(self.spec.batch_bucket(n), n)
-        return lambda r: pays or r.k != "auto"
+        """request -> whether its draft may be fed its prompt now: not when it takes dynamic K and the policy
+        would not draft for it at the current batch, or its prompt's catch-up would not pay back over the
+        tokens it may commit (DynamicK.feeds_new_row). Then the draft catches up later if drafting starts
+        to pay for it (a smaller batch, a probe; see _choose)."""
+        n, B = len(self.rows), self.spec.batch_bucket(len(self.rows))
+        if self.dynamic is None:
+            return lambda r: True
+        return lambda r: r.k != "auto" or self.dynamic.feeds_new_row(
+            B, n, len(r.prompt_ids) - self.proposer.cached(r.row), r.max_new_tokens)
 
     def _choose(self, running, caps):
         """Each row's valid drafts this step: fixed-K rows their K, auto rows the K the dynamic policy
-        picks for the whole batch, target-only rows 0; each capped to the largest bucket that fits."""
+        picks for the whole batch, target-only rows 0; each capped to the largest bucket that fits. An
+        auto row whose draft fell behind (plain steps, a skipped prompt) sits out unless feeding it what
+        it missed pays back (DynamicK.catch_ups_pay)."""
         if self.proposer is None:
             return [0] * len(running)
-        buckets = self.target.k_buckets
-        auto = [(r, c) for r, c in zip(running, caps) if r.speculate and r.k == "auto"]
+        caps = list(caps)
+        auto = [i for i, r in enumerate(running) if r.speculate and r.k == "auto"]
         k_auto = 0
         if auto:
             B = self.spec.batch_bucket(len(running))
-            # per row: what its draft missed beyond a step's usual one or two tokens (plain steps), and the
-            # tokens it may still commit (DynamicK.choose: a catch-up must pay back)
-            behind = [(max(0, len(r.seq) - self.proposer.cached(r.row) - 2), r.max_new_tokens - len(r.output))
-                      for r, _ in auto]
-            k_auto = self.dynamic.choose([r.policy for r, _ in auto], [c for _, c in auto], B, behind)
+            behind = [(max(0, len(running[i].seq) - self.proposer.cached(running[i].row) - 2),
+                       running[i].max_new_tokens - len(running[i].output)) for i in auto]
+            pays = self.dynamic.catch_ups_pay(B, [running[i].policy.alpha for i in auto], [caps[i] for i in auto],
+                                              behind)
+            for i, ok in zip(auto, pays):
+                caps[i] = caps[i] if ok else 0
+            k_auto = self.dynamic.choose([running[i].policy for i in auto], [caps[i] for i in auto], B)
         want = [0 if not r.speculate else (k_auto if r.k == "auto" else r.k) for r in running]
-        return [fit(buckets, min(w, c)) for w, c in zip(want, caps)]
+        return [fit(self.target.k_buckets, min(w, c)) for w, c in zip(want, caps)]
 
     def _sampling(self, rows, K, q=None, prefill=False):
         """RowSampling for rows at a step of K drafts (prefill: the first token after the prompt).

@@ -106,6 +106,30 @@ def test_rows_skip_the_draft_where_the_policy_would_not_draft_and_catch_up_when_
     assert max(len(c) for f in fed for c in f.values()) == 8  # the last row caught up 8 tokens a step
 
 
+@pytest.mark.parametrize("feed", [0.0, 50.0])
+def test_a_rows_prompt_is_fed_to_the_draft_only_if_its_catch_up_pays_back(pipe, alone, monkeypatch, feed):
+    """Where drafting pays once a row's draft holds its prompt, a draft whose catch-up costs `feed` decodes
+    a token a row: free, every dynamic-K row's prompt is fed and the rows draft; at 50 no row's prompt
+    pays back over its tokens (found through the server on a CPU whose draft feeds ~8 ms a token a row:
+    at 8 clients each new row fed the draft ~50 uncached prompt tokens for 48 new ones), so the draft
+    is fed no prompt and runs only for rows it missed no more of than a step feeds anyway (one or two
+    tokens: the prompts [42] and [200, 100]). Every row is still the target's own output."""
+    from mindspec.policy import DynamicK
+    pipe.costs = {B: (calls(0.05), {0: 1.0, 1: 1.05, 2: 1.1, 4: 1.2, 8: 1.4}) for B in (1, 2, 4)}
+    pipe.engine.dynamic = DynamicK((1, 2, 4, 8), pipe.costs, alpha0=0.9, probe_every=0, feed=feed)
+    monkeypatch.setattr(pipe, "_dynamic_for", lambda sizes: None)  # keep these costs
+    fed, drafted = [], []
+    prop = pipe.engine.proposer
+    real, propose = prop.prefill, prop.get_candidates
+    monkeypatch.setattr(prop, "prefill", lambda chunks: (fed.append(dict(chunks)), real(chunks)))
+    monkeypatch.setattr(prop, "get_candidates",
+                        lambda who, *a: (drafted.extend(PROMPTS.index(r.prompt_ids) for r in who if r), propose(who, *a))[1])
+    res = pipe.generate_many([dict(prompt_ids=p, max_new_tokens=n, k="auto") for p, n in zip(PROMPTS, MAX_NEW)])
+    assert [r.token_ids for r in res] == alone
+    assert any(fed) == (not feed)
+    assert set(drafted) <= {2, 6} if feed else set(drafted) == set(range(8))
+
+
 def test_seeded_sampling_rows_give_the_same_text_alone_and_in_a_batch(pipe, alone):
     """Greedy rows stay exact beside sampling rows; a seeded sampling row gives, token for token, what it
     gives alone (fixed K: each row draws its uniforms by position from its own seed)."""

@@ -173,18 +173,40 @@ def test_no_probe_where_even_full_acceptance_would_not_pay():
     assert [fed.choose(rows, [100] * 8, B=8) for _ in range(20)] == [0] * 20
 
 
-def test_a_batch_whose_drafts_fell_behind_drafts_only_if_the_catch_up_pays_back():
-    """Drafting after plain steps first feeds every row what its draft missed, a call a row (found on a CPU
-    whose draft feeds ~8 ms a token a row: at B=8 one K=2 step fed 8 rows their prompts, 0.84x
-    target-only). The batch drafts only if that catch-up pays back over the tokens its rows have left."""
+def test_a_row_whose_draft_fell_behind_is_fed_only_if_the_catch_up_pays_back():
+    """Drafting after plain steps or a skipped prompt first feeds a row what its draft missed, a call a row
+    (found on a CPU whose draft feeds ~8 ms a token a row: at B=8 one K=2 step fed 8 rows their prompts,
+    0.84x target-only). Per row: its catch-up must pay back over the tokens it has left at the batch's
+    rates; rows that do not pay sit out (the engine gives them no room)."""
     costs = {8: (calls(0.2), {0: 1.6, 1: 1.7, 2: 1.8, 4: 2.0, 8: 2.6})}
     p = DynamicK(BUCKETS, costs, alpha0=0.9, probe_every=0, feed=0.1)
     rows = [p.start() for _ in range(8)]
-    assert p.choose(rows, [100] * 8, B=8) > 0  # drafting pays once caught up
-    assert p.choose(rows, [100] * 8, B=8, behind=[(0, 40)] * 8) > 0  # nothing missed
-    assert p.choose(rows, [100] * 8, B=8, behind=[(60, 40)] * 8) == 0  # 60 tokens a row for 40 left: no
-    assert p.choose(rows, [100] * 8, B=8, behind=[(60, 2000)] * 8) > 0  # for 2000 left: yes
-    assert DynamicK(BUCKETS, costs, alpha0=0.9, probe_every=0).choose(rows, [100] * 8, B=8, behind=[(60, 40)] * 8) > 0
+    a, caps = [e.alpha for e in rows], [100] * 8
+    assert p.choose(rows, caps, B=8) > 0  # drafting pays once caught up
+    assert p.catch_ups_pay(8, a, caps, [(0, 40)] * 8) == [True] * 8  # nothing missed
+    assert p.catch_ups_pay(8, a, caps, [(60, 40)] * 8) == [False] * 8  # 60 tokens a row for 40 left: no
+    assert p.catch_ups_pay(8, a, caps, [(60, 2000)] * 8) == [True] * 8  # for 2000 left: yes
+    assert p.catch_ups_pay(8, a, caps, [(0, 40)] * 6 + [(60, 40), (60, 2000)]) == [True] * 6 + [False, True]
+    assert p.choose(rows, [100] * 6 + [0, 100], B=8) > 0  # the row that sits out does not stop the others
+    assert p.choose(rows, [0] * 8, B=8) == 0
+    free = DynamicK(BUCKETS, costs, alpha0=0.9, probe_every=0)  # catch-up cost unknown (0): always fed
+    assert free.catch_ups_pay(8, a, caps, [(60, 40)] * 8) == [True] * 8
+    # where the batch would not draft anyway there is nothing to sit out of (a probe prices its own catch-up)
+    assert DynamicK(BUCKETS, costs, alpha0=0.1, feed=0.1).catch_ups_pay(8, [0.1] * 8, caps, [(60, 40)] * 8) == [True] * 8
+
+
+def test_a_new_rows_prompt_is_fed_to_the_draft_only_if_its_catch_up_pays_back():
+    """A new dynamic-K row's draft is fed its prompt if the batch would draft for it and its catch-up pays
+    back over the tokens it may commit, were every row like it (found through the server on that CPU: at
+    8 clients every new row fed the draft ~50 uncached prompt tokens for 48 new ones, 29 tok/s vs 37
+    target-only); a cached prompt costs nothing to feed."""
+    costs = {8: (calls(0.2), {0: 1.6, 1: 1.7, 2: 1.8, 4: 2.0, 8: 2.6}),
+             1: (calls(0.2), {0: 1.0, **V})}
+    p = DynamicK(BUCKETS, costs, alpha0=0.9, probe_every=0, feed=0.1)
+    assert p.feeds_new_row(8, 8, 0, 48) and p.feeds_new_row(8, 8, 80, 2000)
+    assert not p.feeds_new_row(8, 8, 80, 48)
+    assert p.feeds_new_row(1, 1, 80, 48)  # alone, drafting gains more per token: it pays there
+    assert not DynamicK(BUCKETS, costs, alpha0=0.1, feed=0.1).feeds_new_row(1, 1, 0, 48)  # would not draft
 
 
 def test_a_batch_drafts_by_the_prior_a_new_request_starts_from():
