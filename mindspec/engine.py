@@ -224,8 +224,8 @@ class Engine:
         caps = [self.target.max_seq - r.pos - 1 for r in running]  # drafts that still fit the cache
         n_valid = self._choose(running, caps)
         if self.proposer is not None and max(n_valid):
-            # a row whose draft fell far behind (it skipped its prompt where the policy would not draft)
-            # sits this step out and catches up, at most DRAFT_CATCHUP tokens a step, as a new row does
+            # a drafting row whose draft fell far behind (a skipped prompt whose catch-up now pays) sits this
+            # step out and catches up, at most DRAFT_CATCHUP tokens a step, as a new row does
             lag = {r.row: r.seq[self.proposer.cached(r.row):] for r, n in zip(running, n_valid) if n}
             behind = {row: toks[:DRAFT_CATCHUP] for row, toks in lag.items() if len(toks) > DRAFT_CATCHUP}
             self.proposer.prefill(behind)
@@ -295,14 +295,14 @@ class Engine:
         auto = [i for i, r in enumerate(running) if r.speculate and r.k == "auto"]
         k_auto = 0
         if auto:
-            B = self.spec.batch_bucket(len(running))
-            behind = [(max(0, len(running[i].seq) - self.proposer.cached(running[i].row) - 2),
-                       running[i].max_new_tokens - len(running[i].output)) for i in auto]
-            pays = self.dynamic.catch_ups_pay(B, [running[i].policy.alpha for i in auto], [caps[i] for i in auto],
-                                              behind)
+            B, rows = self.spec.batch_bucket(len(running)), [running[i] for i in auto]
+            # per row: what its draft missed beyond a step's usual one or two tokens, tokens it may still commit
+            behind = [(max(0, len(r.seq) - self.proposer.cached(r.row) - 2), r.max_new_tokens - len(r.output))
+                      for r in rows]
+            pays = self.dynamic.catch_ups_pay(B, [r.policy.alpha for r in rows], [caps[i] for i in auto], behind)
             for i, ok in zip(auto, pays):
-                caps[i] = caps[i] if ok else 0
-            k_auto = self.dynamic.choose([running[i].policy for i in auto], [caps[i] for i in auto], B)
+                caps[i] = caps[i] if ok else 0  # sits out: no drafts, nothing fed
+            k_auto = self.dynamic.choose([r.policy for r in rows], [caps[i] for i in auto], B)
         want = [0 if not r.speculate else (k_auto if r.k == "auto" else r.k) for r in running]
         return [fit(self.target.k_buckets, min(w, c)) for w, c in zip(want, caps)]
 
