@@ -17,8 +17,9 @@ share their system turn, batch jobs their instructions. The draft (host cache) p
 row's cache among its spare rows, and a new row starts from the spare one sharing the longest prefix
 with its prompt; it feeds the rest, at most DRAFT_CATCHUP tokens a row per step, so a long uncached
 prompt never stalls the running rows: the new row waits for its draft instead. A dynamic-K row
-admitted where the policy would not draft (a batch too large for the draft's cost) skips its draft;
-should the policy start drafting (a smaller batch, a probe), it catches up the same way. Anything
+admitted where the policy would not draft for it, or where feeding its draft the prompt would not pay
+back over the tokens it may commit, skips its draft; should that start to pay (a smaller batch), it
+catches up the same way. Anything
 else that runs the target graphs (warm-up, cost measurement) writes into slots: the engine then
 forgets what they held.
 """
