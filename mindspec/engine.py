@@ -184,9 +184,10 @@ class Engine:
 
     def _prefill_chunk(self, pre, events):
         """The next prompt chunk of each prefilling row, in one call, and the draft's catch-up from its
-        own position (at most DRAFT_CATCHUP tokens a row); a row whose prompt ends here gets its first
-        token, and runs once the draft holds its prompt too (the step's time is counted in each row's
-        prefill_s)."""
+        own position up to where the target stood before this call (at most DRAFT_CATCHUP tokens a row);
+        a row whose prompt ends here gets its first token, and runs once the draft holds its prompt too —
+        a step later, so that the first token streams without waiting for the draft's catch-up of the
+        last chunk (the step's time is counted in each row's prefill_s)."""
         t0 = time.perf_counter()
         may_draft = self._may_draft()
         fed = [r for r in pre if r.pos < len(r.prompt_ids)]  # rows whose target still has prompt to read
@@ -197,11 +198,10 @@ class Engine:
                                       self._sampling(fed, 0, prefill=True), logprobs=want_lp)
             toks, lps = out if want_lp else (out, None)
         if self.proposer is not None:
-            end = {r.id: r.pos + len(c) for r, c in zip(fed, chunks)}  # the target's position after this call
             catch = {}
             for r in (r for r in pre if r.speculate and may_draft(r)):
                 d = self.proposer.cached(r.row)
-                stop = min(end.get(r.id, r.pos), d + DRAFT_CATCHUP)
+                stop = min(r.pos, d + DRAFT_CATCHUP)
                 if stop > d:
                     catch[r.row] = r.prompt_ids[d:stop]
             self.proposer.prefill(catch)
