@@ -230,9 +230,11 @@ def run(target=None, draft=None, prompts="story,chat,code", max_new_tokens=128, 
     for name, rows in enc.items():
         for B in sizes:
             batch = [rows[i % len(rows)] for i in range(B)]
-            for _ in range(repeat):
-                for ids in (rows if B == 1 else [None]):
-                    for mode, k, kw in modes:
+            for rnd in range(repeat):
+                for j, ids in enumerate(rows if B == 1 else [None]):
+                    # every other pass (and each prompt in turn) runs the modes in reverse: a steady drift of the
+                    # machine's speed then weighs on every mode alike
+                    for mode, k, kw in modes[::-1] if (rnd + j) % 2 else modes:
                         tally = tallies.setdefault((name, B, mode, k), Tally(prompt_set=name, batch_size=B, mode=mode,
                                                                              k=k))
                         t = time.perf_counter()
