@@ -35,8 +35,10 @@ TGI_PARAMS = frozenset(("max_new_tokens", "do_sample", "details", "return_full_t
                        + SAMPLING)
 
 
-def _one_line(msg):
-    return " ".join(str(msg).split())
+def _one_line(msg, limit=300):
+    """An error message on one line, a long value it quotes cut (a 4 MB field is not echoed back)."""
+    text = " ".join(str(msg).split())
+    return text if len(text) <= limit else text[:limit - 1] + "\u2026"
 
 
 def _stream_flag(body):
@@ -128,8 +130,10 @@ class Api:
         return resp
 
     def _check_key(self, request):
-        got = request.headers.get("Authorization", "")
-        if not hmac.compare_digest(got.encode(), f"Bearer {self.api_key}".encode()):
+        # the scheme is case-insensitive (RFC 9110); aiohttp keeps a header's undecodable bytes as surrogates
+        scheme, _, got = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(got.encode("utf-8", "surrogateescape"),
+                                                                 self.api_key.encode()):
             raise RequestError("missing or wrong API key (Authorization: Bearer KEY)", 401)
 
     @staticmethod
@@ -151,6 +155,9 @@ class Api:
     async def _body(self, request):
         """The JSON object of a POST body (chunked or with Content-Length), at most MAX_BODY bytes, read
         within read_timeout."""
+        coding = request.headers.get("Content-Encoding", "identity").strip().lower()
+        if coding != "identity":  # (aiohttp would inflate it first: 2 MB of gzip can be 2 GB of text)
+            raise RequestError(f"Content-Encoding {coding} is not accepted: send the body uncompressed", 415)
         if (request.content_length or 0) > MAX_BODY:
             raise RequestError(f"request body is larger than {MAX_BODY} bytes", 413)
         if request.headers.get("Expect", "").lower() == "100-continue":  # curl asks so for bodies over 1 kB
@@ -277,7 +284,7 @@ class Api:
         _check_keys(body, {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt"})
         if body.get("add_special_tokens") not in (None, True):  # the tokenizer's own rule (BOS) always applies
             raise RequestError("add_special_tokens=false is not supported", param="add_special_tokens")
-        generation_prompt = body.get("add_generation_prompt", True)
+        generation_prompt = True if body.get("add_generation_prompt") is None else body["add_generation_prompt"]
         if not isinstance(generation_prompt, bool):
             raise RequestError("add_generation_prompt must be true or false", param="add_generation_prompt")
         self._openai_model(body)
@@ -287,7 +294,7 @@ class Api:
         kw = parse({k: body[k] for k in ("prompt", "messages") if body.get(k) is not None})
         text = kw["prompt"] if "prompt" in kw else tok.apply_chat_template(
             kw["messages"], add_generation_prompt=generation_prompt)
-        ids = tok.encode(text)
+        ids = tok.encode(text, self.app.pipe.max_seq)
         return web.json_response({"count": len(ids), "max_model_len": self.app.pipe.max_seq, "tokens": ids,
                                   "token_strs": None})
 
@@ -324,7 +331,7 @@ class Api:
         if chat:
             flat["messages"] = body.get("messages")
             if body.get("max_completion_tokens") is not None and body.get("max_tokens") is None:
-                flat["max_tokens"] = body["max_completion_tokens"]
+                flat["max_completion_tokens"] = body["max_completion_tokens"]
         else:
             p = body.get("prompt")
             if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
@@ -346,8 +353,9 @@ class Api:
         if type(n) is not int or not 1 <= n <= self.app.max_batch:
             raise RequestError(f"n must be an integer from 1 to {self.app.max_batch} (the server's --max-batch: "
                                f"the choices run side by side), got {json.dumps(n)}", param="n")
-        # choice i samples with seed + i (a greedy request gives n equal choices, as vLLM's)
-        kws = [kw if i == 0 or kw.get("seed") is None else dict(kw, seed=kw["seed"] + i) for i in range(n)]
+        # choice i samples with seed + i (a greedy request gives n equal choices, as vLLM's; a seed that is
+        # not an integer is left for the engine's check to refuse)
+        kws = [kw if i == 0 or type(kw.get("seed")) is not int else dict(kw, seed=kw["seed"] + i) for i in range(n)]
         first = OpenAI(self.app, chat)
         fmts = [first] + [OpenAI(self.app, chat, index=i, head=first.head) for i in range(1, n)]
         return await self._generate(request, kws, fmts, stream)
@@ -364,7 +372,8 @@ class Api:
         self._check_ready()
         body = await self._body(request)
         _check_keys(body, {"inputs", "parameters", "stream"})
-        stream = _stream_flag(body) if stream is None else stream
+        flag = _stream_flag(body)  # checked everywhere; /generate and /generate_stream decide by their route
+        stream = flag if stream is None else stream
         inputs = body.get("inputs")
         if not isinstance(inputs, str) or not inputs:
             raise RequestError("inputs must be a non-empty string")

@@ -70,8 +70,9 @@ class HttpServer:
         return resp
 
     async def _open(self):
+        # auto_decompress off: a compressed body is refused unread (api), never inflated as it arrives
         server = _Server(self._logged, self.max_connections, handler_cancellation=True,
-                         keepalive_timeout=self.keepalive, access_log=None)
+                         keepalive_timeout=self.keepalive, access_log=None, auto_decompress=False)
         self.runner = web.ServerRunner(server, handle_signals=False, shutdown_timeout=5)
         await self.runner.setup()
         await web.TCPSite(self.runner, self.host, self.port).start()

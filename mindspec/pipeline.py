@@ -127,7 +127,7 @@ class Pipeline:
             raise MindspecError("cannot resize the KV cache while requests are running")
         self._build(positions, max(max_batch, t.max_batch if t else 1))
 
-    def encode(self, prompt=None, prompt_ids=None, chat=False):
+    def encode(self, prompt=None, prompt_ids=None, chat=False, limit=None):
         if (prompt is None) == (prompt_ids is None):
             raise MindspecError("give exactly one of a prompt or prompt ids")
         if prompt_ids is not None:
@@ -137,7 +137,7 @@ class Pipeline:
                 raise MindspecError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})")
         else:
             text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
-            ids = self.tokenizer.encode(text)
+            ids = self.tokenizer.encode(text, limit)
         if not ids:
             raise MindspecError("the prompt is empty")
         return ids
@@ -160,8 +160,8 @@ class Pipeline:
                                      or not 0 <= logprobs <= TOP_LOGPROBS):
             raise MindspecError(f"logprobs must be an integer in [0, {TOP_LOGPROBS}] (alternatives per token), "
                                 f"got {logprobs!r}")
-        ids = self.encode(prompt, prompt_ids, chat)
         limit = self.fixed_max_seq or self.cfg.max_position_embeddings
+        ids = self.encode(prompt, prompt_ids, chat, limit)
         if len(ids) + 1 > limit:
             raise MindspecError(f"prompt is {len(ids)} tokens; it does not fit max_seq {limit}")
         r = Request(ids, params, max_new_tokens, stop=stop, eos=self.eos, k=k,

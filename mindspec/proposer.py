@@ -70,7 +70,8 @@ class DraftProposer:
             q[tok] = 1.0
             return tok, q
         prev = r.seq + [int(t) for t in prev_drafts] if r.params.repetition_penalty != 1.0 else None
-        u = float(uniforms(r.params.seed, len(r.seq) + i, 1, DRAFT)[0])
+        # a greedy request has no seed: its draft's draw changes only what is proposed, never the output
+        u = float(uniforms(r.params.seed or 0, len(r.seq) + i, 1, DRAFT)[0])
         tok, q = draft_token(logits, r.params, prev, u)
         return tok, q.astype(np.float32)
 

@@ -17,9 +17,10 @@ _seeds = None
 
 PROMPT_FIELDS = ("prompt", "messages", "prompt_ids")
 FIELDS = frozenset(PROMPT_FIELDS + (
-    "chat", "max_new_tokens", "max_tokens", "temperature", "top_k", "top_p", "repetition_penalty",
+    "chat", "max_new_tokens", "max_tokens", "max_completion_tokens", "temperature", "top_k", "top_p", "repetition_penalty",
     "draft_temperature", "seed", "stop", "do_sample", "k", "min_tokens", "ignore_eos", "stop_token_ids", "logprobs"))
 ROLES = ("system", "user", "assistant")
+MAX_STOPS = 32  # stop strings a request may give (OpenAI allows 4, TGI 4 by default, vLLM any number)
 
 
 class RequestError(MindspecError):
@@ -88,8 +89,10 @@ def parse(req, defaults=None):
         if not isinstance(ids, list) or not ids or not all(_is_int(i) for i in ids):
             raise RequestError("prompt_ids must be a non-empty list of integer token ids")
         kw["prompt_ids"] = ids
-    kw.pop("max_tokens", None)  # the OpenAI name of max_new_tokens
-    name = next((f for f in ("max_new_tokens", "max_tokens") if req.get(f) is not None), "max_new_tokens")
+    limits = ("max_new_tokens", "max_tokens", "max_completion_tokens")  # the last two: OpenAI's names of it
+    for f in limits[1:]:
+        kw.pop(f, None)
+    name = next((f for f in limits if req.get(f) is not None), "max_new_tokens")
     n = req.get(name, kw.get("max_new_tokens"))
     if n is not None:
         if not _is_int(n) or n < 1:
@@ -107,6 +110,8 @@ def parse(req, defaults=None):
         kw["stop"] = [stop]
     elif stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
         raise RequestError("stop must be a string or a list of strings")
+    if len(kw.get("stop") or ()) > MAX_STOPS:  # each is looked for after every token, on the engine's thread
+        raise RequestError(f"stop: at most {MAX_STOPS} strings, got {len(kw['stop'])}", param="stop")
     for s in kw.get("stop") or ():
         _text("stop", s)
     if "k" in kw and kw["k"] != "auto" and not _is_int(kw["k"]):

@@ -36,8 +36,10 @@ class SamplingParams:
 
     def __post_init__(self):
         def number(name, v, lo, hi, lo_open=False):
+            # (isfinite of an int too large for a float raises: ints compare exactly without it)
             if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) \
-                    or not math.isfinite(v) or not (lo < v if lo_open else lo <= v) or not v <= hi:
+                    or isinstance(v, (float, np.floating)) and not math.isfinite(v) \
+                    or not (lo < v if lo_open else lo <= v) or not v <= hi:
                 raise MindspecError(f"{name} must be a number in {'(' if lo_open else '['}{lo}, {hi}], got {v!r}")
         number("temperature", self.temperature, 0, MAX_TEMPERATURE)
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, (int, np.integer)) \

@@ -120,7 +120,8 @@ class App:
 
     def turn(self, new, gone, on_event, account=False):
         """Apply one turn's new requests and aborts, then run one engine step (every rank runs this).
-        on_event(id, kind, value): ("error", MindspecError), ("text", (delta, request)), ("end", request).
+        on_event(id, kind, value): ("error", MindspecError) or ("fail", Exception) for a request that could not
+        be made, ("text", (delta, request)), ("end", request).
         account (rank 0): the step counts for /health before any client hears of it, so a client that got
         its 500 sees the health that step left."""
         eng = self.pipe.engine
@@ -129,6 +130,8 @@ class App:
                 eng.add(make(self.pipe, kw, request_id=rid))
             except MindspecError as e:
                 on_event(rid, "error", e)
+            except Exception as e:  # noqa: BLE001 - a bug: that request's 500, not the worker's end
+                on_event(rid, "fail", e)
         for rid in gone:
             eng.abort(rid)
         if not eng.has_work:
@@ -193,8 +196,8 @@ class App:
             if kind != "text":
                 del self.live[rid]
                 self._probing = False
-                if kind == "error" or val.finish_reason == "error":
-                    print(f"mindspec: health probe failed: {summary(val if kind == 'error' else val.error)}",
+                if kind != "end" or val.finish_reason == "error":
+                    print(f"mindspec: health probe failed: {summary(val if kind != 'end' else val.error)}",
                           file=sys.stderr, flush=True)
             return
         if kind == "text":
@@ -207,6 +210,9 @@ class App:
         del self.live[rid]
         if kind == "error":
             return job.put(("error", val))
+        if kind == "fail":
+            print(f"mindspec: request {rid} failed: {summary(val)}", file=sys.stderr, flush=True)
+            return job.put(("fail", val))
         res = val.result()
         now = time.perf_counter()
         self.metrics.finish(len(val.prompt_ids), res, job.first and job.first - job.t0, now - job.t0)

@@ -3,6 +3,7 @@
 tokenizer.json is run by the `tokenizers` package; tokenizer_config.json supplies what transformers
 would add on top: BOS/EOS tokens, add_bos_token and the Jinja chat template.
 """
+import functools
 import hashlib
 import json
 import os
@@ -53,10 +54,19 @@ class Tokenizer:
     def vocab_size(self):
         return self._tok.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text):
+    @functools.cached_property
+    def _longest(self):
+        """Characters of the vocabulary's longest token (its stored form: at least its text's length)."""
+        return max(map(len, self._tok.get_vocab(with_added_tokens=True)), default=1)
+
+    def encode(self, text, limit=None):
         """Ids of `text`; special tokens written in it (e.g. "<|im_start|>") become their ids.
         BOS is prepended when tokenizer_config asks for it, unless the text already starts with it
-        (chat templates often write it themselves)."""
+        (chat templates often write it themselves). limit: a text that cannot fit `limit` tokens whatever
+        it says is refused before the tokenizer runs (a 4 MB prompt is seconds of it): more characters than
+        `limit` longest tokens hold, times 4 for a normalizer's compositions (3 code points into 1 at most)."""
+        if limit is not None and len(text) > 4 * limit * self._longest:
+            raise MindspecError(f"prompt is {len(text)} characters; it does not fit max_seq {limit}")
         ids = self._tok.encode(text, add_special_tokens=False).ids
         if self.add_bos_token and (not ids or ids[0] != self.bos_token_id):
             ids.insert(0, self.bos_token_id)

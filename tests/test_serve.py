@@ -135,6 +135,20 @@ def test_greedy_equals_target_only(server, pipe):
                                                                     speculate=False).text
 
 
+def test_greedy_with_a_repetition_penalty_is_the_targets_own(server, pipe):
+    """A greedy request with a penalty is not plain greedy: its draft once drew uniforms from the seed only
+    sampled requests get (None), a 500 for it and for every other row of its draft call."""
+    base = server[0]
+    ref = pipe.generate(prompt_ids=IDS, max_new_tokens=N, repetition_penalty=1.3, speculate=False)
+    assert pipe.generate(prompt_ids=IDS, max_new_tokens=N, repetition_penalty=1.3).token_ids == ref.token_ids
+    c = post(base, "/v1/completions", {"prompt": IDS, "max_tokens": N, "repetition_penalty": 1.3})
+    assert c["choices"][0]["text"] == ref.text and c["mindspec"]["drafted"] > 0
+    by_text = pipe.generate(prompt=TEXT, max_new_tokens=N, repetition_penalty=1.3, speculate=False)
+    tgi = post(base, "/generate", {"inputs": TEXT, "parameters": {"max_new_tokens": N, "repetition_penalty": 1.3,
+                                                                  "details": True}})
+    assert [t["id"] for t in tgi["details"]["tokens"]] == by_text.token_ids
+
+
 def test_concurrent_clients_each_get_their_own_exact_text(server, pipe):
     """Six clients at once over a server running two rows at a time: each answer is that prompt's own
     target-only text, token for token."""
@@ -309,6 +323,24 @@ BAD = [  # (path, body or raw bytes, status, words in the message)
     ("/tokenize", {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}, 400, "exactly one of"),
     ("/tokenize", {"prompt": "hi", "add_special_tokens": False}, 400, "add_special_tokens=false is not supported"),
     ("/tokenize", {"messages": HI, "add_generation_prompt": "yes"}, 400, "add_generation_prompt must be"),
+    # found by trying the server as an attacker would: a JSON integer too large for a float stopped its engine
+    # thread (every request in flight a 503, then the process gone); a seed that is not an integer with n > 1,
+    # a 500; a field read under another name; a megabyte echoed back; a prompt tokenized (seconds, on the
+    # engine's thread) before its length was checked; stop strings searched for every token without a limit
+    ("/v1/completions", b'{"prompt": "hi", "temperature": 1' + b"0" * 400 + b"}", 400,
+     "temperature must be a number in [0, 100"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "top_p": -1' + b"0" * 400 + b"}",
+     400, "top_p must be a number"),
+    ("/generate", b'{"inputs": "hi", "parameters": {"temperature": 1' + b"0" * 400 + b"}}", 422,
+     "temperature must be a number"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 4, "seed": "x", "n": 2}, 400, "seed must be an integer"),
+    ("/v1/chat/completions", {"messages": HI, "max_completion_tokens": 0}, 400,
+     "max_completion_tokens must be an integer >= 1"),
+    ("/generate", {"inputs": "hi", "stream": "yes"}, 422, "stream must be"),
+    ("/v1/completions", {"prompt": "hi", "temperature": "x" * 100000}, 400, "temperature must be a number"),
+    ("/v1/completions", {"prompt": "a" * 3000000}, 400, "prompt is 3000000 characters; it does not fit max_seq 128"),
+    ("/tokenize", {"prompt": "a" * 3000000}, 400, "prompt is 3000000 characters; it does not fit max_seq 128"),
+    ("/v1/completions", {"prompt": "hi", "stop": ["x"] * 33}, 400, "stop: at most 32 strings"),
 ]
 
 
@@ -317,7 +349,7 @@ def test_bad_requests_get_one_line_json_errors(server, path, body, status, needl
     base = server[0]
     got, text = call(base, path, raw=body) if isinstance(body, bytes) else call(base, path, body)
     assert got == status, text
-    assert "\n" not in text and "Traceback" not in text
+    assert "\n" not in text and "Traceback" not in text and len(text) < 1000  # a long value is not echoed whole
     err = json.loads(text)
     if not path.startswith(("/generate", "/infer")):  # OpenAI's shape
         assert err["error"]["type"] == "invalid_request_error" and needle in err["error"]["message"], err
@@ -629,6 +661,8 @@ def test_tokenize_detokenize_version(server, pipe):
     bare = post(base, "/tokenize", {"messages": [{"role": "user", "content": "Hi"}], "add_generation_prompt": False})
     assert bare["tokens"] == pipe.tokenizer.encode(pipe.tokenizer.apply_chat_template(
         [{"role": "user", "content": "Hi"}], add_generation_prompt=False)) != chat
+    unset = post(base, "/tokenize", {"messages": [{"role": "user", "content": "Hi"}], "add_generation_prompt": None})
+    assert unset["tokens"] == chat  # null means "not set", as everywhere
     assert post(base, "/detokenize", {"tokens": t["tokens"]}) == {"prompt": TEXT}
     assert call(base, "/detokenize", {"tokens": [10 ** 6]})[0] == 400
     assert json.loads(call(base, "/version")[1]) == {"version": mindspec.__version__}
@@ -721,6 +755,15 @@ def test_health_says_503_while_the_engine_keeps_failing(pipe, monkeypatch):
 
         wait_for(ready, timeout=300)  # listening, and the pipeline handed over
         assert post(base, "/v1/completions", body)["choices"][0]["text"] == ref
+        # a request that fails to be made with anything but a MindspecError (a bug) once ended the worker's
+        # loop, and with it the server: now a 500 for that request alone
+        import mindspec.serve as serve_module
+        real_make = serve_module.make
+        monkeypatch.setattr(serve_module, "make", lambda *a, **kw: (_ for _ in ()).throw(TypeError("a bug")))
+        status, text = call(base, "/v1/completions", body)
+        assert status == 500 and json.loads(text)["error"]["message"] == "internal error: TypeError: a bug", text
+        monkeypatch.setattr(serve_module, "make", real_make)
+        assert post(base, "/v1/completions", body)["choices"][0]["text"] == ref
         errors = engine_errors()
         real = fail_requests()
         assert calls["failed"] == FAILED_STEPS and engine_errors() == errors + FAILED_STEPS  # counted before the 500
@@ -806,6 +849,13 @@ def test_http_head_options_chunked_and_limits(server):
     out = raw(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
               b"Content-Type: application/json\r\nConnection: close\r\n\r\n" + chunked)
     assert out.startswith("HTTP/1.1 200") and '"completion_tokens": 3' in out, out
+    # a compressed body (gzip that is not, or 2 MB that inflate to 2 GB: seconds of the server's time before
+    # any limit applied) is refused unread
+    import gzip
+    for packed in (body, gzip.compress(b" " * 2 ** 24)):
+        out = raw(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Encoding: gzip\r\nConnection: close\r\n"
+                  b"Content-Length: " + str(len(packed)).encode() + b"\r\n\r\n" + packed)
+        assert out.startswith("HTTP/1.1 415") and "Content-Encoding gzip is not accepted" in out, out
     t0 = time.time()
     out = raw(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000\r\n\r\n" + body)
     assert out.startswith("HTTP/1.1 408") and "did not arrive within 3 s" in out and time.time() - t0 < 10, out

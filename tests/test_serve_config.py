@@ -82,11 +82,11 @@ def test_ready_only_after_warm_up(server):
     assert all(live == 200 for _, live, _ in loading) and all(ready in (503, 200) for ready, _, _ in loading)
 
 
-def call(base, path, body=None, key=KEY, raw=None, timeout=120):
+def call(base, path, body=None, key=KEY, raw=None, timeout=120, auth=None):
     data = raw if raw is not None else None if body is None else json.dumps(body).encode()
     headers = {"Content-Type": "application/json"}
-    if key:
-        headers["Authorization"] = f"Bearer {key}"
+    if key or auth:
+        headers["Authorization"] = auth or f"Bearer {key}"
     req = urllib.request.Request(base + path, data=data, headers=headers, method="GET" if data is None else "POST")
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
@@ -120,6 +120,10 @@ def test_api_key(server):
     assert call(base, "/v2/health/ready", key=None) == (200, "")
     assert call(base, "/metrics", key=None)[0] == 200
     assert call(base, "/v1/completions", {"prompt": [5, 6], "max_tokens": 2})[0] == 200
+    # a header that is not ASCII was a 500 (hmac refuses str with non-ASCII); the scheme is case-insensitive
+    status, text = call(base, "/v1/completions", {"prompt": [5, 6], "max_tokens": 2}, key=KEY + "\u00e9")
+    assert status == 401 and "API key" in json.loads(text)["error"]["message"]
+    assert call(base, "/v1/completions", {"prompt": [5, 6], "max_tokens": 2}, auth=f"bearer {KEY}")[0] == 200
 
 
 BAD_CONFIGS = [  # (file content, the one line expected)
