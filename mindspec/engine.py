@@ -222,7 +222,8 @@ class Engine:
     def _decode(self, running, events):
         """One draft + verify call over the running rows (K = 0: a plain decode call)."""
         t0, cold = time.perf_counter(), self.target.cold_runs
-        caps = [self.target.max_seq - r.pos - 1 for r in running]  # drafts that still fit the cache
+        # drafts that still fit the cache, and that the row may still commit (a step commits up to K + 1)
+        caps = [min(self.target.max_seq - r.pos, r.max_new_tokens - len(r.output)) - 1 for r in running]
         n_valid = self._choose(running, caps)
         if self.proposer is not None and max(n_valid):
             # a drafting row whose draft fell far behind (a skipped prompt whose catch-up now pays) sits this

@@ -60,7 +60,14 @@ class Pipeline:
     @property
     def max_seq(self):
         """Positions a request can fill: the fixed --max-seq, else the current (growable) cache."""
-        return self.fixed_max_seq or (self.target.max_seq if self.target else self.cfg.max_position_embeddings)
+        return self.fixed_max_seq or (self.target.max_seq if self.target else self.max_positions)
+
+    @property
+    def max_positions(self):
+        """Positions a request (prompt and new tokens) may fill at most: the fixed --max-seq, else the
+        smaller of the model's and the draft's (an export may hold fewer)."""
+        return self.fixed_max_seq or min(self.cfg.max_position_embeddings,
+                                         self.manifest["max_seq"] if self.manifest else float("inf"))
 
     # ---- model setup
 
@@ -88,8 +95,13 @@ class Pipeline:
         pair and the cache size: measured again when next needed."""
         from mindspec.export import DraftSession
         from .proposer import DraftProposer
-        t = self.target
-        self.proposer = DraftProposer(DraftSession(self.draft_path, max_seq=t.max_seq + max(t.k_buckets),
+        t, m = self.target, self.manifest
+        if m and self.max_positions > m["max_seq"]:
+            raise MindspecError(f"max_seq {self.max_positions} is more than the {m['max_seq']} positions the draft "
+                                f"was exported for")
+        # a row's draft holds at most max_positions - 2 (its drafts are capped to what the target commits)
+        self.proposer = DraftProposer(DraftSession(self.draft_path, max_seq=min(t.max_seq + max(t.k_buckets),
+                                                                                m["max_seq"]),
                                                    max_batch=t.max_batch, device=self.device)) \
             if self.draft_path else None
         self.costs = None
@@ -160,7 +172,7 @@ class Pipeline:
                                      or not 0 <= logprobs <= TOP_LOGPROBS):
             raise MindspecError(f"logprobs must be an integer in [0, {TOP_LOGPROBS}] (alternatives per token), "
                                 f"got {logprobs!r}")
-        limit = self.fixed_max_seq or self.cfg.max_position_embeddings
+        limit = self.max_positions
         ids = self.encode(prompt, prompt_ids, chat, limit)
         if len(ids) + 1 > limit:
             raise MindspecError(f"prompt is {len(ids)} tokens; it does not fit max_seq {limit}")
@@ -174,7 +186,7 @@ class Pipeline:
         """Size the cache for these requests (read them first, size once), compile what they need
         (every graph of every batch bucket with every_graph) and measure the dynamic-K costs."""
         need = max(len(r.prompt_ids) + r.max_new_tokens for r in reqs) if reqs else 1
-        positions = self.fixed_max_seq or self.spec.seq_for(need, self.cfg.max_position_embeddings)
+        positions = self.fixed_max_seq or self.spec.seq_for(need, self.max_positions)
         self.ensure(positions, max_batch)
         t, spec = self.target, self.spec
         n = max_batch if every_graph else min(max_batch, max(len(reqs), 1))

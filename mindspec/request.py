@@ -155,7 +155,7 @@ def make(pipe, kw, request_id=None):
     if max_input and len(r.prompt_ids) > max_input:
         raise RequestError(f"prompt is {len(r.prompt_ids)} tokens, more than this server's limit of {max_input}",
                            param="prompt")
-    limit = pipe.fixed_max_seq or pipe.cfg.max_position_embeddings  # as Pipeline.request's prompt check
+    limit = pipe.max_positions  # as Pipeline.request's prompt check
     left = limit - len(r.prompt_ids)
     if r.max_new_tokens > left:
         if limit_field:  # as vLLM: asking for more than fits is an error; a default is cut to what fits

@@ -118,3 +118,29 @@ def test_confidence_cut_output_equals_target_only(pipe):
 def test_confidence_cut_is_checked(pipe):
     with pytest.raises(mindspec.MindspecError, match="draft_min_conf must be between 0 and 1"):
         pipe.generate(prompt_ids=[5, 6], max_new_tokens=4, draft_min_conf=1.5)
+
+
+def test_a_request_the_pair_holds_runs_to_the_drafts_last_position(tiny_target, tmp_path):
+    """The cache was sized to a request's positions plus the largest K bucket, rounded up, and the draft's
+    to that plus K more: a request the pair holds failed ("max_seq 520 is outside 1..256 (the draft was
+    exported for 256 positions)"), in a batch job every line with it. A pair holds the smaller of the
+    model's and the draft's positions; a request beyond them is its own one-line error."""
+    from mindspec.errors import MindspecError
+    draft = str(tmp_path / "short.onnx")
+    export_draft(tiny_target[0], draft, max_seq=256)
+    pipe = mindspec.load(target=tiny_target[0], draft=draft, k=8)
+    ids = [10 + i % 200 for i in range(200)]
+    spec = pipe.generate(prompt_ids=ids, max_new_tokens=56)  # 256 positions: all the draft has
+    assert spec.token_ids == pipe.generate(prompt_ids=ids, max_new_tokens=56, speculate=False).token_ids
+    assert spec.stats["drafted"] > 0
+    with pytest.raises(MindspecError, match="prompt is 256 tokens; it does not fit max_seq 256"):
+        pipe.generate(prompt_ids=ids + ids[:56])
+
+
+def test_drafts_never_outrun_the_tokens_a_request_has_left(pipe):
+    """A request of 3 new tokens at K=8 (the prefill gives the first) drafted and verified 8 where one
+    could be used: wasted work, and an acceptance rate that flattered short requests."""
+    base = pipe.generate(prompt_ids=[5, 6, 7], max_new_tokens=3, speculate=False)
+    res = pipe.generate(prompt_ids=[5, 6, 7], max_new_tokens=3, k=8)
+    assert res.token_ids == base.token_ids and res.stats["drafted"] == 1, res.stats
+    assert res.stats["k_used"].get("1") == 1 and set(res.stats["k_used"]) <= {"0", "1"}, res.stats  # then a plain decode
