@@ -34,10 +34,18 @@ def export_draft(model_dir, out_path, quantize=None, layers=None, max_seq=None, 
     if layers is not None and (isinstance(layers, bool) or not isinstance(layers, int) or not 1 <= layers <= n):
         raise MindspecError(f"--layers must be between 1 and {n} (the checkpoint's layers), got {layers!r}")
     max_seq = cfg.max_position_embeddings if max_seq is None else max_seq
-    if isinstance(max_seq, bool) or not isinstance(max_seq, int) or max_seq < 1:
-        raise MindspecError(f"--max-seq must be a positive integer, got {max_seq!r}")
+    if isinstance(max_seq, bool) or not isinstance(max_seq, int) or not 1 <= max_seq <= cfg.max_position_embeddings:
+        raise MindspecError(f"--max-seq must be an integer from 1 to {cfg.max_position_embeddings} (the model's "
+                            f"positions), got {max_seq!r}")
     out_path = os.path.abspath(out_path)
     out_dir = os.path.dirname(out_path)
+    for path in (out_path, out_path + ".json", out_path + ".data"):
+        if os.path.isdir(path):
+            raise MindspecError(f"--out {path} is a directory: give the draft's file name, e.g. {path}/draft.onnx")
+        # only an earlier export's files are replaced (--out model.safetensors once replaced the weights)
+        if os.path.exists(path) and not path.endswith((".onnx", ".onnx.json", ".onnx.data")):
+            raise MindspecError(f"--out would replace {path}, which is not an exported draft's file: "
+                                f"give a path ending in .onnx")
     os.makedirs(out_dir, exist_ok=True)
     if os.path.exists(out_path + ".json"):
         os.remove(out_path + ".json")  # a half-finished export must not look valid

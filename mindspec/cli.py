@@ -3,6 +3,7 @@ on stderr, exit 2."""
 import argparse
 import json
 import os
+import re
 import signal
 import sys
 
@@ -17,8 +18,9 @@ MAX_BATCH = 8  # rows per step of serve and batch: on 2 CPU cores 8 rows cost ~1
 
 
 def _ids(text):
+    """Token ids separated by commas and/or spaces ("1,2,3", "1, 2, 3", "1 2 3")."""
     try:
-        return [int(x) for x in text.replace(" ", "").split(",") if x]
+        return [int(x) for x in re.split(r"[,\s]+", text) if x]
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a comma-separated list of token ids: {text!r}") from None
 
@@ -69,7 +71,8 @@ def add_model_args(p):
                    help="draft tokens per target call: a K bucket 1..8, or auto (dynamic K, the default)")
     p.add_argument("--dynamic-k", dest="k", action="store_const", const="auto",
                    help="choose K each step from measured costs and acceptance (the default; same as -k auto)")
-    p.add_argument("--max-seq", type=int, default=None, help="fix the KV-cache length (default: sized to the job)")
+    p.add_argument("--max-seq", type=_positive, default=None,
+                   help="fix the KV-cache length (default: sized to the job)")
     p.add_argument("--no-speculate", action="store_true", help="target-only decoding (the baseline)")
     p.add_argument("--device", choices=CHOICES, default=None,
                    help="auto (default: Ascend when an NPU is visible, else CPU), cpu or ascend; target and draft")
@@ -232,7 +235,7 @@ def parser():
     e.add_argument("--out", required=True, help="output .onnx path (manifest written to OUT.json)")
     e.add_argument("--quantize", choices=["int8", "q8", "q4"], default=None)
     e.add_argument("--layers", type=int, default=None, help="keep only the first N layers")
-    e.add_argument("--max-seq", type=int, default=None, help="default KV-cache length for the draft")
+    e.add_argument("--max-seq", type=_positive, default=None, help="default KV-cache length for the draft")
     e.add_argument("--dtype", choices=["float32", "float16"], default=None,
                    help="weights and KV cache (norms and logits stay float32; default float32, "
                         "float16 with --profile ascend)")

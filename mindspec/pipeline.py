@@ -1,8 +1,11 @@
 """`mindspec.load(...)` -> Pipeline: target + draft + tokenizer, and thin drivers over the one engine:
 generate (one request), generate_many (many, continuously batched) and run (what serve and batch
 use)."""
+import inspect
 import os
 from collections import deque
+
+import numpy as np
 
 from .checkpoint import Checkpoint
 from .engine import Engine
@@ -143,11 +146,20 @@ class Pipeline:
         if (prompt is None) == (prompt_ids is None):
             raise MindspecError("give exactly one of a prompt or prompt ids")
         if prompt_ids is not None:
+            if isinstance(prompt_ids, (str, bytes)) or not hasattr(prompt_ids, "__iter__") or not all(
+                    isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in prompt_ids):
+                raise MindspecError("prompt_ids must be a list of integer token ids")  # not 1.7 -> 1, True -> 1
             ids = [int(i) for i in prompt_ids]
             bad = [i for i in ids if not 0 <= i < self.cfg.vocab_size]
             if bad:
                 raise MindspecError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.cfg.vocab_size})")
         else:
+            if not isinstance(prompt, str):
+                raise MindspecError(f"prompt must be a string, got {type(prompt).__name__}")
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError:
+                raise MindspecError("prompt is not valid Unicode (a lone surrogate?)") from None
             text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
             ids = self.tokenizer.encode(text, limit)
         if not ids:
@@ -161,6 +173,9 @@ class Pipeline:
         logprobs=n: each generated token's logprob under the target (its raw logits) and its n most
         likely alternatives (0..TOP_LOGPROBS), in Result.logprobs."""
         k = self.spec.k_for_request(k)
+        stop = [stop] if isinstance(stop, str) else stop  # one stop string, not its characters
+        if stop is not None and not (isinstance(stop, (list, tuple)) and all(isinstance(s, str) for s in stop)):
+            raise MindspecError(f"stop must be a string or a list of strings, got {stop!r}")
         if seed is None and temperature:
             seed = int.from_bytes(os.urandom(7), "little")
         params = SamplingParams(temperature, top_k, top_p, repetition_penalty, draft_temperature, seed)
@@ -255,8 +270,22 @@ class Pipeline:
 
     def generate_many(self, requests, max_batch=None):
         """requests: a list of dicts of generate's keywords. Results in input order, up to max_batch
-        (default: the pipeline's) running at once. A request that fails has finish_reason "error"."""
-        reqs = [self.request(**dict(kw)) for kw in requests]
+        (default: the pipeline's) running at once. A bad entry raises MindspecError naming it before
+        anything runs; a request that fails while running has finish_reason "error"."""
+        if max_batch is not None and (type(max_batch) is not int or max_batch < 1):
+            raise MindspecError(f"max_batch must be an integer >= 1, got {max_batch!r}")
+        keywords = set(inspect.signature(self.request).parameters)
+        reqs = []
+        for i, kw in enumerate(requests):
+            if not isinstance(kw, dict):
+                raise MindspecError(f"requests[{i}] must be a dict of generate's keywords, got {type(kw).__name__}")
+            unknown = sorted(set(kw) - keywords, key=str)
+            try:
+                if unknown:
+                    raise MindspecError(f"unknown keyword {unknown[0]!r}")
+                reqs.append(self.request(**kw))
+            except MindspecError as e:
+                raise MindspecError(f"requests[{i}]: {e}") from None
         self.run(reqs, max_batch=max_batch or self.spec.max_batch)
         return [r.result() for r in reqs]
 

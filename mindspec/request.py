@@ -17,8 +17,9 @@ _seeds = None
 
 PROMPT_FIELDS = ("prompt", "messages", "prompt_ids")
 FIELDS = frozenset(PROMPT_FIELDS + (
-    "chat", "max_new_tokens", "max_tokens", "max_completion_tokens", "temperature", "top_k", "top_p", "repetition_penalty",
-    "draft_temperature", "seed", "stop", "do_sample", "k", "min_tokens", "ignore_eos", "stop_token_ids", "logprobs"))
+    "chat", "max_new_tokens", "max_tokens", "max_completion_tokens", "temperature", "top_k", "top_p",
+    "repetition_penalty", "draft_temperature", "seed", "stop", "do_sample", "k", "min_tokens", "ignore_eos",
+    "stop_token_ids", "logprobs"))
 ROLES = ("system", "user", "assistant")
 MAX_STOPS = 32  # stop strings a request may give (OpenAI allows 4, TGI 4 by default, vLLM any number)
 
@@ -92,7 +93,10 @@ def parse(req, defaults=None):
     limits = ("max_new_tokens", "max_tokens", "max_completion_tokens")  # the last two: OpenAI's names of it
     for f in limits[1:]:
         kw.pop(f, None)
-    name = next((f for f in limits if req.get(f) is not None), "max_new_tokens")
+    named = [f for f in limits if req.get(f) is not None]
+    if len(named) > 1:
+        raise RequestError(f"give one of {named[0]} or {named[1]}, not both", param=named[1])
+    name = named[0] if named else "max_new_tokens"
     n = req.get(name, kw.get("max_new_tokens"))
     if n is not None:
         if not _is_int(n) or n < 1:

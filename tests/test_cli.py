@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from mindspec.cli import _ids
 from mindspec.export import export_draft
 
 from conftest import make_tiny_checkpoint
@@ -116,6 +117,9 @@ def test_bad_requests(pair):
     _expect_error(gen + ["--prompt-ids", "5", "--max-new-tokens", "0"], "max_new_tokens")
     code, _, err = run(*gen, "--prompt-ids", "5,x")
     assert code == 2 and "not a comma-separated list" in err
+    assert _ids("1 2 3") == _ids("1, 2,3") == [1, 2, 3]  # "1 2 3" was the one id 123
+    code, _, err = run(*gen, "--prompt-ids", "5", "--max-seq", "0")  # was "unset"; -4 failed after loading
+    assert code == 2 and "--max-seq: must be an integer >= 1, got '0'" in err
 
 
 def test_export_bad_arguments(tiny_target, tmp_path):

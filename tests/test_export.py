@@ -408,6 +408,18 @@ def test_export_validation(tiny_target, tmp_path):
             export_draft(tiny_target[0], str(tmp_path / "x.onnx"), **kw)
     with pytest.raises(MindspecError, match="not found"):
         export_draft(str(tmp_path / "nope"), str(tmp_path / "x.onnx"))
+    with pytest.raises(MindspecError, match=r"--max-seq must be an integer from 1 to 4096 \(the model's positions\)"):
+        export_draft(tiny_target[0], str(tmp_path / "x.onnx"), max_seq=10 ** 7)
+    # --out once replaced whatever it named: here the weights of the checkpoint being exported
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_target[0], ckpt)
+    weights = next(ckpt.glob("*.safetensors"))
+    before = weights.read_bytes()
+    with pytest.raises(MindspecError, match="not an exported draft's file: give a path ending in .onnx"):
+        export_draft(str(ckpt), str(weights))
+    assert weights.read_bytes() == before
+    with pytest.raises(MindspecError, match="is a directory"):
+        export_draft(str(ckpt), str(tmp_path))
 
 
 def test_providers_and_options(monkeypatch):

@@ -144,3 +144,31 @@ def test_drafts_never_outrun_the_tokens_a_request_has_left(pipe):
     res = pipe.generate(prompt_ids=[5, 6, 7], max_new_tokens=3, k=8)
     assert res.token_ids == base.token_ids and res.stats["drafted"] == 1, res.stats
     assert res.stats["k_used"].get("1") == 1 and set(res.stats["k_used"]) <= {"0", "1"}, res.stats  # then a plain decode
+
+
+def test_library_calls_refuse_bad_input_naming_it(pipe):
+    """Found trying the library as a careless user: stop="ab" stopped at the first "a" or "b" (a string
+    iterated as stop strings); generate_many(max_batch=-1) spun forever; floats and booleans passed as
+    ids; an unknown keyword, a non-dict entry or a bad value raised TypeError/ValueError, or a one-line
+    error that did not say which entry."""
+    from mindspec.errors import MindspecError
+    text = pipe.generate(prompt_ids=[5, 6, 7], max_new_tokens=30, speculate=False).text
+    i = next(i for i in range(1, len(text) - 1) if text[i + 1] in text[:i] and text[i:i + 2] not in text[:i])
+    one = pipe.generate(prompt_ids=[5, 6, 7], max_new_tokens=30, stop=text[i:i + 2])
+    assert one.text == text[:i] and one.finish_reason == "stop"
+    for kw, words in [(dict(prompt=5), "prompt must be a string"), (dict(prompt="a\ud800"), "not valid Unicode"),
+                      (dict(prompt_ids="1,2"), "prompt_ids must be a list"),
+                      (dict(prompt_ids=[1.7, 2.2]), "prompt_ids must be a list"),
+                      (dict(prompt_ids=[True]), "prompt_ids must be a list"),
+                      (dict(prompt_ids=[5], stop=5), "stop must be a string or a list of strings")]:
+        with pytest.raises(MindspecError, match=words):
+            pipe.generate(**kw)
+    good = dict(prompt_ids=[5, 6], max_new_tokens=3)
+    for reqs, max_batch, words in [
+            ([good, dict(prompt_ids=[5], temperature=-1)], None, r"^requests\[1\]: temperature must be a number"),
+            ([good, dict(prompt_ids=[5], bogus=1)], None, r"^requests\[1\]: unknown keyword 'bogus'$"),
+            ([good, [("prompt", "x")]], None, r"^requests\[1\] must be a dict of generate's keywords, got list$"),
+            ([good], -1, r"^max_batch must be an integer >= 1, got -1$"), ([good], 0, "max_batch must be"),
+            ([good], "2", "max_batch must be")]:
+        with pytest.raises(MindspecError, match=words):
+            pipe.generate_many(reqs, max_batch=max_batch)

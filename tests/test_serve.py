@@ -15,6 +15,7 @@ import urllib.request
 import pytest
 
 import mindspec
+from mindspec.errors import MindspecError
 from mindspec.export import export_draft
 
 IDS = [5, 6, 7, 8]
@@ -570,6 +571,8 @@ def test_ignore_eos_and_min_tokens_rules(pipe):
     assert r.max_new_tokens == 64
     r = make(pipe, parse({"prompt_ids": [5] * 100}))
     assert r.max_new_tokens == MAX_SEQ - 100
+    with pytest.raises(MindspecError, match="give one of max_new_tokens or max_tokens, not both"):
+        parse({"prompt_ids": IDS, "max_tokens": 3, "max_new_tokens": 4})  # a batch line once silently took 4
 
 
 def _metrics(base):
