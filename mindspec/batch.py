@@ -106,15 +106,26 @@ def _parse(item, defaults):
 
 # ---- the job's identity ----
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+
+
 def job_id(defaults, model=None):
-    """A short hash of what makes a result valid: the target model (its checkpoint fingerprint; None =
-    the embedded default, fixed by its pinned package) and the request defaults (sampling flags,
-    --chat). Not the draft, K, --max-seq or --tp: they change speed, not the output's distribution."""
+    """A short hash of what makes a result valid: the target model (its checkpoint fingerprint and its
+    tokenizer, chat template and EOS, which decide the text as much; None = the embedded default, fixed
+    by its pinned package) and the request defaults (sampling flags, --chat). Not the draft, K, --max-seq
+    or --tp: they change speed, not the output's distribution."""
     if model is not None:
         from .checkpoint import Checkpoint
-        model = Checkpoint(model).fingerprint()
+        model = [Checkpoint(model).fingerprint()] + [_digest(os.path.join(model, f)) for f in TOKENIZER_FILES]
     blob = json.dumps({"model": model, "defaults": defaults}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def _digest(path):
+    if not os.path.exists(path):
+        return None
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()[:16]
 
 
 # ---- output ----

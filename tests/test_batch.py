@@ -8,6 +8,7 @@ import errno
 import fcntl
 import json
 import os
+import shutil
 import pty
 import re
 import signal
@@ -395,6 +396,30 @@ def _input(path, n):
 
 def _rec(rid, job, **body):
     return (json.dumps({"mindspec_batch": 1, "job": job, "id": rid, **body}) + "\n").encode()
+
+
+def test_the_job_is_another_when_the_tokenizer_template_or_eos_change(tiny_target, tmp_path):
+    """The job's hash covered the config and weights only: a job resumed with another tokenizer (same
+    weights) mixed its lines with the old one's under one job."""
+    model = tmp_path / "m"
+    shutil.copytree(tiny_target[0], model)
+    ids = {B.job_id(DEFAULTS, str(model))}
+    def swap_two_ids(text):
+        tok = json.loads(text)
+        vocab = tok["model"]["vocab"]
+        a, b = sorted(vocab)[10:12]
+        vocab[a], vocab[b] = vocab[b], vocab[a]
+        return json.dumps(tok)
+
+    for name, edit in [("tokenizer.json", swap_two_ids),
+                       ("tokenizer_config.json", lambda t: json.dumps(dict(json.loads(t), chat_template="{{ x }}"))),
+                       ("generation_config.json", lambda t: json.dumps(dict(json.loads(t), eos_token_id=3)))]:
+        path = model / name
+        before = path.read_text()
+        path.write_text(edit(before))
+        assert path.read_text() != before
+        ids.add(B.job_id(DEFAULTS, str(model)))
+    assert len(ids) == 4 and B.job_id(DEFAULTS, str(model)) == B.job_id(DEFAULTS, str(model))
 
 
 def test_duplicate_records_first_result_wins_and_failed_lines_are_retried(tmp_path, capsys, monkeypatch):
