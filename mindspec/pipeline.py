@@ -202,9 +202,9 @@ class Pipeline:
         (every graph of every batch bucket with every_graph) and measure the dynamic-K costs."""
         need = max(len(r.prompt_ids) + r.max_new_tokens for r in reqs) if reqs else 1
         positions = self.fixed_max_seq or self.spec.seq_for(need, self.max_positions)
-        self.ensure(positions, max_batch)
+        n = max_batch if every_graph else min(max_batch, max(len(reqs), 1))  # (no slot for rows that cannot come)
+        self.ensure(positions, n)
         t, spec = self.target, self.spec
-        n = max_batch if every_graph else min(max_batch, max(len(reqs), 1))
         sizes = [b for b in spec.batch_buckets if b <= spec.batch_bucket(n)]
         drafting = self.proposer is not None and (every_graph or any(r.speculate for r in reqs))
         greedy = every_graph or any(r.params.plain_greedy and r.logprobs is None for r in reqs)

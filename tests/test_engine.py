@@ -50,6 +50,15 @@ def test_every_row_of_a_continuous_batch_equals_the_target_alone(pipe, alone, k)
     assert all(r.stats["queue_s"] >= 0 for r in res) and max(r.stats["queue_s"] for r in res) > 0
 
 
+def test_slots_follow_the_requests_not_max_batch(pipe, alone):
+    """generate_many (and a batch job) sized the cache to max_batch slots however few requests came:
+    --max-batch 20000 over 2 lines took 4 GB of the tiny model's memory and 50 s."""
+    res = pipe.generate_many([dict(prompt_ids=p, max_new_tokens=n) for p, n in zip(PROMPTS[:2], MAX_NEW)],
+                             max_batch=64)
+    assert [r.token_ids for r in res] == alone[:2]
+    assert pipe.target.max_batch == 4  # the 4 slots it was loaded with: nothing rebuilt for 64
+
+
 def test_generate_many_runs_at_most_max_batch_rows_at_once(pipe, alone):
     """max_batch below the engine's slots: the rest wait (found: an engine with 4 slots ran every
     request given, whatever max_batch said)."""

@@ -172,3 +172,4 @@ def test_library_calls_refuse_bad_input_naming_it(pipe):
             ([good], "2", "max_batch must be")]:
         with pytest.raises(MindspecError, match=words):
             pipe.generate_many(reqs, max_batch=max_batch)
+
