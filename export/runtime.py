@@ -100,6 +100,11 @@ class DraftSession:
         S = self.max_seq if bound else self.max_seq + 1  # + 1: see the host buffers below
         self.session = start_session(onnx_path, make_session_options(threads, {"S": S}), providers(device, graph=bound))
         L, KV, D = m["num_layers"], m["num_key_value_heads"], m["head_dim"]
+        cache = {i.name: i.shape for i in self.session.get_inputs() if i.name.startswith("past_key_")}
+        shape = cache.get("past_key_0") or [None] * 4  # [B, KV, S, D]
+        if len(cache) != L or shape[1] != KV or shape[3] != D:  # a hand-edited manifest (its checksum: the graph's)
+            raise MindspecError(f"draft {onnx_path}: its manifest ({L} layers, {KV} KV heads of {D}) does not describe "
+                                f"its graph ({len(cache)} layers, {shape[1]} KV heads of {shape[3]})")
         self.vocab_size = m["vocab_size"]
         self.pos = np.zeros(self.max_batch, np.int64)                                    # [R] cached length
         self.device_kv = BoundCache(self.session, m, self.max_batch, self.max_seq, threads) if bound else None

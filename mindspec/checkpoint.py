@@ -103,6 +103,10 @@ class Checkpoint:
         missing = [n for n in need if n not in self._where]
         if missing:
             raise MindspecError(f"checkpoint {self.dir} is missing {len(missing)} tensors, e.g. {missing[0]}")
+        beyond = f"model.layers.{cfg.num_hidden_layers}."  # a config that drops layers would run without them
+        if any(n.startswith(beyond) for n in self._where):
+            raise MindspecError(f"checkpoint {self.dir} has weights of more layers than config.json's "
+                                f"num_hidden_layers {cfg.num_hidden_layers}")
 
     def get(self, name):
         if name == "lm_head.weight" and self.config.tie_word_embeddings and name not in self._where:

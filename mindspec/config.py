@@ -51,20 +51,32 @@ def config_from_dict(raw, where="config.json"):
     if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
         raise MindspecError(f"{where}: rope_scaling {scaling.get('rope_type', scaling.get('type'))!r} "
                             "is not supported (only plain RoPE)")
+    def count(key, default=None):
+        v = raw[key] if default is None else default if raw.get(key) is None else raw[key]
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:  # ("320", 0: a division by zero later)
+            raise MindspecError(f"{where}: {key} must be an integer >= 1, got {v!r}")
+        return v
+
+    def positive(key, default):
+        v = raw.get(key, default)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
+            raise MindspecError(f"{where}: {key} must be a number > 0, got {v!r}")  # (rope_theta -1: NaN)
+        return float(v)
+
     try:
-        heads = int(raw["num_attention_heads"])
-        hidden = int(raw["hidden_size"])
+        heads = count("num_attention_heads")
+        hidden = count("hidden_size")
         cfg = LlamaConfig(
-            vocab_size=int(raw["vocab_size"]),
+            vocab_size=count("vocab_size"),
             hidden_size=hidden,
-            intermediate_size=int(raw["intermediate_size"]),
-            num_hidden_layers=int(raw["num_hidden_layers"]),
+            intermediate_size=count("intermediate_size"),
+            num_hidden_layers=count("num_hidden_layers"),
             num_attention_heads=heads,
-            num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
-            head_dim=int(raw.get("head_dim") or hidden // heads),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
-            rope_theta=float(raw.get("rope_theta", 10000.0)),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            num_key_value_heads=count("num_key_value_heads", heads),
+            head_dim=count("head_dim", max(hidden // heads, 1)),
+            rms_norm_eps=positive("rms_norm_eps", 1e-5),
+            rope_theta=positive("rope_theta", 10000.0),
+            max_position_embeddings=count("max_position_embeddings", 2048),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=_eos_list(raw.get("eos_token_id")),

@@ -5,12 +5,20 @@ import os
 import shutil
 import sys
 
+from .errors import MindspecError
+
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_QUANT = "q8"  # measured: best accepted-per-cost draft of this model (README, tools/bench_core.py)
 
 
 def home():
-    return os.environ.get("MINDSPEC_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "mindspec")
+    """$MINDSPEC_HOME (default ~/.cache/mindspec), made if missing: models, compile cache, costs."""
+    path = os.environ.get("MINDSPEC_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "mindspec")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:  # a file of that name, or nowhere to make it
+        raise MindspecError(f"MINDSPEC_HOME {path} cannot be a directory: {e.strerror}") from None
+    return path
 
 
 def default_pair(quantize=DEFAULT_QUANT):

@@ -1,5 +1,6 @@
 """Checkpoint reading: sharded safetensors with an index, bf16 weights, shape checks."""
 import json
+import shutil
 
 import ml_dtypes
 import numpy as np
@@ -53,3 +54,19 @@ def test_missing_shard_and_wrong_shape_are_clear_errors(tmp_path):
     save_file(t2, str(tmp_path / "w" / "model.safetensors"))
     with pytest.raises(MindspecError, match="model.norm.weight has shape"):
         Checkpoint(d2).get("model.norm.weight")
+
+
+@pytest.mark.parametrize("change,words", [
+    (dict(num_attention_heads=0), "num_attention_heads must be an integer >= 1, got 0"),  # ZeroDivisionError
+    (dict(vocab_size="320"), "vocab_size must be an integer >= 1, got '320'"),  # taken as 320
+    (dict(rope_theta=-1), "rope_theta must be a number > 0, got -1"),  # NaN logits: every token EOS
+    (dict(num_hidden_layers=1), "weights of more layers than config.json's num_hidden_layers 1"),  # ran 1 of 2
+])
+def test_a_config_that_does_not_describe_the_weights_is_refused(tmp_path, tiny_target, change, words):
+    """Found trying broken checkpoints: each of these ran (or died with a traceback) instead."""
+    d = tmp_path / "c"
+    shutil.copytree(tiny_target[0], d)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(dict(cfg, **change)))
+    with pytest.raises(MindspecError, match=words):
+        Checkpoint(str(d))

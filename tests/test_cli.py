@@ -120,6 +120,9 @@ def test_bad_requests(pair):
     assert _ids("1 2 3") == _ids("1, 2,3") == [1, 2, 3]  # "1 2 3" was the one id 123
     code, _, err = run(*gen, "--prompt-ids", "5", "--max-seq", "0")  # was "unset"; -4 failed after loading
     assert code == 2 and "--max-seq: must be an integer >= 1, got '0'" in err
+    code, _, err = run(*gen, "--prompt-ids", "5", env={"MINDSPEC_HOME": target + "/config.json"})  # a file
+    assert code == 2 and err.strip().splitlines() == [  # was NotADirectoryError's traceback
+        f"mindspec: error: MINDSPEC_HOME {target}/config.json cannot be a directory: File exists"], err
 
 
 def test_export_bad_arguments(tiny_target, tmp_path):

@@ -375,6 +375,10 @@ def test_manifest_refusals(tmp_path, fp32_draft, q8_draft):
     _refused(str(bare), "not a mindspec-draft version 3 manifest")
     shutil.copy(fp32_draft + ".json", str(tmp_path / "text.onnx.json"))
     _refused(str(tmp_path / "text.onnx"), "not an ONNX file")
+    (tmp_path / "bare.onnx.json").write_text(json.dumps(dict(m, onnx_sha256=json.load(open(fp32_draft + ".json"))[
+        "onnx_sha256"], num_layers=5, head_dim=8)))  # was onnxruntime's RuntimeError on the first call
+    _refused(str(bare), "its manifest (5 layers, 2 KV heads of 8) does not describe its graph "
+                        "(2 layers, 2 KV heads of 16)")
 
 
 def test_old_format_refused(tmp_path, fp32_draft):
