@@ -153,6 +153,10 @@ def _seed(a):
 
 
 def cmd_generate(a):
+    if a.logprobs is not None and not a.json:  # (they were computed and dropped)
+        raise MindspecError("--logprobs needs --json (the logprobs are written in its object)")
+    if a.chat and a.prompt_ids is not None:
+        raise MindspecError("--chat wraps a text prompt in the chat template: it does not apply to --prompt-ids")
     pipe = load_pipeline(a)
     stream = None if a.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     res = pipe.generate(prompt=a.prompt, prompt_ids=a.prompt_ids, chat=a.chat, on_text=stream, logprobs=a.logprobs,
