@@ -195,10 +195,12 @@ def test_second_token_is_lossless_beside_other_rows(pipe, tiny_target):
     p2 = sum(p1[a] * soft(reference_logits(ck.config, ck.get, prompt + [int(a)])[-1]) for a in np.flatnonzero(p1 > 1e-9))
     kws = []
     for s in range(n):
-        kws.append(dict(prompt_ids=prompt, max_new_tokens=2, temperature=T, seed=5000 + s, k=2))
+        # 3: two tokens left after the prefill's first, so the step deciding the second drafts (capped to 1)
+        kws.append(dict(prompt_ids=prompt, max_new_tokens=3, temperature=T, seed=5000 + s, k=2))
         if s % 8 == 0:
             kws.append(dict(prompt_ids=PROMPTS[s % 8], max_new_tokens=6))
     res = pipe.generate_many(kws)
+    assert all(r.stats["drafted"] >= 1 for r, kw in zip(res, kws) if "seed" in kw)  # decided by accept/reject
     seen = np.bincount([r.token_ids[1] for r, kw in zip(res, kws) if "seed" in kw], minlength=len(p2)).astype(float)
     big = p2 * n >= 5
     obs, exp = np.append(seen[big], seen[~big].sum()), np.append(p2[big], p2[~big].sum())

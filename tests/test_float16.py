@@ -97,8 +97,10 @@ def test_float16_sampling_is_lossless(pipe16, drafts):
     p2 = sum(p1[a] * soft(pipe16.target.logits(0, 0, prompt + [int(a)])[-1].astype(np.float64)) for a in top)
     p2 /= p2.sum()
     seen = np.zeros(len(p2))
-    for s in range(n):
-        seen[pipe16.generate(prompt_ids=prompt, max_new_tokens=2, temperature=T, k=2, seed=500 + s).token_ids[1]] += 1
+    for s in range(n):  # 3 tokens: the step deciding the second drafts (the prefill gives the first)
+        res = pipe16.generate(prompt_ids=prompt, max_new_tokens=3, temperature=T, k=2, seed=500 + s)
+        assert res.stats["drafted"] >= 1
+        seen[res.token_ids[1]] += 1
     big = p2 * n >= 5
     obs, exp = np.append(seen[big], seen[~big].sum()), np.append(p2[big], p2[~big].sum()) * n
     assert chisquare(obs, exp).pvalue > 1e-3, (obs, exp)
