@@ -51,6 +51,7 @@ def config_from_dict(raw, where="config.json"):
     if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
         raise MindspecError(f"{where}: rope_scaling {scaling.get('rope_type', scaling.get('type'))!r} "
                             "is not supported (only plain RoPE)")
+
     def count(key, default=None):
         v = raw[key] if default is None else default if raw.get(key) is None else raw[key]
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:  # ("320", 0: a division by zero later)
