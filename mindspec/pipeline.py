@@ -10,6 +10,7 @@ import numpy as np
 from .checkpoint import Checkpoint
 from .engine import Engine
 from .errors import MindspecError
+from .request import checked_text, stop_strings
 from .sampling import SamplingParams
 from .sequence import Request, Result
 from .device import detect_device
@@ -156,10 +157,7 @@ class Pipeline:
         else:
             if not isinstance(prompt, str):
                 raise MindspecError(f"prompt must be a string, got {type(prompt).__name__}")
-            try:
-                prompt.encode("utf-8")
-            except UnicodeEncodeError:
-                raise MindspecError("prompt is not valid Unicode (a lone surrogate?)") from None
+            checked_text("prompt", prompt)
             text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
             ids = self.tokenizer.encode(text, limit)
         if not ids:
@@ -173,9 +171,7 @@ class Pipeline:
         logprobs=n: each generated token's logprob under the target (its raw logits) and its n most
         likely alternatives (0..TOP_LOGPROBS), in Result.logprobs."""
         k = self.spec.k_for_request(k)
-        stop = [stop] if isinstance(stop, str) else stop  # one stop string, not its characters
-        if stop is not None and not (isinstance(stop, (list, tuple)) and all(isinstance(s, str) for s in stop)):
-            raise MindspecError(f"stop must be a string or a list of strings, got {stop!r}")
+        stop = stop_strings(stop)
         if seed is None and temperature:
             seed = int.from_bytes(os.urandom(7), "little")
         params = SamplingParams(temperature, top_k, top_p, repetition_penalty, draft_temperature, seed)

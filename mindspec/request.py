@@ -36,13 +36,26 @@ def _is_int(v):
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _text(name, v):
+def checked_text(name, v):
     """A string the tokenizer can take: JSON may carry lone surrogates (\\ud800) that UTF-8 cannot."""
     try:
         v.encode("utf-8")
     except UnicodeEncodeError:
         raise RequestError(f"{name} is not valid Unicode text (a lone surrogate?)") from None
     return v
+
+
+def stop_strings(stop):
+    """stop (None, a string or a list of strings) as a list: a string is one stop string, not its
+    characters; at most MAX_STOPS (each is looked for after every token, on the engine's thread)."""
+    if stop is None:
+        return None
+    stop = [stop] if isinstance(stop, str) else stop
+    if not (isinstance(stop, (list, tuple)) and all(isinstance(s, str) for s in stop)):
+        raise RequestError(f"stop must be a string or a list of strings, got {stop!r}")
+    if len(stop) > MAX_STOPS:
+        raise RequestError(f"stop: at most {MAX_STOPS} strings, got {len(stop)}", param="stop")
+    return [checked_text("stop", s) for s in stop]
 
 
 def _messages(v):
@@ -63,7 +76,7 @@ def _messages(v):
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
             raise RequestError(f"messages[{i}].content must be a string")
-        out.append({"role": m["role"], "content": _text(f"messages[{i}].content", content)})
+        out.append({"role": m["role"], "content": checked_text(f"messages[{i}].content", content)})
     return out
 
 
@@ -82,7 +95,7 @@ def parse(req, defaults=None):
     if src == "prompt":
         if not isinstance(req["prompt"], str) or not req["prompt"]:
             raise RequestError("prompt must be a non-empty string")
-        kw["prompt"] = _text("prompt", req["prompt"])
+        kw["prompt"] = checked_text("prompt", req["prompt"])
     elif src == "messages":
         kw["messages"] = _messages(req["messages"])
     else:
@@ -109,15 +122,8 @@ def parse(req, defaults=None):
     ids = kw.get("stop_token_ids")
     if ids is not None and not (isinstance(ids, list) and all(_is_int(i) for i in ids)):
         raise RequestError("stop_token_ids must be a list of integer token ids")
-    stop = kw.get("stop")
-    if isinstance(stop, str):
-        kw["stop"] = [stop]
-    elif stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
-        raise RequestError("stop must be a string or a list of strings")
-    if len(kw.get("stop") or ()) > MAX_STOPS:  # each is looked for after every token, on the engine's thread
-        raise RequestError(f"stop: at most {MAX_STOPS} strings, got {len(kw['stop'])}", param="stop")
-    for s in kw.get("stop") or ():
-        _text("stop", s)
+    if kw.get("stop") is not None:
+        kw["stop"] = stop_strings(kw["stop"])
     if "k" in kw and kw["k"] != "auto" and not _is_int(kw["k"]):
         raise RequestError(f"k must be an integer K bucket or \"auto\", got {kw['k']!r}")
     for flag in ("chat", "do_sample", "ignore_eos"):

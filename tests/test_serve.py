@@ -137,8 +137,8 @@ def test_greedy_equals_target_only(server, pipe):
 
 
 def test_greedy_with_a_repetition_penalty_is_the_targets_own(server, pipe):
-    """A greedy request with a penalty is not plain greedy: its draft once drew uniforms from the seed only
-    sampled requests get (None), a 500 for it and for every other row of its draft call."""
+    """A greedy request with a penalty is not plain greedy: its draft once drew uniforms keyed by a seed
+    that only sampled requests are given (None here), a 500 for it and for every other row of its draft call."""
     base = server[0]
     ref = pipe.generate(prompt_ids=IDS, max_new_tokens=N, repetition_penalty=1.3, speculate=False)
     assert pipe.generate(prompt_ids=IDS, max_new_tokens=N, repetition_penalty=1.3).token_ids == ref.token_ids
