@@ -221,7 +221,7 @@ class Engine:
 
     def _decode(self, running, events):
         """One draft + verify call over the running rows (K = 0: a plain decode call)."""
-        t0, cold = time.perf_counter(), self.target.cold_runs
+        t0 = time.perf_counter()
         # drafts that still fit the cache, and that the row may still commit (a step commits up to K + 1)
         caps = [min(self.target.max_seq - r.pos, r.max_new_tokens - len(r.output)) - 1 for r in running]
         n_valid = self._choose(running, caps)
@@ -256,9 +256,6 @@ class Engine:
         acc, nxt, *lps = self.target.step(ids, [r.slot for r in running], [r.pos for r in running], n_valid, s,
                                           logprobs=want_lp)
         t2 = time.perf_counter()
-        steady = self.target.cold_runs == cold  # a graph's first run is a one-off spike, not what a step costs
-        if self.dynamic is not None and any(r.policy is not None for r in running) and steady:
-            self.dynamic.observe(self.spec.batch_bucket(len(running)), K, t1 - t0, t2 - t1)
         for i, r in enumerate(running):
             n = int(acc[i])
             r.pos += 1 + n

@@ -16,7 +16,6 @@ from .sequence import Request, Result
 from .device import detect_device
 from .spec import BATCH_BUCKETS, K_BUCKETS, PLAN_DTYPE, TOP_LOGPROBS, SpecConfig, cache_positions, resolve_dtype
 from .tokenizer import Tokenizer
-from mindspec.graphs.tp import tp_size
 
 __all__ = ["Pipeline", "Result", "load"]
 
@@ -221,14 +220,10 @@ class Pipeline:
         if not all(b in have for b in sizes):
             from .policy import Costs
             new = measure_costs(self, [b for b in sizes if b not in have])
-            self.costs = Costs({**have, **new}, getattr(have, "unit_s", None) or new.unit_s,
-                               getattr(have, "feed", None) or new.feed)
+            self.costs = Costs({**have, **new}, getattr(have, "feed", None) or new.feed)
         prior = self.engine.dynamic
-        # under tensor parallelism every rank must pick the same K (the same graphs, matching collectives):
-        # each rank would learn its own in-loop timings, so ranks keep the shared measured costs (unit None)
-        unit = getattr(self.costs, "unit_s", None) if tp_size() == 1 else None
-        self.engine.dynamic = DynamicK(self.spec.k_buckets, self.costs, unit_s=unit,
-                                       feed=getattr(self.costs, "feed", 0.0))
+        # every tensor-parallel rank picks the same K from the same shared costs and acceptance
+        self.engine.dynamic = DynamicK(self.spec.k_buckets, self.costs, feed=getattr(self.costs, "feed", 0.0))
         if prior is not None:
             self.engine.dynamic.seen_acc, self.engine.dynamic.seen_trials = prior.seen_acc, prior.seen_trials
 

@@ -118,7 +118,12 @@ class FixedK:
 class DynamicK:
     """K per step for the whole batch, from each request's acceptance estimate and the measured costs
     of the batch's bucket: costs = {B: (c, v)}, c[K] = the K draft calls of a step over B rows, v[K] =
-    one verify of B rows (v[0] = a plain decode), all in units of one batch-1 decode.
+    one verify of B rows (v[0] = a plain decode), all in units of one batch-1 decode. The costs stay as
+    measured: timed in the loop, every (B, K) came out at the same fraction of them (draft and verify,
+    0.75-0.79 at B=1 and 8 on an AVX2-only CPU an hour later) — the machine's speed drifts, the ratios
+    keep, and the choice depends on the ratios only. Learning from the loop moved only the costs of the
+    K that ran, so a drift made that K look dearer or cheaper than the others (the batch bench's B=8
+    cells drafted after earlier cells had run, where a fresh process does not).
 
     Each request starts from the acceptance seen over this policy's past requests (α0 before any),
     so a short request does not spend its first steps re-learning how good the draft is. A plain
@@ -130,12 +135,8 @@ class DynamicK:
 
     MIN_SEEN = 8  # draft tokens judged before past acceptance replaces α0 as the prior
 
-    LEARN = 0.2  # weight of one step's in-loop timing in the costs (see observe)
-
-    def __init__(self, buckets, costs, alpha0=0.8, decay=0.7, prior_weight=2.0, probe_every=16, unit_s=None,
-                 feed=0.0):
+    def __init__(self, buckets, costs, alpha0=0.8, decay=0.7, prior_weight=2.0, probe_every=16, feed=0.0):
         self.buckets = tuple(sorted(b for b in buckets if b > 0))
-        self.unit_s = unit_s  # seconds of one batch-1 decode: turns in-loop timings into cost units
         self.feed = feed  # the draft's catch-up, per token of one row (a row's catch-up is a call of its own)
         self.costs = {int(B): tuple({int(k): float(x) for k, x in d.items()} for d in (c, v))
                       for B, (c, v) in costs.items()}
@@ -212,20 +213,6 @@ class DynamicK:
         self.plain_steps = self.plain_steps + 1 if k == 0 else 0
         return k
 
-    def observe(self, B, k, draft_s, verify_s):
-        """Fold one step's in-loop timings (seconds: its K draft calls, its target call) into the costs
-        of batch B: what the engine really pays there (Python per row, copies, the other thread pool,
-        a busier machine) moves the model, so K follows it — at a large batch the measured verify cost
-        alone said drafting pays when it no longer did."""
-        if not self.unit_s or B not in self.costs:
-            return
-        c, v = self.costs[B]
-        w = self.LEARN
-        if k:
-            c = {**c, k: (1 - w) * c[k] + w * draft_s / self.unit_s}
-        v = {**v, k: (1 - w) * v[k] + w * verify_s / self.unit_s}
-        self.costs[B] = (c, v)
-
     def update(self, est, k, n_accepted):
         est.update(k, n_accepted, self.prior())
         if k:
@@ -236,12 +223,11 @@ class DynamicK:
 # -- cost measurement ------------------------------------------------------------------------------
 
 class Costs(dict):
-    """{B: (c, v)} in units of one batch-1 decode, which took `unit_s` seconds when measured; `feed`: the
-    draft's catch-up per token of one row."""
+    """{B: (c, v)} in units of one batch-1 decode; `feed`: the draft's catch-up per token of one row."""
 
-    def __init__(self, entries, unit_s=None, feed=0.0):
+    def __init__(self, entries, feed=0.0):
         super().__init__(entries)
-        self.unit_s, self.feed = unit_s, feed
+        self.feed = feed
 
 
 def _cost_key(pipe, B):
@@ -287,28 +273,13 @@ def _context(t):
     return max(1, min(COST_CONTEXT, t.max_seq - max(t.k_buckets) - 2))
 
 
-def _time_unit(t, s, reps):
-    """Seconds of one batch-1 plain decode now, timed as _measure_costs times it (alternating with a
-    draft call; median of reps after a first run, which may be the graph's first)."""
-    import numpy as np
-    ctx = _context(t)
-    times = []
-    for _ in range(reps + 1):
-        s.forward([[5]])
-        s.reset(0)
-        t0 = time.perf_counter()
-        t.step(np.full((1, 1), 6), [0], [ctx], [0])
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:])
-
-
 def _measure_costs(pipe, batch_sizes, reps=5, cache=True):
     """{B: (c, v)}: per batch size B, the cost of a step's K draft calls over B rows (c[K]) and of one
     verify call of each K bucket over B rows (v[K]; v[0] a plain decode), in units of one batch-1 decode,
     measured on the loaded pipeline at ~COST_CONTEXT positions, median of `reps`. Draft and target
     calls alternate as in the engine (on 2 cores their thread pools interfere: a draft step measured
     alone is cheaper than inside the loop). Cached on disk per (target weights, draft file, cache
-    size, batch size, device) in home()/costs.json; a cached entry's unit is timed again (_time_unit).
+    size, batch size, device) in home()/costs.json.
     Uses slots 0..B-1 and draft rows 0..B-1: only while the engine is idle."""
     if pipe.proposer is None:
         raise MindspecError("measuring the draft/target cost ratio needs a draft")
@@ -318,11 +289,9 @@ def _measure_costs(pipe, batch_sizes, reps=5, cache=True):
     t, s = pipe.target, pipe.proposer.session
     if all(h and isinstance(h["c"], dict) and "feed" in h and all(str(k) in h["c"] for k in t.k_buckets)
            and all(str(k) in h["v"] for k in (0,) + t.k_buckets) for h in hits.values()):
-        # the ratios keep, the machine's speed does not (here it moved 20-70% from one day to the next):
-        # DynamicK.observe divides in-loop timings by the unit, and a stale one would make the K being
-        # run look cheaper (or dearer) than the others by the whole drift, so the unit is timed again
+        # ratios: the machine's speed drifts (20-70% from one day to the next here), they keep
         return Costs({B: tuple({int(k): x for k, x in h[n].items()} for n in "cv") for B, h in hits.items()
-                      if B in batch_sizes}, _time_unit(t, s, reps), hits[1]["feed"])
+                      if B in batch_sizes}, hits[1]["feed"])
     ctx = _context(t)
     prompt = [i % t.cfg.vocab_size for i in range(7, 7 + ctx)]  # content does not change the cost
     t.warmup(t.graph_names(sizes, (0,) + t.k_buckets))
@@ -380,4 +349,4 @@ def _measure_costs(pipe, batch_sizes, reps=5, cache=True):
                                        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
     if cache and is_rank0():
         _write_costs(entries)
-    return Costs({B: out[B] for B in batch_sizes}, unit, feed)
+    return Costs({B: out[B] for B in batch_sizes}, feed)

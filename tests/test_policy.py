@@ -88,18 +88,6 @@ def test_batch_k_switches_speculation_off_where_verify_stops_paying():
     rows = [p.start() for _ in range(8)]
     assert p.choose(rows[:1], [100], B=1) > 0
     assert p.choose(rows, [100] * 8, B=8) == 0
-    # what the engine really pays moves the model: a verify of 8 rows that costs 3.9 decodes in the loop
-    # (measured alone: 2.6) turns drafting off at a batch where the measured costs still said it pays
-    q = DynamicK(BUCKETS, {8: (calls(0.5), {0: 1.2, 1: 2.0, 2: 2.2, 4: 2.4, 8: 3.5})}, alpha0=0.9, unit_s=0.05)
-    rows = [q.start() for _ in range(8)]
-    assert q.choose(rows, [100] * 8, B=8) > 0
-    for _ in range(10):
-        q.observe(8, 4, draft_s=4 * 0.5 * 0.05, verify_s=3.9 * 0.05)
-        q.observe(8, 2, draft_s=2 * 0.5 * 0.05, verify_s=3.6 * 0.05)
-        q.observe(8, 1, draft_s=0.5 * 0.05, verify_s=3.0 * 0.05)
-        q.observe(8, 8, draft_s=8 * 0.5 * 0.05, verify_s=5.0 * 0.05)
-    assert q.costs[8][1][4] == pytest.approx(3.9, rel=0.15)
-    assert q.choose(rows, [100] * 8, B=8) == 0
     # a batch's K maximises the summed expected tokens over the cost of the step
     alphas, caps = [0.9, 0.2, 0.6], [100, 100, 1]
     c, v = costs[8]
@@ -279,11 +267,10 @@ def test_measure_costs_and_cache(pipe, tmp_path, monkeypatch):
     assert len(saved) == 2  # one entry per batch size; the entry of a draft file that is gone was dropped
     for entry in saved.values():
         entry["c"] = {k: 123.0 for k in entry["c"]}  # a cached value is returned without measuring again
-        entry["decode_s"] = 123.0  # ... but the unit is this machine's now (its speed drifts)
         entry["feed"] = 0.5
     (tmp_path / "costs.json").write_text(json.dumps(saved))
     again = measure_costs(pipe, (2,))
-    assert again[2][0] == {1: 123.0, 2: 123.0, 4: 123.0} and 0 < again.unit_s < 5 and again.feed == 0.5
+    assert again[2][0] == {1: 123.0, 2: 123.0, 4: 123.0} and again.feed == 0.5
     assert list(pipe.proposer.session.pos) == [0, 0]
     for entry in saved.values():
         entry["c"] = 0.5  # the format before: one draft call's cost, not each K's; measured again
@@ -300,18 +287,3 @@ def test_measured_verify_costs_are_at_least_decode_and_monotone(pipe, tmp_path, 
     for _, v in measure_costs(pipe, (1, 2), reps=1, cache=False).values():
         ks = sorted(v)
         assert ks[0] == 0 and all(v[a] <= v[b] for a, b in zip(ks, ks[1:]))
-
-
-def test_tensor_parallel_ranks_learn_no_costs_in_the_loop(pipe, monkeypatch):
-    """Each rank times its own steps: costs learnt from them would differ between ranks, and so could the
-    K each picks (different graphs, mismatched collectives). Under TP the ranks keep the shared measured
-    costs; alone, the engine learns from its steps."""
-    from mindspec.policy import Costs
-    costs = {1: (calls(0.1), {0: 1.0, 1: 1.05, 2: 1.1, 4: 1.2}), 2: (calls(0.2), {0: 1.1, 1: 1.2, 2: 1.3, 4: 1.4})}
-    for size, learns in ((2, False), (1, True)):
-        monkeypatch.setattr("mindspec.pipeline.tp_size", lambda: size)
-        pipe.costs, pipe.engine.dynamic = Costs(dict(costs), unit_s=0.01), None
-        pipe._dynamic_for([1, 2])
-        d = pipe.engine.dynamic
-        d.observe(2, 4, 0.5, 0.5)
-        assert (d.costs[2] != costs[2]) == learns
