@@ -373,6 +373,11 @@ def main(argv=None):
     except SystemExit:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
         raise
+    if getattr(args, "nodes", None) is not None:  # checked before any path (a --dp launcher ran replicas 6, 7 of 2)
+        from .tp import check_node_rank
+        code = _exit_code(lambda: check_node_rank(args.nodes, args.node_rank))
+        if code:
+            return code
     if getattr(args, "device", None):  # msrun's ranks and the replicas detect the device the same way
         os.environ[DEVICE_ENV] = args.device
     if _dp_launcher(args):

@@ -88,11 +88,15 @@ class Topology(NamedTuple):
         return range(self.node_rank * self.local, (self.node_rank + 1) * self.local)
 
 
+def check_node_rank(nodes, node_rank):
+    if nodes < 1 or not 0 <= node_rank < nodes:
+        raise MindspecError(f"--node-rank must be in 0..{nodes - 1} for --nodes {nodes}, got {node_rank}")
+
+
 def topology(size, nodes=1, node_rank=0, master_addr=None, master_port=None):
     """A checked Topology of the command-line flags (--tp/--nodes/--node-rank/--master-addr/--master-port)."""
     size, nodes = int(size), int(nodes)
-    if nodes < 1 or not 0 <= node_rank < nodes:
-        raise MindspecError(f"--node-rank must be in 0..{nodes - 1} for --nodes {nodes}, got {node_rank}")
+    check_node_rank(nodes, node_rank)
     if size % nodes:
         raise MindspecError(f"{size} ranks do not split evenly over --nodes {nodes}: every node runs the same number")
     if master_port is not None and not 1024 <= master_port <= 65535:

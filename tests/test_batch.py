@@ -680,7 +680,10 @@ def test_scale_out_flags_that_cannot_work_exit_2_with_one_line(setup, tmp_path):
     _expect_usage_error(setup, out, "--nodes > 1 needs --master-addr", extra=["--tp", "2", "--nodes", "2"])
     _expect_usage_error(setup, out, "6 ranks do not split evenly over --nodes 4",
                         extra=["--tp", "6", "--nodes", "4", "--master-addr", "10.0.0.1", "--master-port", "29500"])
-    assert not out.exists()
+    # one machine: a launcher ran replicas 6 and 7 of a --dp 2 job (their parts never merged)
+    _expect_usage_error(setup, out, "--node-rank must be in 0..0 for --nodes 1, got 3",
+                        extra=["--dp", "2", "--node-rank", "3"])
+    assert not out.exists() and not list(tmp_path.glob("o.jsonl.part*"))
     (tmp_path / "o.jsonl.part1of3").write_bytes(b"")  # an unfinished --dp 3 run
     _expect_usage_error(setup, out, "unmerged parts of a --dp 3 run", extra=["--dp", "2"])
     _expect_usage_error(setup, out, "unmerged parts of a --dp 3 run")  # nor without --dp

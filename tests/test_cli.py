@@ -122,6 +122,7 @@ def test_bad_requests(pair):
     assert _ids("1 2 3") == _ids("1, 2,3") == [1, 2, 3]  # "1 2 3" was the one id 123
     _expect_error(gen + ["--prompt-ids", "5", "--logprobs", "2"], "--logprobs needs --json")  # were dropped
     _expect_error(gen + ["--prompt-ids", "5", "--chat"], "it does not apply to --prompt-ids")  # was ignored
+    _expect_error(gen + ["--prompt-ids", "5", "--node-rank", "1"], "--node-rank must be in 0..0")  # was ignored
     code, _, err = run(*gen, "--prompt-ids", "5", "--max-seq", "0")  # was "unset"; -4 failed after loading
     assert code == 2 and "--max-seq: must be an integer >= 1, got '0'" in err
     code, _, err = run(*gen, "--prompt-ids", "5", env={"MINDSPEC_HOME": target + "/config.json"})  # a file
