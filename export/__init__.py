@@ -39,6 +39,9 @@ def export_draft(model_dir, out_path, quantize=None, layers=None, max_seq=None, 
                             f"positions), got {max_seq!r}")
     out_path = os.path.abspath(out_path)
     out_dir = os.path.dirname(out_path)
+    if out_path.endswith((".onnx.json", ".onnx.data")):  # would replace a draft's manifest (or data) with a model
+        raise MindspecError(f"--out {out_path} is the {out_path[-4:]} file of {os.path.basename(out_path[:-5])}: "
+                            f"give the .onnx path")
     for path in (out_path, out_path + ".json", out_path + ".data"):
         if os.path.isdir(path):
             raise MindspecError(f"--out {path} is a directory: give the draft's file name, e.g. {path}/draft.onnx")

@@ -6,6 +6,7 @@ weights are dequantized with gguf.quants, so the output is the quantized model i
 import importlib.util
 import json
 import os
+import shutil
 
 import numpy as np
 
@@ -175,8 +176,14 @@ def _build_tokenizer(meta):
 
 
 def convert_gguf(gguf_path, out_dir):
-    """Write a HF Llama checkpoint directory (float32) converted from a llama.cpp GGUF file."""
+    """Write a HF Llama checkpoint directory (float32) converted from a llama.cpp GGUF file: a new (or
+    empty) directory, written whole into OUT.partial and renamed, so a killed conversion never leaves a
+    half-written model (into a model directory, it replaced the config beside the old weights)."""
     from gguf import GGUFReader
+    if os.path.isfile(out_dir):
+        raise MindspecError(f"--out {out_dir} is a file: give a new directory")
+    if os.path.isdir(out_dir) and os.listdir(out_dir):
+        raise MindspecError(f"--out {out_dir} is not empty: give a new directory")
     try:
         reader = GGUFReader(gguf_path, "r")
     except FileNotFoundError:
@@ -191,11 +198,20 @@ def convert_gguf(gguf_path, out_dir):
     tok, tcfg = _build_tokenizer(meta)  # before the slow dequantization: fail fast
     tensors = _tensors(reader, cfg, gguf_path)
     cfg["tie_word_embeddings"] = "lm_head.weight" not in tensors
-    write_checkpoint(out_dir, cfg, tensors)
-    tok.save(os.path.join(out_dir, "tokenizer.json"))
-    with open(os.path.join(out_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
-        json.dump(tcfg, f, indent=2, ensure_ascii=False)
-    gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id") if cfg[k] is not None}
-    with open(os.path.join(out_dir, "generation_config.json"), "w", encoding="utf-8") as f:
-        json.dump(gen, f, indent=2)
+    tmp = os.path.normpath(out_dir) + ".partial"
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)  # a killed conversion's
+        write_checkpoint(tmp, cfg, tensors)
+        tok.save(os.path.join(tmp, "tokenizer.json"))
+        with open(os.path.join(tmp, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+            json.dump(tcfg, f, indent=2, ensure_ascii=False)
+        gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id") if cfg[k] is not None}
+        with open(os.path.join(tmp, "generation_config.json"), "w", encoding="utf-8") as f:
+            json.dump(gen, f, indent=2)
+        if os.path.isdir(out_dir):
+            os.rmdir(out_dir)  # empty (checked above)
+        os.replace(tmp, out_dir)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise MindspecError(f"cannot write {out_dir}: {e.strerror or e}") from None
     return out_dir

@@ -29,11 +29,8 @@ def default_pair(quantize=DEFAULT_QUANT):
     target = os.path.join(home(), "models", DEFAULT_NAME)
     if not os.path.exists(os.path.join(target, "tokenizer_config.json")):
         print(f"mindspec: converting the embedded {DEFAULT_NAME} into {target} (once)", file=sys.stderr)
-        tmp = target + ".partial"
-        shutil.rmtree(tmp, ignore_errors=True)
-        convert_gguf(find_default_gguf(), tmp)
-        shutil.rmtree(target, ignore_errors=True)
-        os.replace(tmp, target)  # a killed conversion never leaves a half-written model behind
+        shutil.rmtree(target, ignore_errors=True)  # an incomplete one (no tokenizer_config.json)
+        convert_gguf(find_default_gguf(), target)  # written whole or not at all
     draft = os.path.join(target, f"draft-{quantize}.onnx")
     version = _draft_version(draft)
     if version != VERSION:

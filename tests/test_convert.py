@@ -178,3 +178,25 @@ def test_find_default_gguf_missing(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(MindspecError, match="setup"):
         find_default_gguf()
+
+
+def test_out_is_a_new_directory_written_whole(converted, tmp_path):
+    """`convert --out` an existing model directory replaced its config and tokenizer and wrote a
+    model.safetensors beside its shards (a checkpoint neither could load); a file or an uncreatable path
+    was a traceback. Now a non-empty directory or a file is refused untouched, and a conversion is
+    written whole into OUT.partial and renamed: never a half-written model."""
+    gguf = os.path.join(os.path.dirname(converted[0]), "tiny.gguf")
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    for out, why in ((model, "is not empty"), (model / "config.json", "is a file"),
+                     (tmp_path / "model" / "config.json" / "x", "cannot write")):
+        with pytest.raises(MindspecError, match=why) as e:
+            convert_gguf(gguf, str(out))
+        assert "\n" not in str(e.value) and str(out) in str(e.value)
+    assert [p.name for p in model.iterdir()] == ["config.json"] and (model / "config.json").read_text() == "{}"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert convert_gguf(gguf, str(empty)) == str(empty)
+    assert sorted(p.name for p in empty.iterdir()) == sorted(os.listdir(converted[0]))
+    assert not list(tmp_path.glob("*.partial"))

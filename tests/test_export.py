@@ -424,6 +424,13 @@ def test_export_validation(tiny_target, tmp_path):
     assert weights.read_bytes() == before
     with pytest.raises(MindspecError, match="is a directory"):
         export_draft(str(ckpt), str(tmp_path))
+    # ... and an export's manifest: --out e.onnx.json wrote a model over e.onnx's manifest (e.onnx unusable)
+    for suffix in (".onnx.json", ".onnx.data"):
+        side = tmp_path / f"e{suffix}"
+        side.write_text("{}")
+        with pytest.raises(MindspecError, match=f"is the {suffix[6:]} file of e.onnx: give the .onnx path"):
+            export_draft(str(ckpt), str(side))
+        assert side.read_text() == "{}"
 
 
 def test_providers_and_options(monkeypatch):
