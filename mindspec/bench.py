@@ -24,11 +24,15 @@ def load_prompts(spec):
     if spec.endswith(".jsonl") or os.path.isfile(spec):
         sets, default = {}, os.path.splitext(os.path.basename(spec))[0]
         try:
-            with open(spec, encoding="utf-8") as f:
+            with open(spec, "rb") as f:
                 lines = f.read().splitlines()
         except OSError as e:
             raise MindspecError(f"cannot read prompts file {spec}: {e.strerror}") from None
         for n, line in enumerate(lines, 1):
+            try:
+                line = line.decode("utf-8")
+            except UnicodeDecodeError:
+                raise MindspecError(f"{spec}: line {n} is not UTF-8 text") from None
             if not line.strip():
                 continue
             try:
@@ -38,7 +42,16 @@ def load_prompts(spec):
                 raise MindspecError(f"{spec}:{n}: expected a JSON object with a \"prompt\" string") from None
             if not isinstance(prompt, str) or not prompt:
                 raise MindspecError(f"{spec}:{n}: \"prompt\" must be a non-empty string")
-            sets.setdefault(str(row.get("set") or default), []).append((prompt, bool(row.get("chat", False))))
+            unknown = sorted(set(row) - {"prompt", "chat", "set"})
+            if unknown:
+                raise MindspecError(f"{spec}:{n}: unknown field \"{unknown[0]}\" (a line holds \"prompt\", "
+                                    f"\"chat\"?, \"set\"?)")
+            if not isinstance(row.get("chat", False), bool):
+                raise MindspecError(f"{spec}:{n}: \"chat\" must be true or false")
+            name = row.get("set", default)
+            if not isinstance(name, str) or not name:
+                raise MindspecError(f"{spec}:{n}: \"set\" must be a non-empty string")
+            sets.setdefault(name, []).append((prompt, row.get("chat", False)))
         if not sets:
             raise MindspecError(f"{spec} holds no prompts")
         return sets
@@ -346,10 +359,15 @@ def plot_batch(result, path):
 
 def cmd_bench(a):
     ks = [int(k) for k in a.ks.split(",") if k]
+    if os.path.isfile(a.out):  # found only after the whole run, its results lost
+        raise MindspecError(f"--out {a.out} is a file: give a directory for bench.json and its plots")
+    try:
+        os.makedirs(a.out, exist_ok=True)
+    except OSError as e:
+        raise MindspecError(f"cannot write --out {a.out}: {e.strerror}") from None
     result = run(target=a.target, draft=a.draft, prompts=a.prompts, max_new_tokens=a.max_new_tokens, ks=ks,
                  hf=not a.no_hf, hf_assistants=a.hf_assistants and a.hf_assistants.split(","), repeat=a.repeat,
                  batch_sizes=[int(b) for b in a.batch_sizes.split(",") if b])
-    os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "bench.json"), "w") as f:
         json.dump(result, f, indent=1)
     files = ["bench.json", "bench.png"] + (["bench-batch.png"] if len(result["batch_sizes"]) > 1 else [])
@@ -362,27 +380,33 @@ def cmd_bench(a):
     print(f"wrote {', '.join(os.path.join(a.out, f) for f in files)}", file=sys.stderr)
 
 
-def _ks(text):
+def _counts(what):
+    """An argparse type: comma-separated integers >= 1 (kept as the text)."""
     import argparse
-    try:
-        ks = [int(k) for k in text.split(",") if k]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a comma-separated list of K: {text!r}") from None
-    if not ks or min(ks) < 1:
-        raise argparse.ArgumentTypeError(f"K buckets must be >= 1: {text!r}")
-    return text
+
+    def check(text):
+        try:
+            ns = [int(k) for k in text.split(",") if k]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a comma-separated list of {what}: {text!r}") from None
+        if not ns or min(ns) < 1:
+            raise argparse.ArgumentTypeError(f"{what} must be >= 1: {text!r}")
+        return text
+    return check
 
 
 def add_parser(subparsers):
+    from .cli import positive_int
     b = subparsers.add_parser("bench", help="benchmark target-only, fixed K, dynamic K (and HF transformers)")
     b.add_argument("--target", default=None, help="target checkpoint dir (default: the embedded model)")
     b.add_argument("--draft", default=None, help="draft .onnx (default: the embedded draft)")
     b.add_argument("--prompts", default="story,chat,code", help="built-in sets (story,chat,code) or FILE.jsonl")
-    b.add_argument("--max-new-tokens", type=int, default=128)
+    b.add_argument("--max-new-tokens", type=positive_int, default=128)
     b.add_argument("--out", default="bench-out", help="directory for bench.json and bench.png")
-    b.add_argument("--ks", type=_ks, default="1,2,4,8", help="fixed K buckets to run")
-    b.add_argument("--repeat", type=int, default=1, help="rounds over each prompt set")
-    b.add_argument("--batch-sizes", type=_ks, default="1",
+    b.add_argument("--ks", type=_counts("K buckets"), default="1,2,4,8",
+                   help="fixed K buckets to run (each its own verify graph; any K >= 1, e.g. 3 or 16)")
+    b.add_argument("--repeat", type=positive_int, default=1, help="rounds over each prompt set")
+    b.add_argument("--batch-sizes", type=_counts("batch sizes"), default="1",
                    help="requests running at once, comma-separated (e.g. 1,2,4,8); B > 1 runs the set's prompts "
                         "cycled to B rows together")
     b.add_argument("--no-hf", action="store_true", help="skip Hugging Face transformers even if installed")

@@ -36,8 +36,8 @@ def _k(text):
 
 def cmd_export(a):
     from mindspec.export import export_draft
-    m = export_draft(a.model, a.out, quantize=a.quantize, layers=a.layers, max_seq=a.max_seq, dtype=a.dtype,
-                     profile=a.profile)
+    m = export_draft(a.model, a.out, quantize=None if a.quantize == "none" else a.quantize, layers=a.layers,
+                     max_seq=a.max_seq, dtype=a.dtype, profile=a.profile)
     print(f"wrote {a.out} ({m['num_layers']} layers, {m['dtype']}, quantize={m['quantize']}, profile {m['profile']}) "
           f"and {a.out}.json")
 
@@ -71,7 +71,7 @@ def add_model_args(p):
                    help="draft tokens per target call: a K bucket 1..8, or auto (dynamic K, the default)")
     p.add_argument("--dynamic-k", dest="k", action="store_const", const="auto",
                    help="choose K each step from measured costs and acceptance (the default; same as -k auto)")
-    p.add_argument("--max-seq", type=_positive, default=None,
+    p.add_argument("--max-seq", type=positive_int, default=None,
                    help="fix the KV-cache length (default: sized to the job)")
     p.add_argument("--no-speculate", action="store_true", help="target-only decoding (the baseline)")
     p.add_argument("--device", choices=CHOICES, default=None,
@@ -82,7 +82,7 @@ def add_model_args(p):
                    help="memory per device (e.g. 64GB): refuse, before loading weights, what cannot fit")
 
 
-def _positive(text):
+def positive_int(text):
     try:
         n = int(text)
     except ValueError:
@@ -93,7 +93,7 @@ def _positive(text):
 
 
 def add_batch_arg(p):
-    p.add_argument("--max-batch", type=_positive, default=MAX_BATCH,
+    p.add_argument("--max-batch", type=positive_int, default=MAX_BATCH,
                    help=f"requests running at once (KV-cache slots); new ones join as rows finish (default {MAX_BATCH})")
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                    help="prefill every prompt whole (default: a prompt starting with tokens a finished request "
@@ -101,11 +101,12 @@ def add_batch_arg(p):
 
 
 def add_tp_arg(p):
-    p.add_argument("--tp", type=_positive, default=1,
+    p.add_argument("--tp", type=positive_int, default=1,
                    help="split the target over N devices (ranks launched with msrun; heads padded as needed)")
-    p.add_argument("--nodes", type=_positive, default=1,
+    p.add_argument("--nodes", type=positive_int, default=1,
                    help="machines the job spans; each runs the same command with its own --node-rank (default 1)")
-    p.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0..nodes-1 (node 0 writes)")
+    p.add_argument("--node-rank", type=int, default=None,
+                   help="this machine's index, 0..nodes-1 (node 0 writes); required with --nodes > 1")
     p.add_argument("--master-addr", default=None, help="node 0's address, reachable from every node (--nodes > 1)")
     p.add_argument("--master-port", type=int, default=None, help="a free port on node 0, the same on every node")
 
@@ -231,15 +232,15 @@ def launch_dp(argv, a):
 
 
 def parser():
-    from .mindie_config import ConfigAction
     p = argparse.ArgumentParser(prog="mindspec", description="Speculative decoding: MindSpore target, ONNX draft.")
     sub = p.add_subparsers(dest="cmd", required=True)
     e = sub.add_parser("export", help="export a draft checkpoint to ONNX (+ manifest)")
     e.add_argument("--model", required=True, help="Hugging Face Llama checkpoint directory")
     e.add_argument("--out", required=True, help="output .onnx path (manifest written to OUT.json)")
-    e.add_argument("--quantize", choices=["int8", "q8", "q4"], default=None)
+    e.add_argument("--quantize", choices=["q8", "int8", "q4", "none"], default=None,
+                   help="the draft's weights: q8 (8-bit MatMulNBits, the default pair's), int8, q4, or none (float)")
     e.add_argument("--layers", type=int, default=None, help="keep only the first N layers")
-    e.add_argument("--max-seq", type=_positive, default=None, help="default KV-cache length for the draft")
+    e.add_argument("--max-seq", type=positive_int, default=None, help="default KV-cache length for the draft")
     e.add_argument("--dtype", choices=["float32", "float16"], default=None,
                    help="weights and KV cache (norms and logits stay float32; default float32, "
                         "float16 with --profile ascend)")
@@ -274,15 +275,15 @@ def parser():
     add_tp_arg(s)
     s.add_argument("--model-name", default=None,
                    help="the model's name in requests and /v1/models (default: the target directory's name)")
-    s.add_argument("--config", action=ConfigAction, metavar="CONFIG.JSON",
+    s.add_argument("--config", default=None, metavar="CONFIG.JSON",
                    help="MindIE Service's config.json (+ a 'mindspec' block) for these flags; flags given win")
-    s.add_argument("--max-input-tokens", type=_positive, default=None,
+    s.add_argument("--max-input-tokens", type=positive_int, default=None,
                    help="refuse (400) a prompt longer than this (MindIE's maxInputTokenLen; default: what fits)")
     s.add_argument("--strict-model-name", action="store_true",
                    help="answer 404 to a request naming another model (default: any name is this model)")
-    s.add_argument("--max-connections", type=_positive, default=1000,
+    s.add_argument("--max-connections", type=positive_int, default=1000,
                    help="open connections at most (MindIE's maxLinkNum); beyond, 503 and closed (default 1000)")
-    s.add_argument("--read-timeout", type=_positive, default=30,
+    s.add_argument("--read-timeout", type=positive_int, default=30,
                    help="seconds a request's headers, and then its body, may take to arrive; also how long an "
                         "idle connection stays open (default 30)")
     s.add_argument("--api-key", default=os.environ.get("MINDSPEC_API_KEY"),
@@ -297,7 +298,7 @@ def parser():
     b.add_argument("--chat", action="store_true", help="wrap plain \"prompt\" lines in the chat template")
     add_batch_arg(b)
     add_tp_arg(b)
-    b.add_argument("--dp", type=_positive, default=1,
+    b.add_argument("--dp", type=positive_int, default=1,
                    help="N engine replicas (each of --tp devices), each running every N-th line into its own part "
                         "file beside the output; the parts are merged into it when all are complete")
     b.add_argument("--merge", action="store_true",
@@ -363,21 +364,51 @@ def _launch(args, start):
         signal.signal(signal.SIGTERM, old)
 
 
+def _given(argv):
+    """The dests the command line sets itself: argv parsed again with every default removed (argparse keeps
+    no public record of the flags a parse saw; comparing values with the defaults took `--port 1025`, the
+    default, as not given, and a --config file overrode it)."""
+    p, todo = parser(), []
+    todo.append(p)
+    while todo:
+        for a in todo.pop()._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                todo += a.choices.values()
+            else:
+                a.default = argparse.SUPPRESS
+    return set(vars(p.parse_args(argv)))
+
+
+def parse(argv):
+    """The command's arguments: argparse's, then serve's --config file under the flags given, and checks
+    that span flags (raises MindspecError)."""
+    args = parser().parse_args(argv)
+    if getattr(args, "config", None):
+        from .mindie_config import apply
+        apply(args, args.config, _given(argv))
+    if getattr(args, "nodes", None) is not None:  # before any path (a --dp launcher ran replicas 6, 7 of 2)
+        from .tp import check_node_rank
+        if args.node_rank is None and args.nodes > 1:  # each machine forgetting it ran as node 0
+            raise MindspecError(f"--nodes {args.nodes} needs --node-rank: this machine's index, 0..{args.nodes - 1}")
+        args.node_rank = args.node_rank or 0
+        check_node_rank(args.nodes, args.node_rank)
+    return args
+
+
 def main(argv=None):
     # no KeyboardInterrupt inside the imports to come (numpy, MindSpore: a half-imported MindSpore crashes
     # the interpreter at exit): signals wait for _run / run_batch
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     argv = sys.argv[1:] if argv is None else list(argv)
+    parsed = []
     try:
-        args = parser().parse_args(argv)
+        code = _exit_code(lambda: parsed.append(parse(argv)))
     except SystemExit:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
         raise
-    if getattr(args, "nodes", None) is not None:  # checked before any path (a --dp launcher ran replicas 6, 7 of 2)
-        from .tp import check_node_rank
-        code = _exit_code(lambda: check_node_rank(args.nodes, args.node_rank))
-        if code:
-            return code
+    if code:
+        return code
+    args = parsed[0]
     if getattr(args, "device", None):  # msrun's ranks and the replicas detect the device the same way
         os.environ[DEVICE_ENV] = args.device
     if _dp_launcher(args):

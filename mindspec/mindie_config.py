@@ -4,7 +4,6 @@ The file fills in serve's flags; a flag given on the command line wins. Keys Min
 mean nothing here (TLS paths, log settings, scheduler tuning) are accepted quietly; any other key
 is warned about; a value of the wrong type or range stops the command with the key's path (one
 line, exit 2), before anything loads."""
-import argparse
 import json
 import sys
 
@@ -128,18 +127,16 @@ def read(path):
     return values, warnings
 
 
-class ConfigAction(argparse.Action):
-    """--config FILE: set every serve flag the file holds, except the ones given on the command line
-    (before --config: those whose value is no longer the default; after it: all)."""
-
-    def __call__(self, parser, namespace, path, option_string=None):
-        try:
-            values, warnings = read(path)
-        except ValueError as e:
-            print(f"mindspec: error: {e}", file=sys.stderr)
-            sys.exit(2)
-        for w in warnings:
-            print(f"mindspec: warning: {w}", file=sys.stderr)
-        for dest, value in values.items():  # a flag after --config is applied after this, so it wins too
-            if getattr(namespace, dest, None) == parser.get_default(dest):
-                setattr(namespace, dest, value)
+def apply(args, path, given):
+    """Set every serve flag the file at `path` holds on `args`, except the flags in `given` (the dests the
+    command line set itself, before or after --config; a value equal to the default counts as given)."""
+    from .errors import MindspecError
+    try:
+        values, warnings = read(path)
+    except ValueError as e:
+        raise MindspecError(str(e)) from None
+    for w in warnings:
+        print(f"mindspec: warning: {w}", file=sys.stderr)
+    for dest, value in values.items():
+        if dest not in given:
+            setattr(args, dest, value)

@@ -676,13 +676,18 @@ def test_merge_in_input_order_once_and_only_when_complete(tmp_path, capsys, monk
 
 def test_scale_out_flags_that_cannot_work_exit_2_with_one_line(setup, tmp_path):
     out = tmp_path / "o.jsonl"
-    _expect_usage_error(setup, out, "--dp 3 does not split over --nodes 2", extra=["--dp", "3", "--nodes", "2"])
-    _expect_usage_error(setup, out, "--nodes > 1 needs --master-addr", extra=["--tp", "2", "--nodes", "2"])
+    first = ["--node-rank", "0"]
+    _expect_usage_error(setup, out, "--dp 3 does not split over --nodes 2", extra=["--dp", "3", "--nodes", "2", *first])
+    _expect_usage_error(setup, out, "--nodes > 1 needs --master-addr", extra=["--tp", "2", "--nodes", "2", *first])
     _expect_usage_error(setup, out, "6 ranks do not split evenly over --nodes 4",
-                        extra=["--tp", "6", "--nodes", "4", "--master-addr", "10.0.0.1", "--master-port", "29500"])
+                        extra=["--tp", "6", "--nodes", "4", *first, "--master-addr", "10.0.0.1",
+                               "--master-port", "29500"])
     # one machine: a launcher ran replicas 6 and 7 of a --dp 2 job (their parts never merged)
     _expect_usage_error(setup, out, "--node-rank must be in 0..0 for --nodes 1, got 3",
                         extra=["--dp", "2", "--node-rank", "3"])
+    # two machines each forgetting --node-rank both ran as node 0
+    _expect_usage_error(setup, out, "--nodes 2 needs --node-rank: this machine's index, 0..1",
+                        extra=["--dp", "2", "--nodes", "2"])
     assert not out.exists() and not list(tmp_path.glob("o.jsonl.part*"))
     (tmp_path / "o.jsonl.part1of3").write_bytes(b"")  # an unfinished --dp 3 run
     _expect_usage_error(setup, out, "unmerged parts of a --dp 3 run", extra=["--dp", "2"])

@@ -87,6 +87,35 @@ def test_bench_bad_input_exits_2_with_one_line(pair, args, needle):
     assert len(err.strip().splitlines()) == 1
 
 
+def test_bench_refuses_before_loading_what_would_fail_after(pair, tmp_path):
+    """Found trying it carelessly: --out naming a file failed after the whole benchmark had run (its
+    results lost, a traceback); --repeat 0 was a KeyError and --max-new-tokens 0 an error after loading;
+    a prompts file that is not UTF-8 a traceback; "chat": "no" read as true, unknown fields ignored."""
+    target, draft, d = pair
+    (tmp_path / "afile").write_text("x")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    base = ["--target", target, "--draft", draft, "--no-hf", "--prompts", str(prompts)]
+    for args, needle in ((["--out", str(tmp_path / "afile")], f"--out {tmp_path / 'afile'} is a file"),
+                         (["--out", str(tmp_path / "afile" / "x")], "cannot write"),
+                         (["--repeat", "0"], "--repeat: must be an integer >= 1"),
+                         (["--max-new-tokens", "0"], "--max-new-tokens: must be an integer >= 1"),
+                         (["--batch-sizes", "1,x"], "not a comma-separated list of batch sizes")):
+        code, _, err = bench(*base, "--out", str(tmp_path / "o"), *args, home=d / "home")
+        assert code == 2 and needle in err and "Traceback" not in err, err
+    assert (tmp_path / "afile").read_text() == "x"
+    from mindspec.bench import load_prompts
+    from mindspec.errors import MindspecError
+    for line, needle in ((b'\xff\xfe{"prompt": "x"}', "line 1 is not UTF-8 text"),
+                         (b'{"prompt": "x", "chat": "no"}', '"chat" must be true or false'),
+                         (b'{"prompt": "x", "max_new_tokens": 3}', 'unknown field "max_new_tokens"'),
+                         (b'{"prompt": "x", "set": 5}', '"set" must be a non-empty string')):
+        prompts.write_bytes(line + b"\n")
+        with pytest.raises(MindspecError, match=needle) as e:
+            load_prompts(str(prompts))
+        assert "\n" not in str(e.value) and "p.jsonl" in str(e.value)
+
+
 def test_bench_bad_jsonl_row(pair, tmp_path):
     from mindspec.bench import load_prompts
     from mindspec.errors import MindspecError

@@ -135,6 +135,9 @@ def test_export_bad_arguments(tiny_target, tmp_path):
                   "layers")
     _expect_error(["export", "--model", str(tmp_path / "none"), "--out", str(tmp_path / "d.onnx")],
                   "not found")
+    # README's `--quantize none` (float weights) was an argparse error
+    code, out, err = run("export", "--model", tiny_target[0], "--out", str(tmp_path / "f.onnx"), "--quantize", "none")
+    assert code == 0 and "float32, quantize=None" in out, err
 
 
 def test_draft_with_another_tokenizer_is_refused(pair, tmp_path):

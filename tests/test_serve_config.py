@@ -151,12 +151,15 @@ def test_bad_config_values_are_refused_with_the_key_path(tmp_path, content, line
 
 
 def test_flags_override_the_file_and_a_missing_file_is_one_line(tmp_path):
-    from mindspec.cli import parser
+    from mindspec.cli import parse
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"ServerConfig": {"port": 2000, "ipAddress": "0.0.0.0"},
-                                "BackendConfig": {"ScheduleConfig": {"maxBatchSize": 4}}}))
-    a = parser().parse_args(["serve", "--port", "3000", "--config", str(path), "--max-batch", "2"])
-    assert (a.port, a.host, a.max_batch) == (3000, "0.0.0.0", 2)
+                                "BackendConfig": {"ScheduleConfig": {"maxBatchSize": 4, "maxIterTimes": 5}}}))
+    a = parse(["serve", "--port", "3000", "--config", str(path), "--max-batch", "2"])
+    assert (a.port, a.host, a.max_batch, a.max_new_tokens) == (3000, "0.0.0.0", 2, 5)
+    # a flag given before --config wins too, also when it repeats the default (it was taken as not given)
+    a = parse(["serve", "--port", "1025", "--max-new-tokens", "64", "--config", str(path), "--max-batch", "8"])
+    assert (a.port, a.host, a.max_batch, a.max_new_tokens) == (1025, "0.0.0.0", 8, 64)
     p = subprocess.run([sys.executable, "-m", "mindspec", "serve", "--config", str(tmp_path / "nope.json")],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and p.stderr.count("\n") == 1 and "No such file" in p.stderr, p.stderr
