@@ -30,6 +30,7 @@ class AscendEnv:
     npus: list = field(default_factory=list)
     host_arch: str = ""
     mindspore_arch: str = None
+    stale_home: str = None  # ASCEND_HOME_PATH (or ASCEND_TOOLKIT_HOME) naming no directory
 
     def missing(self):
         """What stops an Ascend run, one phrase each (empty: ready)."""
@@ -39,7 +40,8 @@ class AscendEnv:
         if not self.driver:
             out.append(f"no Ascend driver ({ASCEND_ROOT}/driver)")
         if not self.toolkit:
-            out.append(f"no CANN toolkit ({ASCEND_ROOT}/ascend-toolkit)")
+            stale = f"; ASCEND_HOME_PATH {self.stale_home} does not exist" if self.stale_home else ""
+            out.append(f"no CANN toolkit ({ASCEND_ROOT}/ascend-toolkit{stale})")
         elif not self.sourced:
             out.append(f"the CANN environment is not set (source {self.toolkit}/../set_env.sh)")
         if self.mindspore_arch and self.mindspore_arch != self.host_arch:
@@ -83,13 +85,15 @@ def mindspore_arch():
 def ascend_env(env=None, root=ASCEND_ROOT, dev="/dev", ms_arch=None, host_arch=None):
     """Probe an Ascend setup (env, root and dev default to this machine's)."""
     env = os.environ if env is None else env
-    home = env.get("ASCEND_HOME_PATH") or env.get("ASCEND_TOOLKIT_HOME")
+    named = env.get("ASCEND_HOME_PATH") or env.get("ASCEND_TOOLKIT_HOME")
+    home = named if named and os.path.isdir(named) else None  # a stale env var is no toolkit
     latest = os.path.join(root, "ascend-toolkit", "latest")
     toolkit = home or (latest if os.path.isdir(latest) else None)
     driver = os.path.join(root, "driver")
     npus = sorted(int(m.group(1)) for p in glob.glob(os.path.join(dev, "davinci*"))
                   if (m := re.fullmatch(r"davinci(\d+)", os.path.basename(p))))
     return AscendEnv(toolkit=toolkit, sourced=bool(home), driver=driver if os.path.isdir(driver) else None,
+                     stale_home=named if named and not home else None,
                      npus=_visible(npus, env), host_arch=host_arch or platform.machine(),
                      mindspore_arch=ms_arch if ms_arch is not None else mindspore_arch())
 

@@ -39,7 +39,7 @@ def test_this_machine_runs_cpu():
 
 
 def test_ready_ascend_machine(tmp_path):
-    a = probe(tmp_path, {"ASCEND_HOME_PATH": "/x/ascend-toolkit/latest"})
+    a = probe(tmp_path, {"ASCEND_HOME_PATH": str(tmp_path / "Ascend" / "ascend-toolkit" / "latest")})
     assert a.npus == [0, 1] and a.missing() == []
     assert detect_device(None, a) == detect_device("ascend", a) == "Ascend"
     assert detect_device("cpu", a) == "CPU"
@@ -66,9 +66,16 @@ def test_ascend_says_what_is_missing(tmp_path, kw, words):
         detect_device("ascend", a)
 
 
+def test_an_environment_naming_no_toolkit_is_not_a_toolkit(tmp_path):
+    """ASCEND_HOME_PATH=/nonexistent made doctor say "ok CANN toolkit /nonexistent", sourced."""
+    a = probe(tmp_path, {"ASCEND_HOME_PATH": "/nonexistent"}, toolkit=False)
+    assert a.toolkit is None and not a.sourced
+    assert "no CANN toolkit (/usr/local/Ascend/ascend-toolkit; ASCEND_HOME_PATH /nonexistent does not exist)" in a.missing()
+
+
 def test_visible_devices_and_wheel_architecture(tmp_path):
     root, dev = fake(tmp_path, npus=(0, 1, 2, 3))
-    a = ascend_env({"ASCEND_RT_VISIBLE_DEVICES": "1,3", "ASCEND_HOME_PATH": "/t"}, root, dev,
+    a = ascend_env({"ASCEND_RT_VISIBLE_DEVICES": "1,3", "ASCEND_HOME_PATH": str(tmp_path)}, root, dev,
                    ms_arch="x86_64", host_arch="aarch64")
     assert a.npus == [1, 3]
     assert a.missing() == ["the installed MindSpore has x86_64 binaries on this aarch64 host "
