@@ -185,7 +185,7 @@ def _check_layout(tp, devices, reserve, seq_len):
 
 
 def _check_speed_args(device_bw, allreduce_us, device_tflops):
-    if not (device_bw > 0 and device_tflops > 0 and allreduce_us >= 0):
+    if not (0 < device_bw < math.inf and 0 < device_tflops < math.inf and 0 <= allreduce_us < math.inf):
         raise MindspecError("--device-bw and --device-tflops must be positive and --allreduce-us not negative")
 
 
@@ -284,12 +284,15 @@ def make_plan(target, draft=None, *, tp=1, devices=None, device_mem, reserve=0.0
 
 # --- parsing ---------------------------------------------------------------------------------------
 
-def parse_size(text, what):
-    """'64GB' -> 64e9, '64GiB' -> 64 * 2**30, '1.6TB/s' -> 1.6e12 (bytes, or bytes per second)."""
+def parse_size(text, what, rate=False):
+    """'64GB' -> 64e9, '64GiB' -> 64 * 2**30 (bytes); rate: '1.6TB/s' -> 1.6e12 (bytes per second)."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d*)?(?:e[+-]?\d+)?)\s*([kmgt]i?)?(b)?(/s)?\s*", str(text), re.I)
     if not m or not (m.group(2) or m.group(3)) or float(m.group(1)) <= 0:
         raise MindspecError(f"bad size {text!r} for {what}: give a positive number with a unit, e.g. 64GB, "
                             "64GiB or 1.6TB/s")
+    if bool(m.group(4)) != rate:
+        raise MindspecError(f"{what} is a rate: e.g. 1.6TB/s, got {text!r}" if rate else
+                            f"{what} is a size, not a rate: e.g. 64GB, got {text!r}")
     return float(m.group(1)) * _PREFIX[(m.group(2) or "").lower()]
 
 
@@ -323,7 +326,8 @@ def cmd_plan(a):
         raise MindspecError("give the target: --target DIR, or --params, --layers, --kv-heads and --head-dim")
     draft = _model_from_args(a, "draft_", a.draft)
     plan = make_plan(target, draft, tp=a.tp, devices=a.devices, device_mem=parse_size(a.device_mem, "--device-mem"),
-                     reserve=a.reserve, seq_len=a.seq_len, device_bw=parse_size(a.device_bw, "--device-bw"),
+                     reserve=a.reserve, seq_len=a.seq_len,
+                     device_bw=parse_size(a.device_bw, "--device-bw", rate=True),
                      allreduce_us=a.allreduce_us, device_tflops=a.device_tflops)
     print(json.dumps(plan, indent=2) if a.json else format_plan(plan))
 

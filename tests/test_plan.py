@@ -87,7 +87,12 @@ def test_refusal_says_what_to_change(capsys):
                                         (["--reserve", "1"], "reserve"), (["--draft-layers", "-1"], "positive"),
                                         (["--device-tflops", "0"], "device-tflops"),
                                         (["--draft-layers", "32", "--draft", "x.onnx"], "not both"),
-                                        (["--draft-params", "seven"], "bad parameter count")])
+                                        (["--draft-params", "seven"], "bad parameter count"),
+                                        # a rate for a size and a size for a rate were taken as given
+                                        (["--device-mem", "64GB/s"], "a size, not a rate"),
+                                        (["--device-bw", "64GiB"], "a rate: e.g. 1.6TB/s"),
+                                        (["--allreduce-us", "inf"], "allreduce-us not negative"),
+                                        (["--device-tflops", "nan"], "device-tflops")])
 def test_bad_input(bad, match, capsys):
     with pytest.raises(MindspecError, match=match):
         run_plan(SEED + bad, capsys)                # argparse: the last value given wins
@@ -96,8 +101,8 @@ def test_bad_input(bad, match, capsys):
 def test_sizes():
     assert plan.parse_size("64GB", "x") == 64e9
     assert plan.parse_size("64GiB", "x") == 64 * 2 ** 30
-    assert plan.parse_size("1.6TB/s", "x") == pytest.approx(1.6e12)
-    assert plan.parse_size("800 GB/s", "x") == 800e9
+    assert plan.parse_size("1.6TB/s", "x", rate=True) == pytest.approx(1.6e12)
+    assert plan.parse_size("800 GB/s", "x", rate=True) == 800e9
     assert plan.parse_count("70e9", "x") == 70e9 and plan.parse_count("1.1B", "x") == pytest.approx(1.1e9)
 
 
