@@ -107,6 +107,8 @@ def _read_json(path, what):
 
 def load_config(model_dir):
     """Read config.json (+ generation_config.json for EOS ids) from a checkpoint directory."""
+    if os.path.isfile(model_dir):  # e.g. a draft's .onnx given as the target
+        raise MindspecError(f"{model_dir} is a file: give the model's directory (config.json, safetensors)")
     if not os.path.isdir(model_dir):
         raise MindspecError(f"model directory not found: {model_dir}")
     path = os.path.join(model_dir, "config.json")

@@ -176,7 +176,9 @@ def check_fits(target, draft=None, *, tp=1, device_mem, seq_len, reserve=0.0):
 
 
 def _check_layout(tp, devices, reserve, seq_len):
-    if tp < 1 or devices < 1 or devices % tp:
+    if tp < 1:
+        raise MindspecError(f"--tp must be >= 1, got {tp}")
+    if devices < 1 or devices % tp:
         raise MindspecError(f"--devices ({devices}) must be a positive multiple of --tp ({tp})")
     if not 0 <= reserve < 1:
         raise MindspecError(f"--reserve must be a fraction in [0, 1), got {reserve}")

@@ -80,6 +80,7 @@ def test_bad_checkpoints(pair):
     _, draft, d = pair
     gen = ["generate", "--prompt-ids", "5,6", "--draft", draft, "--target"]
     _expect_error(gen + [str(d / "nowhere")], "model directory not found")
+    _expect_error(gen + [draft], f"{draft} is a file: give the model's directory")  # said "not found"
     _expect_error(gen + [_bad(d, "nocfg", lambda p: os.remove(p / "config.json"))], "config.json not found")
     _expect_error(gen + [_bad(d, "badcfg", lambda p: (p / "config.json").write_text("{oops"))],
                   "config.json is not valid JSON")

@@ -92,7 +92,8 @@ def test_refusal_says_what_to_change(capsys):
                                         (["--device-mem", "64GB/s"], "a size, not a rate"),
                                         (["--device-bw", "64GiB"], "a rate: e.g. 1.6TB/s"),
                                         (["--allreduce-us", "inf"], "allreduce-us not negative"),
-                                        (["--device-tflops", "nan"], "device-tflops")])
+                                        (["--device-tflops", "nan"], "device-tflops"),
+                                        (["--tp", "0"], "--tp must be >= 1, got 0")])  # named --devices (0)
 def test_bad_input(bad, match, capsys):
     with pytest.raises(MindspecError, match=match):
         run_plan(SEED + bad, capsys)                # argparse: the last value given wins
