@@ -388,10 +388,7 @@ def parse(argv):
         apply(args, args.config, _given(argv))
     if getattr(args, "nodes", None) is not None:  # before any path (a --dp launcher ran replicas 6, 7 of 2)
         from .tp import check_node_rank
-        if args.node_rank is None and args.nodes > 1:  # each machine forgetting it ran as node 0
-            raise MindspecError(f"--nodes {args.nodes} needs --node-rank: this machine's index, 0..{args.nodes - 1}")
-        args.node_rank = args.node_rank or 0
-        check_node_rank(args.nodes, args.node_rank)
+        args.node_rank = check_node_rank(args.nodes, args.node_rank)
     return args
 
 

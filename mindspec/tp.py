@@ -89,8 +89,14 @@ class Topology(NamedTuple):
 
 
 def check_node_rank(nodes, node_rank):
+    """--node-rank against --nodes; not given (None): 0 on one machine, an error on several (every machine
+    that forgot it ran as node 0)."""
+    if node_rank is None and nodes > 1:
+        raise MindspecError(f"--nodes {nodes} needs --node-rank: this machine's index, 0..{nodes - 1}")
+    node_rank = node_rank or 0
     if nodes < 1 or not 0 <= node_rank < nodes:
         raise MindspecError(f"--node-rank must be in 0..{nodes - 1} for --nodes {nodes}, got {node_rank}")
+    return node_rank
 
 
 def topology(size, nodes=1, node_rank=0, master_addr=None, master_port=None):
