@@ -119,9 +119,9 @@ class DynamicK:
     """K per step for the whole batch, from each request's acceptance estimate and the measured costs
     of the batch's bucket: costs = {B: (c, v)}, c[K] = the K draft calls of a step over B rows, v[K] =
     one verify of B rows (v[0] = a plain decode), all in units of one batch-1 decode. The costs stay as
-    measured: timed in the loop, every (B, K) came out at the same fraction of them (draft and verify,
-    0.75-0.79 at B=1 and 8 on an AVX2-only CPU an hour later) — the machine's speed drifts, the ratios
-    keep, and the choice depends on the ratios only. Learning from the loop moved only the costs of the
+    measured: timed in the loop, every (B, K) came out at about one fraction of them (draft and verify,
+    0.77-0.84 at B=1, 0.75-0.79 at B=8 on an AVX2-only CPU an hour later) — the machine's speed
+    drifts, the ratios keep, and the choice depends on the ratios only. Learning from the loop moved only the costs of the
     K that ran, so a drift made that K look dearer or cheaper than the others (the batch bench's B=8
     cells drafted after earlier cells had run, where a fresh process does not).
 
