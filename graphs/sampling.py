@@ -97,7 +97,8 @@ def process(x, temperature, top_k, top_p, penalty, seen, cap):
     x = ops.select(seen, ops.select(x > 0, x / penalty, x * penalty), x)
     hot = (temperature > 0).astype(ms.float32)  # [B, 1, 1]: 1 sampling, 0 greedy
     greedy = ops.one_hot(ops.argmax(x, -1), x.shape[-1], Tensor(1.0, ms.float32), Tensor(0.0, ms.float32))
-    x, exact = _truncate(x / (temperature + 1.0 - hot), top_k.reshape(B, 1, 1), top_p.reshape(B, 1, 1), cap)
+    # greedy rows divide by 1; not (temperature + 1 - hot): 1 + 1e-8 rounds to 1 in float32, a division by 0
+    x, exact = _truncate(x / (temperature * hot + (1.0 - hot)), top_k.reshape(B, 1, 1), top_p.reshape(B, 1, 1), cap)
     return ops.softmax(x, -1) * hot + greedy * (1.0 - hot), exact
 
 

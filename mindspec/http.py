@@ -82,8 +82,8 @@ class HttpServer:
         asyncio.set_event_loop(self.loop)
         try:
             self.loop.run_until_complete(self._open())
-        except OSError as e:
-            self.error = e
+        except Exception as e:  # noqa: BLE001 - OSError, and any other (a port out of range: OverflowError)
+            self.error = e  # start() raises it: this thread must never die with start() waiting
             return self._opened.set()
         self._opened.set()
         self.loop.run_forever()
@@ -94,7 +94,8 @@ class HttpServer:
         self.thread.start()
         self._opened.wait()
         if self.error is not None:
-            raise MindspecError(f"cannot listen on {self.host}:{self.port}: {self.error.strerror or self.error}")
+            raise MindspecError(f"cannot listen on {self.host}:{self.port}: "
+                                f"{getattr(self.error, 'strerror', None) or self.error}")
         return self.port
 
     def call(self, fn, *args):

@@ -406,7 +406,9 @@ def test_extreme_sampling_values_act_as_their_limits(server):
     random words, EOS repeated) behave as their limits: a tiny top_p or temperature keeps the argmax."""
     base = server[0]
     greedy = post(base, "/v1/completions", {"prompt": IDS, "max_tokens": N})["choices"][0]["text"]
-    for extreme in ({"top_p": 1e-46}, {"temperature": 1e-46}, {"top_k": 1}, {"top_p": 1e-46, "repetition_penalty": 1}):
+    # (temperature 1e-8: 1 + t rounds to 1 in float32; the graph divided the logits by 0 and sampled NaN)
+    for extreme in ({"top_p": 1e-46}, {"temperature": 1e-46}, {"temperature": 1e-8}, {"temperature": 3e-8},
+                    {"top_k": 1}, {"top_p": 1e-46, "repetition_penalty": 1}):
         body = dict({"prompt": IDS, "max_tokens": N, "temperature": 1.0, "seed": 5}, **extreme)
         assert post(base, "/v1/completions", body)["choices"][0]["text"] == greedy, extreme
     for top_k in (2 ** 31, 2 ** 32 + 1):
@@ -927,3 +929,23 @@ def test_tensor_parallel_server(pair, pipe):
             import os
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
+
+
+@pytest.mark.parametrize("port,words", [(70000, "port must be 0-65535"), ("taken", "ddress already in use")])
+def test_a_port_that_cannot_be_listened_on_is_one_error_not_a_hang(port, words):
+    """The listener runs on its own thread; any failure to open it reaches start() (found: a port out of
+    range raised OverflowError, not an OSError: the thread died and start() waited forever)."""
+    import socket
+    from mindspec.http import HttpServer
+    held = None
+    if port == "taken":
+        held = socket.socket()
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+    try:
+        with pytest.raises(MindspecError, match=f"cannot listen on 127.0.0.1:{port}: .*{words}"):
+            HttpServer(None, "127.0.0.1", port).start()
+    finally:
+        if held is not None:
+            held.close()
