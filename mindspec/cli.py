@@ -82,14 +82,21 @@ def add_model_args(p):
                    help="memory per device (e.g. 64GB): refuse, before loading weights, what cannot fit")
 
 
-def positive_int(text):
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
-    return n
+def int_in(lo, hi=None):
+    """An argparse type: an integer in lo..hi (hi None: no upper bound)."""
+    def parse(text):
+        try:
+            n = int(text)
+        except ValueError:
+            n = None
+        if n is None or n < lo or hi is not None and n > hi:
+            raise argparse.ArgumentTypeError(f"must be an integer {f'in {lo}..{hi}' if hi is not None else f'>= {lo}'}"
+                                             f", got {text!r}")
+        return n
+    return parse
+
+
+positive_int = int_in(1)
 
 
 def add_batch_arg(p):
@@ -114,7 +121,7 @@ def add_tp_arg(p):
 def add_sampling_args(p):
     """The sampling flags (read by sampling_kwargs); for serve and batch they are the defaults of a
     request that does not set them."""
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=positive_int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
@@ -138,15 +145,27 @@ def load_pipeline(a):
 
 
 def sampling_kwargs(a):
-    """Pipeline.generate keywords of the sampling flags (add_sampling_args)."""
+    """Pipeline.generate keywords of the sampling flags (add_sampling_args); for serve and batch the
+    defaults of their requests, whose seed, when neither the request nor --seed gives one, each request
+    draws for itself (request.parse)."""
     return dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
                 repetition_penalty=a.repetition_penalty, draft_temperature=a.draft_temperature,
-                draft_min_conf=a.draft_min_conf, seed=_seed(a), stop=a.stop)
+                draft_min_conf=a.draft_min_conf, seed=a.seed, stop=a.stop)
+
+
+def check_sampling_args(a):
+    """The sampling flags' ranges, while parsing: a bad default must not reach every request or line."""
+    from .sampling import SamplingParams
+    SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, repetition_penalty=a.repetition_penalty,
+                   draft_temperature=a.draft_temperature, seed=a.seed)
+    if a.draft_min_conf is not None and not 0 < a.draft_min_conf < 1:
+        raise MindspecError(f"draft_min_conf must be between 0 and 1, got {a.draft_min_conf}")
 
 
 def _seed(a):
-    """--seed, else for a sampled run under msrun one drawn from SEED_ENV, the base every rank shares
-    (each machine's launcher draws its own; the ranks take rank 0's), so all ranks draw the same uniforms."""
+    """generate's seed: --seed, else for a sampled run under msrun one drawn from SEED_ENV, the base every
+    rank shares (each machine's launcher draws its own; the ranks take rank 0's), so all ranks draw the
+    same uniforms."""
     from .request import SEED_ENV, draw_seed
     if a.seed is not None or not getattr(a, "temperature", 0) or SEED_ENV not in os.environ:
         return a.seed
@@ -161,7 +180,7 @@ def cmd_generate(a):
     pipe = load_pipeline(a)
     stream = None if a.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     res = pipe.generate(prompt=a.prompt, prompt_ids=a.prompt_ids, chat=a.chat, on_text=stream, logprobs=a.logprobs,
-                        **sampling_kwargs(a))
+                        **dict(sampling_kwargs(a), seed=_seed(a)))
     s = res.stats
     if a.json:
         out = {"text": res.text, "token_ids": res.token_ids, "finish_reason": res.finish_reason, "stats": s}
@@ -268,9 +287,9 @@ def parser():
     add_model_args(s)
     add_sampling_args(s)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    s.add_argument("--port", type=int, default=1025, help="port (default 1025 as MindIE; 0 = pick a free one)")
+    s.add_argument("--port", type=int_in(0, 65535), default=1025, help="port (default 1025 as MindIE; 0 = pick a free one)")
     add_batch_arg(s)
-    s.add_argument("--max-queue", type=int, default=64,
+    s.add_argument("--max-queue", type=int_in(0), default=64,
                    help="requests that may wait for a row; beyond that a request is answered 429 at once (default 64)")
     add_tp_arg(s)
     s.add_argument("--model-name", default=None,
@@ -386,6 +405,8 @@ def parse(argv):
     if getattr(args, "config", None):
         from .mindie_config import apply
         apply(args, args.config, _given(argv))
+    if getattr(args, "temperature", None) is not None:
+        check_sampling_args(args)
     if getattr(args, "nodes", None) is not None:  # before any path (a --dp launcher ran replicas 6, 7 of 2)
         from .tp import check_node_rank
         args.node_rank = check_node_rank(args.nodes, args.node_rank)

@@ -118,7 +118,7 @@ def parse(req, defaults=None):
         if req.get(name) is not None:
             kw["limit_field"] = name  # asked for explicitly: more than the cache holds is an error, not a cut
     if not _is_int(kw.get("min_tokens", 0)) or not 0 <= kw.get("min_tokens", 0) <= kw.get("max_new_tokens", 2 ** 31):
-        raise RequestError(f"min_tokens must be an integer in [0, max_tokens], got {kw['min_tokens']!r}")
+        raise RequestError(f"min_tokens must be an integer in [0, max_tokens], got {kw.get('min_tokens')!r}")
     ids = kw.get("stop_token_ids")
     if ids is not None and not (isinstance(ids, list) and all(_is_int(i) for i in ids)):
         raise RequestError("stop_token_ids must be a list of integer token ids")

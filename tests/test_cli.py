@@ -117,7 +117,8 @@ def test_bad_requests(pair):
     _expect_error(gen + ["--prompt-ids", ",".join(["5"] * 80), "--max-seq", "64"], "does not fit")
     _expect_error(gen + ["--prompt-ids", "5", "-k", "0"], "-k must be between")
     _expect_error(gen + ["--prompt-ids", "5", "-k", "9"], "-k must be between")
-    _expect_error(gen + ["--prompt-ids", "5", "--max-new-tokens", "0"], "max_new_tokens")
+    code, _, err = run(*gen, "--prompt-ids", "5", "--max-new-tokens", "0")  # refused while parsing
+    assert code == 2 and "--max-new-tokens: must be an integer >= 1, got '0'" in err
     code, _, err = run(*gen, "--prompt-ids", "5,x")
     assert code == 2 and "not a comma-separated list" in err
     assert _ids("1 2 3") == _ids("1, 2,3") == [1, 2, 3]  # "1 2 3" was the one id 123
@@ -229,3 +230,45 @@ def test_a_sampled_generate_under_msrun_takes_its_seed_from_the_shared_base(monk
     assert cli._seed(a) == random.Random(1234).randrange(2 ** 31)
     assert cli._seed(argparse.Namespace(seed=7, temperature=0.8)) == 7
     assert cli._seed(argparse.Namespace(seed=None, temperature=0.0)) is None
+
+
+def test_serve_and_batch_defaults_draw_no_seed_under_msrun_or_dp(monkeypatch):
+    """Sampled requests without a seed draw one each (request.parse), never one for all in the defaults.
+    Found: under msrun and in --dp replicas (both set the shared seed base) serve's and batch's defaults
+    drew a seed, so every unseeded line sampled with the same one, and a replica's job id (the defaults'
+    fingerprint) differed from its launcher's: a sampled `batch --dp 2` refused its own part files."""
+    from mindspec import cli, request
+    argvs = (["batch", "--input", "in.jsonl", "--output", "out.jsonl", "--temperature", "0.8"],
+             ["serve", "--temperature", "0.8"])
+    monkeypatch.delenv(request.SEED_ENV, raising=False)
+    plain = [cli.batch_defaults(cli.parse(argvs[0])), cli.serve_defaults(cli.parse(argvs[1]))]
+    monkeypatch.setattr(request, "_seeds", None)
+    monkeypatch.setenv(request.SEED_ENV, "1234")
+    assert [cli.batch_defaults(cli.parse(argvs[0])), cli.serve_defaults(cli.parse(argvs[1]))] == plain
+    assert plain[0]["seed"] is None and plain[1]["seed"] is None
+    a, b = (request.parse({"prompt": "hi"}, plain[0])["seed"] for _ in range(2))
+    assert a != b  # each line its own seed
+
+
+@pytest.mark.parametrize("args,words", [
+    (["serve", "--port", "70000"], "--port: must be an integer in 0..65535, got '70000'"),  # hung after a traceback
+    (["serve", "--port", "-1"], "--port: must be an integer in 0..65535, got '-1'"),
+    (["serve", "--max-queue", "-9"], "--max-queue: must be an integer >= 0, got '-9'"),  # every request 429
+    (["serve", "--top-p", "0"], "top_p must be a number in (0, 1], got 0.0"),  # every request a 400
+    (["batch", "--input", "i", "--output", "o", "--temperature", "-1"],  # every line an error record
+     "temperature must be a number in [0, 100.0], got -1.0"),
+    (["batch", "--input", "i", "--output", "o", "--max-new-tokens", "0"], "--max-new-tokens: must be an integer >= 1"),
+    # (a target that does not exist: loading it would fail first)
+    (["generate", "--target", "nowhere", "--repetition-penalty", "0"],
+     "repetition_penalty must be a number in [0.01, 100.0], got 0.0"),
+    (["generate", "--target", "nowhere", "--draft-min-conf", "1.5"], "draft_min_conf must be between 0 and 1, got 1.5"),
+    (["generate", "--target", "nowhere", "--seed", "-3"], "seed must be an integer in [0, 2**63), got -3"),
+])
+def test_bad_sampling_and_server_flags_are_refused_before_anything_runs(args, words):
+    """Refused while parsing the command line: before a model loads, a server starts or a job writes
+    (found: they reached each request or line, or, for a port out of range, killed the server's
+    listening thread and left it waiting forever)."""
+    code, out, err = run(*args)
+    assert code == 2 and out == "" and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1 or err.startswith("usage:"), err
+    assert words in err, err
