@@ -1,7 +1,7 @@
 """Tokenizer for a Hugging Face model directory, without torch or transformers.
 
 tokenizer.json is run by the `tokenizers` package; tokenizer_config.json supplies what transformers
-would add on top: BOS/EOS tokens, add_bos_token and the Jinja chat template.
+would add on top: BOS/EOS tokens, add_bos_token (else the post-processor's BOS) and the Jinja chat template.
 """
 import functools
 import hashlib
@@ -42,13 +42,22 @@ class Tokenizer:
         self.bos_token = _token_str(cfg.get("bos_token"))
         self.eos_token = _token_str(cfg.get("eos_token"))
         self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
-        self.add_bos_token = bool(cfg.get("add_bos_token", False)) and self.bos_token_id is not None
+        if "add_bos_token" in cfg:  # LlamaTokenizer's switch (Llama-2 and kin): it decides
+            self.prefix = [self.bos_token_id] if cfg["add_bos_token"] and self.bos_token_id is not None else []
+        else:  # what tokenizer.json's post-processor puts before a text, as transformers runs it (Llama-3)
+            self.prefix = self._post_processor_prefix()
         self.chat_template = cfg.get("chat_template")
         if isinstance(self.chat_template, list):  # transformers' named-template form
             named = {t.get("name"): t.get("template") for t in self.chat_template if isinstance(t, dict)}
             self.chat_template = named.get("default")
         eos = self._tok.token_to_id(self.eos_token) if self.eos_token else None
         self.eos_token_ids = set() if eos is None else {eos}
+
+    def _post_processor_prefix(self):
+        """The special tokens the post-processor puts before a text (tokens it appends are not a prompt's)."""
+        bare, full = (self._tok.encode("a", add_special_tokens=flag).ids for flag in (False, True))
+        at = next((i for i in range(len(full) - len(bare) + 1) if full[i:i + len(bare)] == bare), 0)
+        return full[:at]
 
     @property
     def vocab_size(self):
@@ -61,16 +70,15 @@ class Tokenizer:
 
     def encode(self, text, limit=None):
         """Ids of `text`; special tokens written in it (e.g. "<|im_start|>") become their ids.
-        BOS is prepended when tokenizer_config asks for it, unless the text already starts with it
+        BOS (self.prefix) is prepended as transformers would, unless the text already starts with it
         (chat templates often write it themselves). limit: a text that cannot fit `limit` tokens whatever
         it says is refused before the tokenizer runs (a 4 MB prompt is seconds of it): more characters than
         `limit` longest tokens hold, times 4 for a normalizer's compositions (3 code points into 1 at most)."""
         if limit is not None and len(text) > 4 * limit * self._longest:
             raise MindspecError(f"prompt is {len(text)} characters; it does not fit max_seq {limit}")
         ids = self._tok.encode(text, add_special_tokens=False).ids
-        if self.add_bos_token and (not ids or ids[0] != self.bos_token_id):
-            ids.insert(0, self.bos_token_id)
-        return ids
+        p = self.prefix
+        return ids if ids[:len(p)] == p else p + ids
 
     def decode(self, ids, skip_special_tokens=False):
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
@@ -88,8 +96,9 @@ class Tokenizer:
             template = _jinja_env().from_string(self.chat_template)
             return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                    bos_token=self.bos_token or "", eos_token=self.eos_token or "")
-        except TemplateError as e:
-            raise MindspecError(f"chat template failed: {e}") from None
+        except Exception as e:  # noqa: BLE001 - the template is the model's code: Jinja's errors, or a TypeError
+            why = e if isinstance(e, TemplateError) else f"{type(e).__name__}: {e}"
+            raise MindspecError(f"chat template failed: {why}") from None
 
     def vocab_fingerprint(self):
         """Identity of the token -> id map: a draft must share it with its target."""

@@ -81,6 +81,10 @@ def test_chat_template_errors(tok_dir):
     cfg_path.write_text(json.dumps(cfg))
     with pytest.raises(MindspecError, match="only user turns"):
         Tokenizer(str(tok_dir)).apply_chat_template([{"role": "system", "content": "x"}])
+    cfg["chat_template"] = "{{ messages[0]['content'] + 1 }}"  # a TypeError inside the template: was a traceback
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(MindspecError, match="chat template failed: .*str"):
+        Tokenizer(str(tok_dir)).apply_chat_template([{"role": "user", "content": "x"}])
     del cfg["chat_template"]
     cfg_path.write_text(json.dumps(cfg))
     with pytest.raises(MindspecError, match="chat_template"):
@@ -94,6 +98,26 @@ def test_add_bos_token(tok_dir):
     tok = Tokenizer(str(tok_dir))
     assert tok.encode("a") == [0, tok.encode("a")[1]]
     assert tok.encode("<|endoftext|>a")[:2] != [0, 0]  # already there: not doubled
+
+
+@pytest.mark.parametrize("add_bos", [None, True, False])
+def test_bos_as_transformers_adds_it(tok_dir, add_bos):
+    """A prompt starts with BOS where transformers would put one: tokenizer_config's add_bos_token when it
+    has the key (LlamaTokenizer's switch), else the special tokens tokenizer.json's post-processor puts
+    before a text (Llama-3: PreTrainedTokenizerFast, no add_bos_token; found: its plain prompts ran
+    without <|begin_of_text|>). A text that starts with them already (a chat template's) gets no second."""
+    from tokenizers import Tokenizer as Raw, processors
+    raw = Raw.from_file(str(tok_dir / "tokenizer.json"))
+    raw.post_processor = processors.TemplateProcessing(single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", 0)])
+    raw.save(str(tok_dir / "tokenizer.json"))
+    cfg = {"bos_token": "<|endoftext|>", "eos_token": "<|im_end|>", "chat_template": CHAT_TEMPLATE}
+    if add_bos is not None:
+        cfg["add_bos_token"] = add_bos
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps(cfg))
+    tok = Tokenizer(str(tok_dir))
+    a = raw.encode("a", add_special_tokens=False).ids
+    assert tok.encode("a") == ([] if add_bos is False else [0]) + a
+    assert tok.encode("<|endoftext|>a") == [0] + a  # not doubled
 
 
 def test_vocab_fingerprint(tmp_path):
