@@ -37,6 +37,8 @@ class SafetensorsFile:
                     raise ValueError("header length out of range")
                 self.header_bytes = f.read(n)
             header = json.loads(self.header_bytes)
+            if not isinstance(header, dict):
+                raise ValueError("header is not a JSON object")
             header.pop("__metadata__", None)
             self._data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n) if size > 8 + n else None
             for name, info in header.items():
@@ -46,7 +48,7 @@ class SafetensorsFile:
                     raise ValueError(f"tensor {name} has inconsistent offsets")
         except MindspecError:
             raise
-        except (OSError, ValueError, KeyError, TypeError, struct.error) as e:
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, struct.error) as e:
             raise MindspecError(f"not a valid safetensors file: {path} ({e})") from None
         self.header = header
 
@@ -74,10 +76,11 @@ class Checkpoint:
         if os.path.exists(index):
             try:
                 with open(index, encoding="utf-8") as f:
-                    weight_map = json.load(f)["weight_map"]
+                    self._where = dict(json.load(f)["weight_map"])
+                if not all(isinstance(v, str) for v in self._where.values()):
+                    raise ValueError("weight_map values must be shard file names")
             except (OSError, ValueError, KeyError, TypeError) as e:
                 raise MindspecError(f"bad safetensors index {index} ({e})") from None
-            self._where = dict(weight_map)
         elif os.path.exists(single):
             self._where = {n: "model.safetensors" for n in self._open("model.safetensors").names()}
         else:
@@ -108,10 +111,18 @@ class Checkpoint:
             raise MindspecError(f"checkpoint {self.dir} has weights of more layers than config.json's "
                                 f"num_hidden_layers {cfg.num_hidden_layers}")
 
-    def get(self, name):
+    def _shard(self, name):
+        """(the name read, its shard): a tied LM head reads the embedding."""
         if name == "lm_head.weight" and self.config.tie_word_embeddings and name not in self._where:
             name = "model.embed_tokens.weight"
-        arr = self._open(self._where[name]).get(name)
+        sf = self._open(self._where[name])
+        if name not in sf.header:
+            raise MindspecError(f"{self.dir}: the index maps {name} to {self._where[name]}, which does not hold it")
+        return name, sf
+
+    def get(self, name):
+        name, sf = self._shard(name)
+        arr = sf.get(name)
         want = expected_shape(self.config, name)
         if want is not None and tuple(arr.shape) != want:
             raise MindspecError(f"{self.dir}: tensor {name} has shape {tuple(arr.shape)}, config says {want}")
@@ -120,9 +131,7 @@ class Checkpoint:
     def get_slice(self, name, axis, start, stop):
         """Rows (axis 0) or columns (axis 1) start:stop of a 2-D tensor, equal to get(name) sliced,
         reading only those bytes of the memory-mapped file: a tensor-parallel rank's shard."""
-        if name == "lm_head.weight" and self.config.tie_word_embeddings and name not in self._where:
-            name = "model.embed_tokens.weight"
-        sf = self._open(self._where[name])
+        name, sf = self._shard(name)
         info = sf.header[name]
         shape, want = tuple(info["shape"]), expected_shape(self.config, name)
         if want is not None and shape != want:

@@ -33,14 +33,20 @@ class LlamaConfig:
         return asdict(self)
 
 
-def _eos_list(v):
+def _eos_list(v, where):
     if v is None:
         return ()
-    return tuple(v) if isinstance(v, (list, tuple)) else (int(v),)
+    ids = list(v) if isinstance(v, (list, tuple)) else [v]
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise MindspecError(f"{where}: eos_token_id must be an integer or a list of integers, got {v!r}")
+    return tuple(ids)
 
 
 def config_from_dict(raw, where="config.json"):
-    arch = (raw.get("architectures") or ["LlamaForCausalLM"])[0]
+    archs = raw.get("architectures") or ["LlamaForCausalLM"]
+    if not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
+        raise MindspecError(f"{where}: architectures must be a list of class names, got {archs!r}")
+    arch = archs[0]
     if arch not in SUPPORTED_ARCHS and raw.get("model_type") != "llama":
         raise MindspecError(f"{where}: architecture {arch!r} is not a Llama-family model")
     for key, what in (("attention_bias", "attention biases"), ("mlp_bias", "MLP biases"),
@@ -48,6 +54,8 @@ def config_from_dict(raw, where="config.json"):
         if raw.get(key) and not (key == "attention_bias" and arch == "Qwen2ForCausalLM"):
             raise MindspecError(f"{where}: {key} = true ({what}) is not supported")
     scaling = raw.get("rope_scaling")
+    if scaling is not None and not isinstance(scaling, dict):
+        raise MindspecError(f"{where}: rope_scaling must be an object, got {scaling!r}")
     if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
         raise MindspecError(f"{where}: rope_scaling {scaling.get('rope_type', scaling.get('type'))!r} "
                             "is not supported (only plain RoPE)")
@@ -80,7 +88,7 @@ def config_from_dict(raw, where="config.json"):
             max_position_embeddings=count("max_position_embeddings", 2048),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             bos_token_id=raw.get("bos_token_id"),
-            eos_token_ids=_eos_list(raw.get("eos_token_id")),
+            eos_token_ids=_eos_list(raw.get("eos_token_id"), where),
             qkv_bias=arch == "Qwen2ForCausalLM",  # Qwen2 always has them (its config has no flag)
         )
     except KeyError as e:
@@ -119,6 +127,6 @@ def load_config(model_dir):
     if os.path.exists(gen_path):
         gen = _read_json(gen_path, "generation_config.json")
         if isinstance(gen, dict) and gen.get("eos_token_id") is not None:
-            raw = dict(raw, eos_token_id=sorted(set(_eos_list(raw.get("eos_token_id")))
-                                                | set(_eos_list(gen["eos_token_id"]))))
+            raw = dict(raw, eos_token_id=sorted(set(_eos_list(raw.get("eos_token_id"), path))
+                                                | set(_eos_list(gen["eos_token_id"], gen_path))))
     return config_from_dict(raw, path)

@@ -61,6 +61,10 @@ def test_missing_shard_and_wrong_shape_are_clear_errors(tmp_path):
     (dict(vocab_size="320"), "vocab_size must be an integer >= 1, got '320'"),  # taken as 320
     (dict(rope_theta=-1), "rope_theta must be a number > 0, got -1"),  # NaN logits: every token EOS
     (dict(num_hidden_layers=1), "weights of more layers than config.json's num_hidden_layers 1"),  # ran 1 of 2
+    # the second review's: each was a traceback
+    (dict(architectures={"a": 1}), "architectures must be a list of class names"),
+    (dict(rope_scaling="linear"), "rope_scaling must be an object"),
+    (dict(eos_token_id=[2, None]), "eos_token_id must be an integer or a list of integers"),
 ])
 def test_a_config_that_does_not_describe_the_weights_is_refused(tmp_path, tiny_target, change, words):
     """Found trying broken checkpoints: each of these ran (or died with a traceback) instead."""
@@ -70,3 +74,26 @@ def test_a_config_that_does_not_describe_the_weights_is_refused(tmp_path, tiny_t
     (d / "config.json").write_text(json.dumps(dict(cfg, **change)))
     with pytest.raises(MindspecError, match=words):
         Checkpoint(str(d))
+
+
+def test_odd_safetensors_files_are_one_line_errors(tmp_path):
+    """Found trying broken checkpoints (tracebacks before): an index naming a shard that lacks the
+    tensor, an index whose weight_map is not an object, a header that is not a JSON object."""
+    d, tensors = make_tiny_checkpoint(tmp_path / "s", shard_bytes=60_000)
+    index_path = tmp_path / "s" / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    wrong = next(f for f in shards if f != index["weight_map"]["model.norm.weight"])
+    index_path.write_text(json.dumps({"weight_map": dict(index["weight_map"], **{"model.norm.weight": wrong})}))
+    ck = Checkpoint(d)
+    for get in (lambda: ck.get("model.norm.weight"), lambda: ck.get_slice("model.norm.weight", 0, 0, 1)):
+        with pytest.raises(MindspecError, match=f"index maps model.norm.weight to {wrong}, which does not hold it"):
+            get()
+    index_path.write_text(json.dumps({"weight_map": "model.safetensors"}))
+    with pytest.raises(MindspecError, match="bad safetensors index"):
+        Checkpoint(d)
+    d2, _ = make_tiny_checkpoint(tmp_path / "h")
+    h = b"[1, 2]   "
+    (tmp_path / "h" / "model.safetensors").write_bytes(len(h).to_bytes(8, "little") + h)
+    with pytest.raises(MindspecError, match="not a valid safetensors file: .*header is not a JSON object"):
+        Checkpoint(d2)
