@@ -85,7 +85,11 @@ class Api:
     """The endpoints over one App (mindspec.serve); `routes` maps (method, path) to them."""
 
     def __init__(self, app, api_key=None, strict_model_name=False, read_timeout=30):
-        self.app, self.api_key, self.strict = app, api_key, strict_model_name
+        self.app, self.strict = app, strict_model_name
+        try:  # as the header's bytes are compared (a key from argv keeps its undecodable bytes as surrogates)
+            self.api_key = api_key.encode("utf-8", "surrogateescape") if api_key else None
+        except UnicodeEncodeError:  # a lone surrogate (JSON's "\ud800") no request could send
+            raise MindspecError("the API key is not valid text (a lone surrogate?)") from None
         self.read_timeout = read_timeout  # s: the whole body must arrive within this (else 408)
         self.metrics = app.metrics
         self.routes = [(m, re.compile(p + r"\Z"), getattr(self, name), fam, name)
@@ -132,8 +136,7 @@ class Api:
     def _check_key(self, request):
         # the scheme is case-insensitive (RFC 9110); aiohttp keeps a header's undecodable bytes as surrogates
         scheme, _, got = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(got.encode("utf-8", "surrogateescape"),
-                                                                 self.api_key.encode()):
+        if scheme.lower() != "bearer" or not hmac.compare_digest(got.encode("utf-8", "surrogateescape"), self.api_key):
             raise RequestError("missing or wrong API key (Authorization: Bearer KEY)", 401)
 
     @staticmethod
@@ -355,7 +358,8 @@ class Api:
                                f"the choices run side by side), got {json.dumps(n)}", param="n")
         # choice i samples with seed + i (a greedy request gives n equal choices, as vLLM's; a seed that is
         # not an integer is left for the engine's check to refuse)
-        kws = [kw if i == 0 or type(kw.get("seed")) is not int else dict(kw, seed=kw["seed"] + i) for i in range(n)]
+        kws = [kw if i == 0 or type(kw.get("seed")) is not int else dict(kw, seed=(kw["seed"] + i) % 2 ** 63)
+               for i in range(n)]  # (the last seeds wrap: every seed the request may give works with any n)
         first = OpenAI(self.app, chat)
         fmts = [first] + [OpenAI(self.app, chat, index=i, head=first.head) for i in range(1, n)]
         return await self._generate(request, kws, fmts, stream)

@@ -106,14 +106,15 @@ def read(path):
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
+        flat = _flatten(data) if isinstance(data, dict) else None
     except OSError as e:
         raise ValueError(f"{path}: {e.strerror or e}") from None
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:  # (RecursionError: nested deeper than Python's stack)
         raise ValueError(f"{path}: not valid JSON: {e}") from None
-    if not isinstance(data, dict):
+    if flat is None:
         raise ValueError(f"{path}: must be a JSON object (MindIE's config.json layout)")
     values, warnings = {}, []
-    for key, value in _flatten(data).items():
+    for key, value in flat.items():
         if key in KEYS:
             dest, check = KEYS[key]
             try:

@@ -137,6 +137,8 @@ BAD_CONFIGS = [  # (file content, the one line expected)
      'mindspec.speculationGamma: must be an integer >= 1 and <= 8, got "fast"'),
     ("{not json", "not valid JSON"),
     ([1, 2], "must be a JSON object"),
+    ("[" * 100000 + "]" * 100000, "not valid JSON"),  # deeper than Python's stack: was a RecursionError traceback
+    ('{"mindspec": {"apiKey": "\\ud800"}}', "the API key is not valid text"),  # every request was a 500
 ]
 
 
