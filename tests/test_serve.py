@@ -532,6 +532,9 @@ def test_n_choices_run_side_by_side(server):
     assert ["".join(e["choices"][0]["text"] for e in evs[:-1] if e["choices"][0]["index"] == i) for i in (0, 1)] == one
     chat = post(base, "/v1/chat/completions", {"messages": HI, "max_tokens": N, "n": 2})
     assert chat["choices"][0]["message"] == chat["choices"][1]["message"] and chat["choices"][1]["index"] == 1
+    # the largest seed: choice 1 wraps to seed 0 (it was a 400 for a valid request)
+    top = post(base, "/v1/completions", dict(body, seed=2 ** 63 - 1, n=2))["choices"]
+    assert top[1]["text"] == post(base, "/v1/completions", dict(body, seed=0))["choices"][0]["text"]
 
 
 def test_stop_token_ids_and_min_tokens(server, pipe):
