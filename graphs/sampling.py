@@ -43,7 +43,9 @@ def _cut(s, x, top_k, top_p):
     cut_p = ops.select(before < top_p, s, ops.full_like(s, BIG)).min(-1, keepdims=True)
     cut_p = ops.minimum(cut_p, m)  # the most likely token always stays, however small top_p
     cut = ops.select(ops.broadcast_to(top_p < 1, kth.shape), ops.maximum(cut_p, kth), kth)
-    fits = ops.logical_or(k <= C, ops.logical_or(top_p >= 1, incl[..., C - 1:] >= top_p))  # [B, T, 1]
+    # exact: the k-th largest is a candidate, or top-k is off and the candidates hold the top-p set (a k
+    # between C and V is not: its k-th largest is no candidate, and z summed the candidates only)
+    fits = ops.logical_or(k <= C, ops.logical_and(k >= V, ops.logical_or(top_p >= 1, incl[..., C - 1:] >= top_p)))
     return cut, fits.all()
 
 

@@ -244,6 +244,8 @@ GRAPH_CASES = [  # (K, params of the rows, in turn): one graph, any mix of rows;
          SamplingParams(0.9, top_p=0.7, repetition_penalty=0.7),
          SamplingParams(0.0, repetition_penalty=1.5),  # greedy + penalty
          SamplingParams(1.0, top_p=1e-30), SamplingParams(1.0, top_k=2 ** 31 - 1)]),  # extremes stay sane
+    # top_k above the candidates, alone in its call: kept only the CAP candidates, exact by the graph's word
+    (1, [SamplingParams(1.0, top_k=CAP + 2)]),
 ]
 CHECKED = 24  # rows per call compared with the pure function (the numpy reference is the slow part)
 
@@ -271,7 +273,7 @@ def test_fused_verify_graph_equals_pure_function(pair, batch):
             assert (n[r], nxt[r]) == want, (params, r, seq)
             outcomes.add(n[r] == k)
     assert outcomes == {True, False}  # both the recovered and the bonus path were compared
-    assert batch.reruns - reruns == 2  # the cases with top_k > CAP went through the exact bisection
+    assert batch.reruns - reruns == 3  # the cases with top_k > CAP went through the exact bisection
 
 
 # ---- statistical losslessness --------------------------------------------------------------------
