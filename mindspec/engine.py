@@ -177,8 +177,9 @@ class Engine:
             fn()
         except Exception as e:  # noqa: BLE001 - reported to those requests' callers
             for r in reqs:
-                r.error = e
-                events[r] = events.get(r, "") + r.finish("error")
+                if not r.done:  # (a row the call had already finished keeps its result)
+                    r.error = e
+                    events[r] = events.get(r, "") + r.finish("error")
 
     # ---- the work of a step
 
@@ -222,8 +223,10 @@ class Engine:
     def _decode(self, running, events):
         """One draft + verify call over the running rows (K = 0: a plain decode call)."""
         t0 = time.perf_counter()
-        # drafts that still fit the cache, and that the row may still commit (a step commits up to K + 1)
-        caps = [min(self.target.max_seq - r.pos, r.max_new_tokens - len(r.output)) - 1 for r in running]
+        # drafts that still fit the caches (the target's; the draft's may be shorter), and that the row may
+        # still commit (a step commits up to K + 1)
+        room = self.target.max_seq if self.proposer is None else min(self.target.max_seq, self.proposer.max_seq)
+        caps = [min(room - r.pos, r.max_new_tokens - len(r.output)) - 1 for r in running]
         n_valid = self._choose(running, caps)
         if self.proposer is not None and max(n_valid):
             # a drafting row whose draft fell far behind (a skipped prompt whose catch-up now pays) sits this
@@ -238,11 +241,11 @@ class Engine:
         want_lp = any(r.logprobs is not None for r in running)  # only the sampling graph has whole logits
         need_q = want_lp or any(not r.params.plain_greedy for r in running)
         if K:
-            who = [None] * len(self.rows)
+            who, counts = [None] * len(self.rows), [0] * len(self.rows)
             for r, n in zip(running, n_valid):
-                who[r.row] = r if n else None
+                who[r.row], counts[r.row] = (r, n) if n else (None, 0)
             drafting = [r for r in running if who[r.row] is not None]
-            d, dq, confident = self.proposer.get_candidates(who, K, need_q)
+            d, dq, confident = self.proposer.get_candidates(who, counts, need_q)
             q = np.zeros((len(running), K, self.proposer.vocab_size), np.float32) if need_q else None
             for j, r in enumerate(drafting):
                 i = running.index(r)
@@ -250,6 +253,9 @@ class Engine:
                 n_valid[i] = min(n_valid[i], int(confident[j]))
                 if need_q:
                     q[i] = dq[j]
+            # after confidence cuts: verify the smallest bucket that holds what is left (none: a plain decode)
+            K = next((b for b in self.target.k_buckets if b >= max(n_valid)), K) if max(n_valid) else 0
+            drafts, q = drafts[:, :K], (q[:, :K] if q is not None and K else None)
         t1 = time.perf_counter()
         ids = np.concatenate([np.array([[r.seq[-1]] for r in running]), drafts], 1)  # [n, K+1]
         s = self._sampling(running, K, q=q) if need_q else None

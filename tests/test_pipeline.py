@@ -102,16 +102,22 @@ def test_dynamic_k_output_equals_target_only(pipe):
     assert len(used) >= 2, used  # the policy really moved K on this often-rejected draft
 
 
-def test_confidence_cut_output_equals_target_only(pipe):
-    """draft_min_conf stops drafting early; the loop verifies the largest bucket that fits (or
-    decodes plainly when nothing was drafted) and the output stays the target's."""
-    used = {}
+def test_confidence_cut_output_equals_target_only(pipe, monkeypatch):
+    """draft_min_conf stops drafting early; the step verifies the smallest bucket that holds the drafts
+    it got (or decodes plainly when nothing was drafted; found: it verified all K whatever the cut left)
+    and the output stays the target's."""
+    used, calls, step = {}, [], pipe.target.step
+    monkeypatch.setattr(pipe.target, "step", lambda ids, slots, pos, n_valid, *a, **kw: (
+        calls.append((len(ids[0]) - 1, max(n_valid))), step(ids, slots, pos, n_valid, *a, **kw))[1])
     for ids in PROMPTS:
         base = pipe.generate(prompt_ids=ids, max_new_tokens=30, speculate=False)
+        pipe.generate(prompt_ids=ids, max_new_tokens=1, k=8)  # (its graphs compiled and run: the calls below are the request's)
+        calls.clear()
         cut = pipe.generate(prompt_ids=ids, max_new_tokens=30, k=8, draft_min_conf=0.9)
         assert cut.token_ids == base.token_ids, ids
         for k, n in cut.stats["k_used"].items():
             used[k] = used.get(k, 0) + n
+        assert all(K == min([b for b in (0, 1, 2, 4, 8) if b >= n]) for K, n in calls), calls
     assert "8" in used and len(used) >= 3, used  # the cut fired, and not always
 
 
@@ -135,6 +141,13 @@ def test_a_request_the_pair_holds_runs_to_the_drafts_last_position(tiny_target, 
     assert spec.stats["drafted"] > 0
     with pytest.raises(MindspecError, match="prompt is 256 tokens; it does not fit max_seq 256"):
         pipe.generate(prompt_ids=ids + ids[:56])
+    # beside a row that drafts 8, a row 6 positions from the draft's end drafted 8 too: "draft cache full",
+    # and the failed call ended both rows with an error. Each row drafts only what it can use.
+    # (the short row runs long enough to be beside the long one, whose prompt takes 8 chunks)
+    reqs = [dict(prompt_ids=(ids + ids)[:250], max_new_tokens=56), dict(prompt_ids=[5, 6, 7], max_new_tokens=200)]
+    both = pipe.generate_many(reqs, max_batch=2)
+    assert [r.token_ids for r in both] == [pipe.generate(**r, speculate=False).token_ids for r in reqs]
+    assert [r.finish_reason for r in both] == ["length", "length"]  # the first at the cache's end
 
 
 def test_drafts_never_outrun_the_tokens_a_request_has_left(pipe):
