@@ -245,12 +245,12 @@ class Engine:
             for r, n in zip(running, n_valid):
                 who[r.row], counts[r.row] = (r, n) if n else (None, 0)
             drafting = [r for r in running if who[r.row] is not None]
-            d, dq, confident = self.proposer.get_candidates(who, counts, need_q)
+            d, dq, made = self.proposer.get_candidates(who, counts, need_q)
             q = np.zeros((len(running), K, self.proposer.vocab_size), np.float32) if need_q else None
             for j, r in enumerate(drafting):
                 i = running.index(r)
                 drafts[i] = d[j]
-                n_valid[i] = min(n_valid[i], int(confident[j]))
+                n_valid[i] = int(made[j])  # (fewer after a confidence cut)
                 if need_q:
                     q[i] = dq[j]
             # after confidence cuts: verify the smallest bucket that holds what is left (none: a plain decode)

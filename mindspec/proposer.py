@@ -36,42 +36,39 @@ class DraftProposer:
 
     def get_candidates(self, rows, counts, need_q):
         """rows: the engine's rows in row order, a Request or None (takes no part); counts: the drafts
-        each row makes (0 for None), k = max(counts). Greedy rows take the argmax, sampling rows sample
+        each row may make (0 for None), k = max(counts). Greedy rows take the argmax, sampling rows sample
         from q, the draft's distribution processed as the target's (SamplingParams.for_draft) with the
-        row's own DRAFT uniforms; a row stops at its count (what the target can verify of it: its cache's
-        room, its tokens left), so a row near the draft cache's end never writes past it, or at its
-        confidence cut. Returns (drafts
-        [n, k] int64, q [n, k, V] float32 or None, confident [n] int: drafts before the first one under the
-        row's confidence cut, at most its count), n = the Request rows, in order; past a row's count its
-        drafts and q are zeros."""
+        row's own DRAFT uniforms. A row stops at its count (what the target can verify of it: its cache's
+        room, its tokens left; so a row near the draft cache's end never writes past it) or before its
+        first draft under its confidence cut. Returns (drafts [n, k] int64, q [n, k, V] float32 or None,
+        made [n] int: the drafts each row made, zeros past them), n = the Request rows, in order."""
         live = [i for i, r in enumerate(rows) if r is not None]
         m, V, k = len(rows), self.vocab_size, max(counts)
-        n = [counts[i] for i in live]  # [len(live)]
+        made = np.array([counts[i] for i in live], np.int64)  # [n]: lowered by a confidence cut
         feed = [r.seq[int(self.session.pos[i]):] if r is not None else [] for i, r in enumerate(rows)]
         logits = self.session.forward(feed)[live]  # [n, V]
         drafts = np.zeros((len(live), k), np.int64)
         q = np.zeros((len(live), k, V), np.float32) if need_q else None
-        confident = np.array(n, np.int64)
         for i in range(k):
             for j, row in enumerate(live):
-                if i >= n[j]:
+                if i >= made[j]:
                     continue
                 r = rows[row]
                 tok, q_i = self._one(r, logits[j], i, drafts[j, :i], need_q)
+                if r.draft_min_conf is not None and stop_early(
+                        float(q_i.max()) if q_i is not None else _top_prob(logits[j]), r.draft_min_conf):
+                    made[j] = i  # the row drafts no further
+                    continue
                 drafts[j, i] = tok
                 if q is not None:
                     q[j, i] = q_i
-                if confident[j] == n[j] and r.draft_min_conf is not None:
-                    top = float(q_i.max()) if q_i is not None else _top_prob(logits[j])
-                    if stop_early(top, r.draft_min_conf):
-                        confident[j], n[j] = i, i + 1  # the row drafts no further
             step = [[] for _ in range(m)]
             for j, row in enumerate(live):
-                if i + 1 < n[j]:
+                if i + 1 < made[j]:
                     step[row] = [int(drafts[j, i])]
             if any(step):
                 logits = self.session.forward(step)[live]
-        return drafts, q, confident
+        return drafts, q, made
 
     def _one(self, r, logits, i, prev_drafts, need_q):
         """One draft token of request r at draft position i: (token, q [V] or None)."""
