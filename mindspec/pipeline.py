@@ -23,7 +23,6 @@ __all__ = ["Pipeline", "Result", "load"]
 class Pipeline:
     def __init__(self, target, draft=None, k="auto", max_seq=None, buckets=K_BUCKETS, device=None,
                  device_mem=None, tp=1, max_batch=1, batch_buckets=BATCH_BUCKETS, dtype=None, prefix_cache=True):
-        from mindspec.graphs.runner import init_mindspore
         self.device = detect_device(device)  # target and draft: "CPU" or "Ascend"
         self.dtype = resolve_dtype(dtype, self.device)  # the target's; refused before any weight loads
         self.spec = SpecConfig(k, tuple(buckets), tuple(batch_buckets), max_batch)
@@ -40,6 +39,8 @@ class Pipeline:
         self.set_draft(draft)
         self.fixed_max_seq = max_seq
         self.device_mem, self.tp = device_mem, tp  # bytes per device: refuse what cannot fit
+        # MindSpore only now (~3 s to import): a bad checkpoint, tokenizer or draft is refused before it
+        from mindspec.graphs.runner import init_mindspore
         init_mindspore(self.device)
         from .default import home
         self.cache_dir = os.path.join(home(), "compile_cache")  # see TargetModel.warmup

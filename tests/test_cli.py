@@ -92,6 +92,18 @@ def test_bad_checkpoints(pair):
         "rope_scaling")
 
 
+def test_a_bad_checkpoint_or_draft_is_refused_before_mindspore_loads(pair):
+    """MindSpore takes ~3 s to import: a checkpoint, tokenizer or draft that cannot work is refused first
+    (it was imported before any check, so every such mistake cost the import)."""
+    target, draft, d = pair
+    no_tokenizer = _bad(d, "notok2", lambda p: os.remove(p / "tokenizer.json"))
+    for kw in (dict(target=str(d / "nowhere")), dict(target=no_tokenizer), dict(target=target, draft=str(d / "x.onnx"))):
+        code = (f"import sys, mindspec\ntry:\n    mindspec.load(**{kw!r})\nexcept mindspec.MindspecError as e:\n"
+                "    print(e)\nprint('mindspore' in sys.modules)")
+        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0 and p.stdout.splitlines()[-1] == "False", (kw, p.stdout, p.stderr[-2000:])
+
+
 def test_bad_drafts(pair, tmp_path):
     target, draft, d = pair
     gen = ["generate", "--prompt-ids", "5,6", "--target", target, "--draft"]
