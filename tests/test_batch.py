@@ -58,7 +58,7 @@ def command(setup, out, inp=None, extra=()):
     target, draft, default_inp, _ = setup
     return [sys.executable, "-m", "mindspec", "batch", "--input", str(inp or default_inp), "--output", str(out),
             "--target", target, "--draft", draft, "-k", "2", "--max-seq", str(MAX_SEQ), "--max-new-tokens", "5",
-            *extra]
+            "--max-batch", "2", *extra]  # one set of graphs for every job of this file (see TP_GRAPHS)
 
 
 def batch(setup, out, inp=None, extra=(), env=None, cwd=None):
@@ -84,13 +84,19 @@ def last(err):
 
 
 @pytest.fixture(scope="module")
+def pipe(setup):
+    """The in-process reference (target-only runs) of this file's jobs."""
+    return mindspec.load(target=setup[0], draft=setup[1], k=2, max_seq=MAX_SEQ)
+
+
+@pytest.fixture(scope="module")
 def first_run(setup):
     out = setup[3] / "out.jsonl"
     code, err = batch(setup, out, env={"MINDSPEC_PROGRESS_S": "0"}, cwd=setup[3])
     return code, err, out
 
 
-def test_results_equal_target_only_and_bad_lines_become_errors(setup, first_run):
+def test_results_equal_target_only_and_bad_lines_become_errors(setup, first_run, pipe):
     code, err, out = first_run
     assert code == 1, err  # some lines failed
     assert "Traceback" not in err
@@ -106,7 +112,6 @@ def test_results_equal_target_only_and_bad_lines_become_errors(setup, first_run)
     for rid, needle in EXPECT_ERRORS.items():
         assert set(got[rid]) == {"mindspec_batch", "job", "id", "error"} and needle in got[rid]["error"], got[rid]
     assert "does not fit" in got["f"]["error"]
-    pipe = mindspec.load(target=setup[0], draft=setup[1], k=2, max_seq=MAX_SEQ)
     refs = {"a": pipe.generate(prompt_ids=[5, 6, 7, 8], max_new_tokens=10, speculate=False),
             2: pipe.generate(prompt="hello", max_new_tokens=5, speculate=False),
             "d": pipe.generate(prompt="hi", chat=True, max_new_tokens=6, speculate=False, logprobs=2),
@@ -268,11 +273,12 @@ def test_full_disk_stops_with_one_line_an_honest_count_and_a_file_that_resumes(s
     assert sorted(r["id"] for r in records(out)) == list(range(1, 31))
 
 
-# TP_GRAPHS: the tensor-parallel jobs of this file run one set of graphs (batch buckets 1 and 2, greedy and
-# sampling rows, K <= 2), so the first compiles them and the others load them from the compile cache
+# TP_GRAPHS: the jobs of this file run one set of graphs (batch buckets 1 and 2, greedy and sampling rows,
+# K <= 2) per layout (TP=1, TP=2), so the first job of each compiles them and the others load them from the
+# compile cache (a cold compile is most of a job's time here)
 
 
-def test_tensor_parallel_batch_equals_tp1(setup, first_run, tmp_path):
+def test_tensor_parallel_batch_equals_tp1(setup, first_run, pipe, tmp_path):
     """`batch --tp 2` (msrun, 127.0.0.1): both ranks run the job in lock step, rank 0 alone writes;
     greedy lines equal the TP=1 run, and a sampled line without a seed gets the same drawn seed on
     every rank (else the ranks would accept different drafts and the text would not repeat)."""
@@ -280,7 +286,7 @@ def test_tensor_parallel_batch_equals_tp1(setup, first_run, tmp_path):
     inp.write_text(LINES[0] + "\n" + LINES[3] + "\n" +
                    json.dumps({"id": "s", "prompt_ids": [9, 8, 7], "temperature": 1.0, "max_new_tokens": 8}) + "\n")
     out = tmp_path / "out.jsonl"
-    code, err = batch(setup, out, inp, extra=["--tp", "2", "--max-batch", "2"])  # (TP_GRAPHS)
+    code, err = batch(setup, out, inp, extra=["--tp", "2"])  # (TP_GRAPHS)
     assert code == 0, err
     assert "3 lines: 3 done, 0 failed, 0 left" in last(err), err
     recs = records(out)
@@ -288,7 +294,6 @@ def test_tensor_parallel_batch_equals_tp1(setup, first_run, tmp_path):
     tp1, recs = by_id(first_run[2]), {r["id"]: r for r in recs}
     for rid in ("a", "d"):
         assert recs[rid]["token_ids"] == tp1[rid]["token_ids"], rid
-    pipe = mindspec.load(target=setup[0], draft=setup[1], k=2, max_seq=MAX_SEQ)
     ref = pipe.generate(prompt_ids=[9, 8, 7], max_new_tokens=8, temperature=1.0, seed=recs["s"]["seed"])
     assert recs["s"]["token_ids"] == ref.token_ids and recs["s"]["stats"]["drafted"] > 0
 
@@ -303,7 +308,7 @@ def _interrupt(setup, tmp_path, inp, out, sig, wait, tag):
     """Start a job (no compile cache: MindSpore compiles), `wait()`, send `sig`: (exit code, stderr)."""
     env = dict(os.environ, MINDSPEC_HOME=str(tmp_path / f"home{tag}"), TMPDIR=str(tmp_path / "tmp"),
                MINDSPEC_PROGRESS_S="3600")  # compiling takes long enough for a progress line: not tested here
-    p = subprocess.Popen(command(setup, out, inp, ["--max-new-tokens", "40", "--max-batch", "2"]),
+    p = subprocess.Popen(command(setup, out, inp, ["--max-new-tokens", "40"]),
                          stderr=subprocess.PIPE, text=True,
                          env=env, cwd=tmp_path)
     wait(p)
@@ -525,7 +530,7 @@ def test_kill_9_of_a_tensor_parallel_launcher_ends_the_whole_job(setup, tmp_path
     out, tmp = tmp_path / "out.jsonl", tmp_path / "tmp"
     tmp.mkdir()
     env = dict(os.environ, TMPDIR=str(tmp), MINDSPEC_PROGRESS_S="3600")
-    tp = ["--tp", "2", "--max-batch", "2", "--max-new-tokens", "40"]  # TP_GRAPHS (a sampled line: line 0)
+    tp = ["--tp", "2", "--max-new-tokens", "40"]  # TP_GRAPHS (a sampled line: line 0)
     p = subprocess.Popen(command(setup, out, inp, tp),
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
     deadline = time.time() + 240
@@ -540,13 +545,13 @@ def test_kill_9_of_a_tensor_parallel_launcher_ends_the_whole_job(setup, tmp_path
     left = {pid: open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")[:4] for pid in _job_processes(str(out))}
     assert not left, f"ranks outlived their launcher: {left}"
     assert not [d for d in os.listdir(tmp) if d.startswith("mindspec-tp-")]
-    code, err = batch(setup, out, inp, extra=["--max-new-tokens", "40", "--max-batch", "2"])  # the same job
+    code, err = batch(setup, out, inp, extra=["--max-new-tokens", "40"])  # the same job
     assert code == 0, err
     ids = [r["id"] for r in records(out)]
     assert sorted(ids) == list(range(12)), ids  # every id exactly once
 
 
-def test_a_tensor_parallel_job_over_two_nodes_on_one_machine_equals_tp1(setup, first_run, tmp_path):
+def test_a_tensor_parallel_job_over_two_nodes_on_one_machine_equals_tp1(setup, first_run, pipe, tmp_path):
     """`--tp 2 --nodes 2`, one rank per "machine", both here (master 127.0.0.1: msrun starts a scheduler on
     both, node 1's steps aside): one cluster, rank 0 (node 0) writes; the greedy lines equal the TP=1 run,
     and a sampled line without a seed repeats from its recorded seed (rank 0's seed base for both nodes)."""
@@ -554,8 +559,7 @@ def test_a_tensor_parallel_job_over_two_nodes_on_one_machine_equals_tp1(setup, f
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_text(LINES[0] + "\n" + LINES[3] + "\n" +
                    json.dumps({"id": "s", "prompt_ids": [9, 8, 7], "temperature": 1.0, "max_new_tokens": 8}) + "\n")
-    nodes = ["--tp", "2", "--nodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-             "--max-batch", "2"]  # (TP_GRAPHS)
+    nodes = ["--tp", "2", "--nodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
     procs = [subprocess.Popen(command(setup, out, inp, nodes + ["--node-rank", str(r)]), stderr=subprocess.PIPE,
                               text=True) for r in (0, 1)]
     (code0, err0), (code1, err1) = [(p.wait(timeout=600), p.stderr.read()) for p in procs]
@@ -564,7 +568,6 @@ def test_a_tensor_parallel_job_over_two_nodes_on_one_machine_equals_tp1(setup, f
     recs, tp1 = {r["id"]: r for r in records(out)}, by_id(first_run[2])
     assert sorted(recs) == ["a", "d", "s"] and len(records(out)) == 3
     assert all(recs[rid]["token_ids"] == tp1[rid]["token_ids"] for rid in ("a", "d"))
-    pipe = mindspec.load(target=setup[0], draft=setup[1], k=2, max_seq=MAX_SEQ)
     ref = pipe.generate(prompt_ids=[9, 8, 7], max_new_tokens=8, temperature=1.0, seed=recs["s"]["seed"])
     assert recs["s"]["token_ids"] == ref.token_ids
 
@@ -577,7 +580,7 @@ def test_data_parallel_equals_dp1_in_input_order(setup, first_run):
     error records), and removed. A re-run retries the failed lines, which fail in the same words: the
     output is left byte for byte as it was."""
     out = setup[3] / "dp2.jsonl"
-    code, err = batch(setup, out, extra=["--dp", "2", "--max-batch", "1"])
+    code, err = batch(setup, out, extra=["--dp", "2"])
     assert code == 1, err
     assert "Traceback" not in err
     assert last(err) == f"mindspec batch: 8 lines: 4 done, 4 failed, 0 left -> {out} (merged from 2 parts)", err
@@ -593,7 +596,7 @@ def test_data_parallel_equals_dp1_in_input_order(setup, first_run):
             want.get("error") and r["job"] == want["job"], r["id"]
     assert not list(setup[3].glob("dp2.jsonl.part*"))
     before = out.read_bytes()
-    code, err = batch(setup, out, extra=["--dp", "2", "--max-batch", "1"])
+    code, err = batch(setup, out, extra=["--dp", "2"])
     assert code == 1 and last(err).startswith("mindspec batch: 8 lines: 4 done, 4 failed, 0 left"), err
     assert out.read_bytes() == before
 
@@ -610,7 +613,7 @@ def _in_parts(parts):
 
 
 @pytest.mark.parametrize("moment", [0, 2])
-def test_kill_9_of_a_data_parallel_launcher_then_resume_writes_each_id_once(setup, tmp_path, moment):
+def test_kill_9_of_a_data_parallel_launcher_then_resume_writes_each_id_once(setup, pipe, tmp_path, moment):
     """SIGKILL to the launcher alone (it cannot clean up) while its replicas load (moment 0) or once they
     wrote 2 records: its replicas die with it (no process left), their parts keep what they wrote; the
     same command then finishes only what is missing and merges: every id exactly once, in input order,
@@ -618,7 +621,7 @@ def test_kill_9_of_a_data_parallel_launcher_then_resume_writes_each_id_once(setu
     lines = [{"id": i, "prompt_ids": [5 + i, 6, 7], "max_new_tokens": 100} for i in range(12)]
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    cmd = command(setup, out, inp, ["--dp", "2", "--max-batch", "1", "--max-new-tokens", "100"])
+    cmd = command(setup, out, inp, ["--dp", "2", "--max-new-tokens", "100"])
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                          env=dict(os.environ, MINDSPEC_PROGRESS_S="3600"), start_new_session=True)
     parts = [tmp_path / f"out.jsonl.part{i}of2" for i in range(2)]
@@ -634,11 +637,10 @@ def test_kill_9_of_a_data_parallel_launcher_then_resume_writes_each_id_once(setu
     assert not _job_processes(str(out)), "replicas outlived their launcher"
     written = sum(len(records(q)) for q in parts if q.exists())  # killed while loading: maybe no part yet
     assert moment <= written < 12 and not records(out)  # nothing merged yet
-    code, err = batch(setup, out, inp, extra=["--dp", "2", "--max-batch", "1", "--max-new-tokens", "100"])
+    code, err = batch(setup, out, inp, extra=["--dp", "2", "--max-new-tokens", "100"])
     assert code == 0, err
     recs = records(out)
     assert [r["id"] for r in recs] == list(range(12)) and not any(q.exists() for q in parts)
-    pipe = mindspec.load(target=setup[0], draft=setup[1], k=2, max_seq=MAX_SEQ)
     for r, x in zip(recs, lines):
         assert r["token_ids"] == pipe.generate(prompt_ids=x["prompt_ids"], max_new_tokens=100,
                                                speculate=False).token_ids, r["id"]
@@ -699,7 +701,7 @@ def test_scale_out_flags_that_cannot_work_exit_2_with_one_line(setup, tmp_path):
 def test_sigterm_to_a_data_parallel_launcher_stops_every_replica_and_keeps_the_parts(setup, tmp_path):
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_text("".join(json.dumps({"prompt_ids": [5, 6, i], "max_new_tokens": 100}) + "\n" for i in range(16)))
-    p = subprocess.Popen(command(setup, out, inp, ["--dp", "2", "--max-batch", "1"]),
+    p = subprocess.Popen(command(setup, out, inp, ["--dp", "2"]),
                          stderr=subprocess.PIPE, text=True, env=dict(os.environ, MINDSPEC_PROGRESS_S="3600"))
     parts = [tmp_path / f"out.jsonl.part{i}of2" for i in range(2)]
     while _in_parts(parts) < 2:
@@ -720,7 +722,7 @@ def test_data_parallel_tensor_parallel_replicas_equal_dp1(setup, first_run, tmp_
     writes its part): the merged output holds the DP=1 texts, in input order."""
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_text("\n".join([LINES[0], LINES[3], LINES[8]]) + "\n")
-    code, err = batch(setup, out, inp, extra=["--dp", "2", "--tp", "2", "--max-batch", "1"])
+    code, err = batch(setup, out, inp, extra=["--dp", "2", "--tp", "2"])
     assert code == 0, err
     assert last(err) == f"mindspec batch: 3 lines: 3 done, 0 failed, 0 left -> {out} (merged from 2 parts)", err
     dp1, recs = by_id(first_run[2]), records(out)
@@ -728,7 +730,8 @@ def test_data_parallel_tensor_parallel_replicas_equal_dp1(setup, first_run, tmp_
     assert all(r["token_ids"] == dp1[r["id"]]["token_ids"] for r in recs)
 
 
-def test_killing_the_ranks_of_a_tensor_parallel_replica_fails_the_job_and_a_rerun_finishes_it(setup, tmp_path):
+def test_killing_the_ranks_of_a_tensor_parallel_replica_fails_the_job_and_a_rerun_finishes_it(setup, pipe,
+                                                                                                  tmp_path):
     """`--dp 2 --tp 2`, both ranks of replica 0 killed with SIGKILL mid-job: its msrun stops and its launcher
     names the rank (keeping that job's logs, which it names); replica 1 finishes its share; the job exits 2 with
     one line naming replica 0, and nothing of it runs on. The same command then runs only what is missing:
@@ -737,7 +740,7 @@ def test_killing_the_ranks_of_a_tensor_parallel_replica_fails_the_job_and_a_reru
     inp, out, tmp = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "tmp"
     inp.write_text("".join(json.dumps(x) + "\n" for x in lines))
     tmp.mkdir()
-    extra, env = ["--dp", "2", "--tp", "2", "--max-batch", "1"], {"TMPDIR": str(tmp), "MINDSPEC_PROGRESS_S": "3600"}
+    extra, env = ["--dp", "2", "--tp", "2"], {"TMPDIR": str(tmp), "MINDSPEC_PROGRESS_S": "3600"}
     p = subprocess.Popen(command(setup, out, inp, extra), stderr=subprocess.PIPE, text=True,
                          env=dict(os.environ, **env))
     while _in_parts([tmp_path / "out.jsonl.part0of2"]) < 1:
@@ -764,7 +767,6 @@ def test_killing_the_ranks_of_a_tensor_parallel_replica_fails_the_job_and_a_reru
     code, err = batch(setup, out, inp, extra=extra, env=env)
     assert code == 0 and "this run: 0 done, 0 failed, 6 skipped" in err, err  # replica 1 had finished
     assert [r["id"] for r in records(out)] == list(range(12)) and _tp_dirs(tmp) == kept
-    pipe = mindspec.load(target=setup[0], draft=setup[1], k=2, max_seq=MAX_SEQ)
     for r, x in zip(records(out), lines):
         assert r["token_ids"] == pipe.generate(prompt_ids=x["prompt_ids"], max_new_tokens=40,
                                                speculate=False).token_ids, r["id"]
@@ -792,7 +794,7 @@ def test_a_dying_replica_fails_the_job_with_one_line_and_a_rerun_finishes_it(set
     and merges nothing; the same command then runs only what is missing: every id once, in input order."""
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_text("".join(json.dumps({"prompt_ids": [5, 6, i], "max_new_tokens": 100}) + "\n" for i in range(16)))
-    cmd = command(setup, out, inp, ["--dp", "2", "--max-batch", "1"])
+    cmd = command(setup, out, inp, ["--dp", "2"])
     p = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=dict(os.environ, MINDSPEC_PROGRESS_S="3600"))
     part0 = tmp_path / "out.jsonl.part0of2"
     while _in_parts([part0]) < 1:
@@ -804,7 +806,7 @@ def test_a_dying_replica_fails_the_job_with_one_line_and_a_rerun_finishes_it(set
     assert code == 2 and last(err) == ("mindspec: error: data-parallel replica 0 of 2 died (killed by signal 9); its "
                                        "part is kept: run the same command again to finish what is missing"), err
     assert len(records(tmp_path / "out.jsonl.part1of2")) == 8 and _in_parts([part0]) < 8 and not out.exists()
-    code, err = batch(setup, out, inp, extra=["--dp", "2", "--max-batch", "1"])
+    code, err = batch(setup, out, inp, extra=["--dp", "2"])
     assert code == 0 and "this run: 0 done, 0 failed, 8 skipped" in err, err  # replica 1 had finished
     assert [r["id"] for r in records(out)] == list(range(1, 17))
 
@@ -814,8 +816,8 @@ def test_two_nodes_of_a_data_parallel_job_share_one_output(setup, first_run, tmp
     runs its replica; whichever finds every part complete merges, the other says lines were left to it.
     Every id once, in input order, the DP=1 texts."""
     out = tmp_path / "out.jsonl"
-    procs = [subprocess.Popen(command(setup, out, extra=["--dp", "2", "--nodes", "2", "--node-rank", str(r),
-                                                         "--max-batch", "1"]), stderr=subprocess.PIPE, text=True)
+    procs = [subprocess.Popen(command(setup, out, extra=["--dp", "2", "--nodes", "2", "--node-rank", str(r)]),
+                              stderr=subprocess.PIPE, text=True)
              for r in (0, 1)]
     results = [(p.wait(timeout=600), p.stderr.read()) for p in procs]
     errs = "\n".join(e for _, e in results)

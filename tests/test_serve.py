@@ -903,8 +903,9 @@ def test_tensor_parallel_server(pair, pipe):
     request is still a 4xx, and SIGTERM to the launcher ends the whole job."""
     import time
     target, draft = pair
+    # -k 1 --max-batch 1: three graphs a rank, each rank's cold compile the bulk of this test (TP batches: test_tp.py)
     p = subprocess.Popen([sys.executable, "-m", "mindspec", "serve", "--tp", "2", "--target", target, "--draft", draft,
-                          "-k", "2", "--max-seq", str(MAX_SEQ), "--port", "0", "--model-name", "tiny", "--max-batch", "2",
+                          "-k", "1", "--max-seq", str(MAX_SEQ), "--port", "0", "--model-name", "tiny", "--max-batch", "1",
                           "--max-queue", "4", "--strict-model-name"],
                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
     try:
@@ -923,7 +924,7 @@ def test_tensor_parallel_server(pair, pipe):
         body = {"inputs": TEXT, "parameters": {"max_new_tokens": N, "do_sample": True, "temperature": 1.5,
                                                "seed": 7, "details": True}}
         tgi = post(base, "/generate", body)
-        ref = pipe.generate(prompt=TEXT, max_new_tokens=N, temperature=1.5, seed=7, k=2)
+        ref = pipe.generate(prompt=TEXT, max_new_tokens=N, temperature=1.5, seed=7, k=1)
         assert [t["id"] for t in tgi["details"]["tokens"]] == ref.token_ids
         p.send_signal(signal.SIGTERM)
         assert p.wait(timeout=60) == 130
