@@ -275,7 +275,8 @@ def test_full_disk_stops_with_one_line_an_honest_count_and_a_file_that_resumes(s
 
 # TP_GRAPHS: the jobs of this file run one set of graphs (batch buckets 1 and 2, greedy and sampling rows,
 # K <= 2) per layout (TP=1, TP=2), so the first job of each compiles them and the others load them from the
-# compile cache (a cold compile is most of a job's time here)
+# compile cache (a cold compile is most of a job's time here). ONE_ROW: a job compiles only the graphs its
+# lines need, so replicas given few lines compile sets of their own: one row at a time keeps those small.
 
 
 def test_tensor_parallel_batch_equals_tp1(setup, first_run, pipe, tmp_path):
@@ -722,7 +723,7 @@ def test_data_parallel_tensor_parallel_replicas_equal_dp1(setup, first_run, tmp_
     writes its part): the merged output holds the DP=1 texts, in input order."""
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_text("\n".join([LINES[0], LINES[3], LINES[8]]) + "\n")
-    code, err = batch(setup, out, inp, extra=["--dp", "2", "--tp", "2"])
+    code, err = batch(setup, out, inp, extra=["--dp", "2", "--tp", "2", "--max-batch", "1"])  # (ONE_ROW)
     assert code == 0, err
     assert last(err) == f"mindspec batch: 3 lines: 3 done, 0 failed, 0 left -> {out} (merged from 2 parts)", err
     dp1, recs = by_id(first_run[2]), records(out)
@@ -816,7 +817,8 @@ def test_two_nodes_of_a_data_parallel_job_share_one_output(setup, first_run, tmp
     runs its replica; whichever finds every part complete merges, the other says lines were left to it.
     Every id once, in input order, the DP=1 texts."""
     out = tmp_path / "out.jsonl"
-    procs = [subprocess.Popen(command(setup, out, extra=["--dp", "2", "--nodes", "2", "--node-rank", str(r)]),
+    procs = [subprocess.Popen(command(setup, out, extra=["--dp", "2", "--nodes", "2", "--node-rank", str(r),
+                                                         "--max-batch", "1"]),  # (ONE_ROW)
                               stderr=subprocess.PIPE, text=True)
              for r in (0, 1)]
     results = [(p.wait(timeout=600), p.stderr.read()) for p in procs]
