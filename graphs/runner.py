@@ -150,6 +150,8 @@ class TargetModel:
         # graphs run at least once, and how many calls were a graph's first run (one costs ~0.3-0.9 s more
         # than the next, default model, 2 cores: timings that include one say nothing of the steady state)
         self.ran, self.cold_runs, self.warm_names = set(), 0, []
+        self.pending = []  # graphs warm-up left to load_next, in its order
+        self._cache = None  # (path, lock) of the compile cache the pending graphs go through
         self.writes = 0  # graph runs (each writes K/V into cache slots): the engine's prefix cache checks it
         self._no_seen = {}  # B -> zeros [B, V]
 
@@ -314,36 +316,65 @@ class TargetModel:
                 names += [(kind, B, K + 1) for kind, on in (("greedy", greedy), ("sample", sample)) if on]
         return names
 
-    def warmup(self, names, cache_dir=None):
-        """Compile the graphs `names` (graph_names). They write into slots 0..B-1: call it while no
-        request runs.
+    def warmup(self, names, cache_dir=None, now=None):
+        """Compile the graphs `names` (graph_names); `now`: only the first `now` of them here, the rest
+        left pending for load_next (a server says ready once its one-row graphs are in and loads the others
+        while it serves). Graphs an earlier warm-up left pending are compiled first. Compiling runs no
+        graph: it writes no slot.
 
         With `cache_dir`, the graphs are saved to / loaded from MindSpore's compile cache, but only
-        when they are the first graphs compiled in this process: MindSpore names cached graphs by the
-        process's compile counter and reads the cache path once, so only a fixed compile order from a
-        fresh process maps every cached file to the right graph (otherwise it handed a verify graph
-        of another K to a run that compiled in another order). MindSpore also reads the entry script
-        (sys.argv[0]) for the cache, so a `python -c` or stdin script runs without it."""
+        when they are the first graphs compiled in this process: MindSpore numbers the graphs it compiles
+        with the cache on (graphs compiled with it off between them, e.g. an exact-sampling rerun while
+        some are pending, take no number) and reads the cache path once, so only a fixed compile order
+        from a fresh process maps every cached file to the right graph (otherwise it handed a verify
+        graph of another K to a run that compiled in another order). MindSpore also reads the entry
+        script (sys.argv[0]) for the cache, so a `python -c` or stdin script runs without it."""
+        while self.load_next():
+            pass
         self.warm_names += [n for n in names if n not in self.warm_names]
-        if all(f"{kind}{(B, T)}" in self.compiled for kind, B, T in names):
+        self.pending = [(kind, B, T) for kind, B, T in names if f"{kind}{(B, T)}" not in self.compiled]
+        if not self.pending:
             return
-        cached = bool(cache_dir) and _COMPILES == 0 and os.path.isfile(sys.argv[0] if sys.argv else "")
-        lock = None
-        if cached:
+        if cache_dir and _COMPILES == 0 and os.path.isfile(sys.argv[0] if sys.argv else ""):
             path = os.path.join(cache_dir, self.cache_key(names))
             os.makedirs(cache_dir, exist_ok=True)
-            lock = open(path + ".lock", "w")  # noqa: SIM115 - held until the graphs are in
+            lock = open(path + ".lock", "w")  # noqa: SIM115 - held until the last pending graph is in
             fcntl.flock(lock, fcntl.LOCK_EX)  # two processes starting at once: one writes, then the other reads
-            os.environ.update(MS_COMPILER_CACHE_ENABLE="1", MS_COMPILER_CACHE_PATH=path)  # read per compile
+            self._cache = (path, lock)
+        first = set(names[:now])
+        while self.pending and (now is None or self.pending[0] in first):
+            self.load_next()
+
+    def load_next(self):
+        """Compile the next graph warm-up left pending; returns whether there was one."""
+        if not self.pending:
+            return False
+        kind, B, T = self.pending.pop(0)
+        if self._cache is not None and f"{kind}{(B, T)}" in self.compiled:
+            self._cache[1].close()  # compiled meanwhile without the cache, it takes no number there: the graphs
+            self._cache = None  # after it would load the files of the ones before, so they compile afresh
+        cached = self._cache is not None
+        if cached:
+            os.environ.update(MS_COMPILER_CACHE_ENABLE="1", MS_COMPILER_CACHE_PATH=self._cache[0])  # read per compile
             unpin = _pin_cache_dependencies()
         try:
-            for kind, B, T in names:
-                self._compile(kind, B, T - 1)
+            self._compile(kind, B, T - 1)
         finally:
             if cached:
                 os.environ.pop("MS_COMPILER_CACHE_ENABLE")  # later graphs compile in any order
                 unpin()
-                lock.close()
+                if not self.pending:
+                    self._cache[1].close()  # the lock: this process writes no more cached graphs
+                    self._cache = None
+        return True
+
+    def ready_rows(self):
+        """The most rows a call may hold without compiling a graph warm-up left pending: the largest batch
+        bucket below every pending graph's (every slot when none is pending)."""
+        if not self.pending:
+            return self.max_batch
+        low = min(B for _, B, _ in self.pending)
+        return max([b for b in self.batch_buckets if b < low], default=0)
 
     def cache_key(self, names):
         """The compile-cache directory name of these graphs: everything a compiled graph depends on,
@@ -356,7 +387,12 @@ class TargetModel:
 
     def cold(self):
         """The warmed-up graphs (warmup's names) compiled but never run."""
-        return [(kind, B, T) for kind, B, T in self.warm_names if f"{kind}{(B, T)}" not in self.ran]
+        return [(kind, B, T) for kind, B, T in self.warm_names
+                if f"{kind}{(B, T)}" in self.compiled and f"{kind}{(B, T)}" not in self.ran]
+
+    def cold_count(self):
+        """Graphs warm-up named that have not run yet: pending (not compiled) or cold."""
+        return len(self.pending) + len(self.cold())
 
     def warm_next(self):
         """Run one graph that warm-up compiled but nothing ran yet, on dummy inputs (it writes into

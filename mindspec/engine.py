@@ -107,11 +107,12 @@ class Engine:
         self._release()
 
     def _admit(self):
-        """Waiting requests enter prefill while slots are free."""
+        """Waiting requests enter prefill while slots are free (and the graphs of a batch that size are
+        compiled: a server compiles the larger batches' while it serves)."""
         if self.target.writes != self.writes:  # graphs ran outside the engine: slots hold their dummy K/V
             self.cached.clear()
             self.parked.clear()  # (cost measurement also resets the draft's rows)
-        while self.waiting and self.free_slots:
+        while self.waiting and self.free_slots and len(self.rows) < self.target.ready_rows():
             r = self.waiting.popleft()
             r.slot, r.pos = self._slot_for(r.prompt_ids)
             r.row, r.state, r.stats.cached_tokens = len(self.rows), PREFILL, r.pos

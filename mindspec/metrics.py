@@ -20,8 +20,9 @@ class Metrics:
         self.running = Gauge("mindspec_requests_running", "rows in the engine", registry=r)
         self.healthy = Gauge("mindspec_engine_healthy", "1 while /health answers 200: loaded, and the engine has not "
                              "failed serve.FAILED_STEPS steps in a row", registry=r)
-        self.cold_graphs = Gauge("mindspec_graphs_cold", "graphs compiled but not yet run: the first run of each costs "
-                                 "a fraction of a second more; an idle server runs them one per idle tick", registry=r)
+        self.cold_graphs = Gauge("mindspec_graphs_cold", "graphs not yet run: the larger batches' compile after ready, "
+                                 "and a graph's first run costs a fraction of a second more; an idle server does "
+                                 "both, one graph per idle tick", registry=r)
         self.engine_errors = Counter("mindspec_engine_errors", "engine steps whose target or draft call raised "
                                      "(their requests ended with an error)", registry=r)
         self.finished = Counter("mindspec_requests_finished", "generations ended, by finish reason",

@@ -193,9 +193,11 @@ class Pipeline:
         r.logprobs = logprobs
         return r
 
-    def prepare(self, reqs, max_batch=1, every_graph=False):
+    def prepare(self, reqs, max_batch=1, every_graph=False, rows_now=None):
         """Size the cache for these requests (read them first, size once), compile what they need
-        (every graph of every batch bucket with every_graph) and measure the dynamic-K costs."""
+        (every graph of every batch bucket with every_graph) and measure the dynamic-K costs. rows_now:
+        compile only the graphs of batches up to that many rows now, the others left to
+        target.load_next (where the costs are known: measuring them runs every graph)."""
         need = max(len(r.prompt_ids) + r.max_new_tokens for r in reqs) if reqs else 1
         positions = self.fixed_max_seq or self.spec.seq_for(need, self.max_positions)
         n = max_batch if every_graph else min(max_batch, max(len(reqs), 1))  # (no slot for rows that cannot come)
@@ -207,7 +209,8 @@ class Pipeline:
         sample = every_graph or any(not r.params.plain_greedy or r.logprobs is not None for r in reqs)
         ks = [0] + [k for k in t.k_buckets if drafting and (every_graph or any(
             r.speculate and (r.k == "auto" or k <= r.k) for r in reqs))]  # a fixed K runs buckets <= K only
-        t.warmup(t.graph_names(sizes, ks, greedy, sample), self.cache_dir)
+        names = t.graph_names(sizes, ks, greedy, sample)
+        t.warmup(names, self.cache_dir, None if rows_now is None else sum(B <= rows_now for _, B, _ in names))
         if drafting and (every_graph or any(r.k == "auto" for r in reqs)):
             self._dynamic_for(sizes)
 

@@ -6,8 +6,10 @@ went away, then runs one engine step over every running row. The HTTP side (mind
 on a thread of its own; the endpoints in mindspec.api) parses a request, hands it over here and
 relays the engine's events to its client. A client that goes away (streamed or not) aborts its row
 at the next step; SIGINT/SIGTERM fail the queued and running requests with 503 and stop the server
-cleanly. Warm-up compiles every graph before the server says ready; a graph's first run still costs
-~0.3 s more than the next, so an idle server runs one such graph per idle tick (mindspec_graphs_cold).
+cleanly. The server says ready once the one-row graphs are compiled (with the dynamic-K costs known)
+and compiles the larger batches' while it serves: one per idle tick, or one per step while a request
+waits for a batch no compiled graph holds yet. A graph's first run still costs ~0.3 s more than the
+next, so an idle server then runs each graph once (mindspec_graphs_cold counts what is left of both).
 A failing engine call ends its requests with a 500 and the worker goes on; FAILED_STEPS failed steps in
 a row make /health answer 503 until a step succeeds (see App._account).
 """
@@ -67,7 +69,7 @@ class App:
         self.metrics.waiting.set_function(lambda: self.jobs.qsize() + len(self._engine("waiting")))
         self.metrics.running.set_function(lambda: len(self._engine("rows")))
         self.metrics.healthy.set_function(lambda: float(self.ready.is_set() and self.failing() is None))
-        self.metrics.cold_graphs.set_function(lambda: len(self.pipe.target.cold()) if self.ready.is_set() else 0)
+        self.metrics.cold_graphs.set_function(lambda: self.pipe.target.cold_count() if self.ready.is_set() else 0)
         # (engine steps failed in a row, the last one's error in one line): written by the worker as one
         # tuple, read by the HTTP thread
         self.engine_state, self._probing = (0, None), False
@@ -134,12 +136,15 @@ class App:
                 on_event(rid, "fail", e)
         for rid in gone:
             eng.abort(rid)
+        t = self.pipe.target
         if not eng.has_work:
-            # idle (a whole tick with nothing, then back to back until a request comes): the first run of a
-            # graph warm-up compiled, so no request pays it
-            self.warming = not new and not gone and self.pipe.target.warm_next()
+            # idle (a whole tick with nothing, then back to back until a request comes): compile a graph warm-up
+            # left, else run one it compiled for the first time, so no request pays either
+            self.warming = not new and not gone and (t.load_next() or t.warm_next())
             return
         self.warming = False
+        if eng.waiting and len(eng.rows) >= t.ready_rows():
+            t.load_next()  # a request waits for a larger batch's graphs: one a step, the running rows go on between
         events = eng.step()
         if account:
             self._account(events)
@@ -251,9 +256,9 @@ def follow(app):
 
 
 def prepare(pipe, max_batch):
-    """Compile every graph a request can need and measure the dynamic-K costs, before the server says
-    ready (every tensor-parallel rank runs this)."""
-    pipe.prepare([], max_batch, every_graph=True)
+    """Compile the one-row graphs (all of them where the dynamic-K costs must be measured) and know those
+    costs, before the server says ready; App.turn compiles the rest (every tensor-parallel rank runs this)."""
+    pipe.prepare([], max_batch, every_graph=True, rows_now=1)
     return pipe
 
 

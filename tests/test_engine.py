@@ -78,6 +78,24 @@ def test_generate_many_runs_at_most_max_batch_rows_at_once(pipe, alone):
     assert max(running) == 2
 
 
+def test_rows_join_only_up_to_the_batches_whose_graphs_are_compiled(pipe, alone, monkeypatch):
+    """A server compiles the larger batches' graphs while it serves (TargetModel.load_next): until a
+    batch bucket's are in, no more rows run at once than the buckets below it hold, and each row is
+    still the target's own."""
+    running, step, t = [], pipe.engine.step, pipe.target
+
+    def counting_step():
+        n = len(running)  # steps 0-11: as if the 2-row graphs were still to compile, then the 4-row ones
+        monkeypatch.setattr(t, "pending", [("prefill", 2, 32)] if n < 12 else [("greedy", 4, 5)] if n < 24 else [])
+        out = step()
+        running.append(len(pipe.engine.rows))
+        return out
+    monkeypatch.setattr(pipe.engine, "step", counting_step)
+    res = pipe.generate_many([dict(prompt_ids=p, max_new_tokens=n, k=4) for p, n in zip(PROMPTS, MAX_NEW)])
+    assert [r.token_ids for r in res] == alone
+    assert max(running[:12]) == 1 and max(running[12:24]) == 2 and max(running[24:]) == 4
+
+
 def test_dynamic_k_and_target_only_rows_in_one_batch(pipe, alone):
     costs = {b: (calls(0.1), {0: 1.0, 1: 1.1, 2: 1.15, 4: 1.25, 8: 1.5}) for b in (1, 2, 4)}
     pipe.costs, pipe.engine.dynamic = costs, None

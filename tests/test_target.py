@@ -1,5 +1,8 @@
 """The MindSpore target graphs against the numpy reference, and the fused greedy step (per-row
 positions, slots, valid-draft counts, padding rows) against the pure acceptance function."""
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -155,3 +158,50 @@ def test_warm_next_runs_each_graph_warm_up_only_compiled(tiny_target):
     assert m.cold() == [] and m.cold_runs == 2 and not m.warm_next()
     m.step([[5, 6]], [0], [3], [1])
     assert m.cold_runs == 2
+
+
+SPLIT = '''
+import json, sys
+from mindspec.checkpoint import Checkpoint
+from mindspec.graphs.runner import RowSampling, TargetModel, init_mindspore
+target, cache, mode = sys.argv[1:]
+init_mindspore()
+m = TargetModel(Checkpoint(target), max_seq=32, k_buckets=(1,), batch_buckets=(1, 2), max_batch=2)
+names = m.graph_names((1, 2), (0, 1))  # prefill, decode and verify K=1 of one row and of two: 5 graphs
+m.warmup(names, cache, now=None if mode == "whole" else 2)
+assert (m.ready_rows(), m.pending) == ((2, []) if mode == "whole" else (1, names[2:])), m.pending
+while m.warm_next():  # the compiled graphs run (a server's idle ticks) before the rest compile
+    pass
+if mode == "between":  # a graph outside warm-up compiles between (without the cache)
+    m.logits(0, 0, [5, 6])
+if mode == "outside":  # a pending graph compiles outside warm-up: the rest cannot use the cache
+    m.prefill([0, 1], [0, 0], [[5], [6]], RowSampling.greedy(2))
+while m.load_next():
+    pass
+assert m.ready_rows() == 2 and m.cold_count() == len(m.cold())
+g = RowSampling.greedy
+out = [m.prefill([1], [0], [[5, 6, 7]], g(1)), *m.step([[7]], [1], [3], [0]),
+       m.prefill([0, 1], [0, 0], [[5, 6, 7], [9, 8]], g(2)), *m.step([[5], [6]], [0, 1], [3, 2], [0, 0]),
+       *m.step([[5, 6], [7, 8]], [0, 1], [4, 3], [1, 1])]
+print(json.dumps([o.tolist() for o in out]))
+'''
+
+
+def test_graphs_left_pending_load_from_the_compile_cache_in_order(tiny_target, tmp_path):
+    """A server says ready after its one-row graphs and compiles the rest while it serves, through the same
+    compile cache: MindSpore numbers cached graphs in compile order, so every graph must still get its own
+    file — with graphs run between, and with another graph compiled between (no number: the cache goes
+    on); a pending graph compiled outside warm-up ends the cache for the rest. Every graph's outputs equal
+    those of a fresh compile (the first process, which fills the cache)."""
+    import os
+    script = tmp_path / "split.py"
+    script.write_text(SPLIT)
+    env = dict(os.environ, GLOG_v="2")  # MindSpore says each time it loads a graph from the cache
+    outs = {}
+    for mode, hits in (("whole", 0), ("split", 5), ("between", 5), ("outside", 2)):
+        p = subprocess.run([sys.executable, str(script), tiny_target[0], str(tmp_path / "cache"), mode], env=env,
+                           capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stderr[-3000:]
+        assert p.stderr.count("Use the compilation cache") == hits, mode
+        outs[mode] = p.stdout
+    assert outs["split"] == outs["between"] == outs["outside"] == outs["whole"]
