@@ -274,8 +274,8 @@ def serve(load, defaults, host="127.0.0.1", port=1025, model_name=None, tp=False
     app.call = http.call
     _stop_on_signals()
     port = http.start()
-    print(f"mindspec: listening on http://{host}:{port}; ready once the model is loaded and its graphs compiled",
-          file=sys.stderr, flush=True)
+    print(f"mindspec: listening on http://{host}:{port}; ready once the model is loaded and its one-row graphs "
+          "compiled", file=sys.stderr, flush=True)
     try:
         app.pipe = prepare(load(), max_batch)
         _stop_on_signals()  # again, over whatever the frameworks loaded meanwhile installed
