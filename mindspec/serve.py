@@ -6,10 +6,10 @@ went away, then runs one engine step over every running row. The HTTP side (mind
 on a thread of its own; the endpoints in mindspec.api) parses a request, hands it over here and
 relays the engine's events to its client. A client that goes away (streamed or not) aborts its row
 at the next step; SIGINT/SIGTERM fail the queued and running requests with 503 and stop the server
-cleanly. The server says ready once the one-row graphs are compiled (with the dynamic-K costs known)
-and compiles the larger batches' while it serves: one per idle tick, or one per step while a request
-waits for a batch no compiled graph holds yet. A graph's first run still costs ~0.3 s more than the
-next, so an idle server then runs each graph once (mindspec_graphs_cold counts what is left of both).
+cleanly. The server says ready once the one-row graphs are compiled and run once (a graph's first run
+costs ~0.3 s more than the next) and the dynamic-K costs are known; it compiles the larger batches'
+while it serves: one per idle tick, or one per step while a request waits for a batch no compiled graph
+holds yet; an idle server also runs each of them once (mindspec_graphs_cold counts what is left).
 A failing engine call ends its requests with a 500 and the worker goes on; FAILED_STEPS failed steps in
 a row make /health answer 503 until a step succeeds (see App._account).
 """
@@ -256,9 +256,13 @@ def follow(app):
 
 
 def prepare(pipe, max_batch):
-    """Compile the one-row graphs (all of them where the dynamic-K costs must be measured) and know those
-    costs, before the server says ready; App.turn compiles the rest (every tensor-parallel rank runs this)."""
+    """Compile the one-row graphs (all of them where the dynamic-K costs must be measured), run each once
+    (a graph's first run is slower: so is not the first request) and know those costs, before the server
+    says ready; App.turn compiles the rest (every tensor-parallel rank runs this)."""
     pipe.prepare([], max_batch, every_graph=True, rows_now=1)
+    t = pipe.target
+    while t.cold() and t.cold()[0][1] == 1:  # (cold() in warm-up's order: one row's graphs first)
+        t.warm_next()
     return pipe
 
 
