@@ -152,6 +152,7 @@ class TargetModel:
         self.ran, self.cold_runs, self.warm_names = set(), 0, []
         self.pending = []  # graphs warm-up left to load_next, in its order
         self._cache = None  # (path, lock) of the compile cache the pending graphs go through
+        self.load_error = None  # why the next pending graph did not compile (load_next)
         self.writes = 0  # graph runs (each writes K/V into cache slots): the engine's prefix cache checks it
         self._no_seen = {}  # B -> zeros [B, V]
 
@@ -317,10 +318,11 @@ class TargetModel:
         return names
 
     def warmup(self, names, cache_dir=None, now=None):
-        """Compile the graphs `names` (graph_names); `now`: only the first `now` of them here, the rest
-        left pending for load_next (a server says ready once its one-row graphs are in and loads the others
-        while it serves). Graphs an earlier warm-up left pending are compiled first. Compiling runs no
-        graph: it writes no slot.
+        """Compile the graphs `names` (graph_names). `now`: where the compile cache holds every one of them,
+        only the first `now` here, the rest left pending for load_next (a server says ready once its one-row
+        graphs are in and loads the others while it serves; a graph not in the cache compiles for seconds,
+        so without a whole cache all of them compile here). Graphs an earlier warm-up left pending are
+        compiled first. Compiling runs no graph: it writes no slot.
 
         With `cache_dir`, the graphs are saved to / loaded from MindSpore's compile cache, but only
         when they are the first graphs compiled in this process: MindSpore numbers the graphs it compiles
@@ -331,42 +333,60 @@ class TargetModel:
         script (sys.argv[0]) for the cache, so a `python -c` or stdin script runs without it."""
         while self.load_next():
             pass
+        self.load_error = None  # a new warm-up tries again what failed
         self.warm_names += [n for n in names if n not in self.warm_names]
         self.pending = [(kind, B, T) for kind, B, T in names if f"{kind}{(B, T)}" not in self.compiled]
         if not self.pending:
             return
+        whole = False
         if cache_dir and _COMPILES == 0 and os.path.isfile(sys.argv[0] if sys.argv else ""):
             path = os.path.join(cache_dir, self.cache_key(names))
             os.makedirs(cache_dir, exist_ok=True)
             lock = open(path + ".lock", "w")  # noqa: SIM115 - held until the last pending graph is in
-            fcntl.flock(lock, fcntl.LOCK_EX)  # two processes starting at once: one writes, then the other reads
+            # one process fills an entry while the others wait; once whole, readers share it (a server may
+            # hold it for as long as some graphs stay pending)
+            whole = os.path.exists(path + ".whole")
+            fcntl.flock(lock, fcntl.LOCK_SH if whole else fcntl.LOCK_EX)
+            whole = whole or os.path.exists(path + ".whole")  # (filled while this one waited)
             self._cache = (path, lock)
-        first = set(names[:now])
-        while self.pending and (now is None or self.pending[0] in first):
-            self.load_next()
+        first = set(names[:now] if whole else names)
+        while self.pending and self.pending[0] in first and self.load_next():
+            pass
 
     def load_next(self):
-        """Compile the next graph warm-up left pending; returns whether there was one."""
-        if not self.pending:
+        """Compile the next graph warm-up left pending; returns whether there was one. A graph that fails
+        to compile raises, stays pending (ready_rows stays below its batch) and is not tried again until
+        the next warm-up."""
+        if not self.pending or self.load_error is not None:
             return False
-        kind, B, T = self.pending.pop(0)
+        kind, B, T = self.pending[0]
         if self._cache is not None and f"{kind}{(B, T)}" in self.compiled:
-            self._cache[1].close()  # compiled meanwhile without the cache, it takes no number there: the graphs
-            self._cache = None  # after it would load the files of the ones before, so they compile afresh
+            self._close_cache()  # compiled meanwhile without the cache, it takes no number there: the graphs
+            # after it would load the files of the ones before, so they compile afresh
         cached = self._cache is not None
         if cached:
             os.environ.update(MS_COMPILER_CACHE_ENABLE="1", MS_COMPILER_CACHE_PATH=self._cache[0])  # read per compile
             unpin = _pin_cache_dependencies()
         try:
             self._compile(kind, B, T - 1)
+        except Exception as e:
+            self.load_error = e
+            self._close_cache()
+            raise
         finally:
             if cached:
                 os.environ.pop("MS_COMPILER_CACHE_ENABLE")  # later graphs compile in any order
                 unpin()
-                if not self.pending:
-                    self._cache[1].close()  # the lock: this process writes no more cached graphs
-                    self._cache = None
+        self.pending.pop(0)
+        if not self.pending and self._cache is not None:
+            open(self._cache[0] + ".whole", "w").close()  # every graph of this entry is in it
+            self._close_cache()
         return True
+
+    def _close_cache(self):
+        if self._cache is not None:
+            self._cache[1].close()  # the lock
+            self._cache = None
 
     def ready_rows(self):
         """The most rows a call may hold without compiling a graph warm-up left pending: the largest batch

@@ -237,7 +237,8 @@ class Api:
         return web.json_response({"status": "unhealthy", "error": why}, status=503)
 
     async def health(self, request, *_):
-        """Ready: the model is loaded, every graph compiled, and the engine is not failing step after step."""
+        """Ready: the model is loaded, its graphs compiled (a warm start: the one-row ones, the rest compile while
+        it serves) and the engine is not failing step after step."""
         if not self.app.ready.is_set():
             return web.Response(status=503)
         return self._unhealthy() or web.Response(status=200)

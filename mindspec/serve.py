@@ -7,8 +7,9 @@ on a thread of its own; the endpoints in mindspec.api) parses a request, hands i
 relays the engine's events to its client. A client that goes away (streamed or not) aborts its row
 at the next step; SIGINT/SIGTERM fail the queued and running requests with 503 and stop the server
 cleanly. The server says ready once the one-row graphs are compiled and run once (a graph's first run
-costs ~0.3 s more than the next) and the dynamic-K costs are known; it compiles the larger batches'
-while it serves: one per idle tick, or one per step while a request waits for a batch no compiled graph
+costs ~0.3 s more than the next) and the dynamic-K costs are known; where the compile cache holds every
+graph (a warm start: a cold compile takes seconds a graph, so a first start compiles all before ready)
+it compiles the larger batches' while it serves: one per idle tick, or one per step while a request waits for a batch no compiled graph
 holds yet; an idle server also runs each of them once (mindspec_graphs_cold counts what is left).
 A failing engine call ends its requests with a 500 and the worker goes on; FAILED_STEPS failed steps in
 a row make /health answer 503 until a step succeeds (see App._account).
@@ -140,11 +141,11 @@ class App:
         if not eng.has_work:
             # idle (a whole tick with nothing, then back to back until a request comes): compile a graph warm-up
             # left, else run one it compiled for the first time, so no request pays either
-            self.warming = not new and not gone and (t.load_next() or t.warm_next())
+            self.warming = not new and not gone and (self._load_next() or t.warm_next())
             return
         self.warming = False
         if eng.waiting and len(eng.rows) >= t.ready_rows():
-            t.load_next()  # a request waits for a larger batch's graphs: one a step, the running rows go on between
+            self._load_next()  # a request waits for a larger batch's graphs: one a step, the rows go on between
         events = eng.step()
         if account:
             self._account(events)
@@ -153,6 +154,20 @@ class App:
                 on_event(req.id, "text", (text, req))
             if req.done:
                 on_event(req.id, "end", req)
+
+    def _load_next(self):
+        """Compile the next graph warm-up left (TargetModel.load_next). One that fails leaves the server serving
+        the batches it has, and says so; under tensor parallelism the job ends instead (as a failing warm-up
+        before ready does): ranks holding different graphs would admit different rows."""
+        t = self.pipe.target
+        try:
+            return t.load_next()
+        except Exception as e:  # noqa: BLE001 - a graph that does not compile must not stop the requests running
+            if self.tp:
+                raise
+            print(f"mindspec: the graphs for batches larger than {t.ready_rows()} did not compile ({summary(e)}); "
+                  f"serving up to {t.ready_rows()} at once", file=sys.stderr, flush=True)
+            return False
 
     def _account(self, events):
         """Count engine steps failing in a row (rank 0's worker). A step fails when a request ended in it
@@ -256,7 +271,8 @@ def follow(app):
 
 
 def prepare(pipe, max_batch):
-    """Compile the one-row graphs (all of them where the dynamic-K costs must be measured), run each once
+    """Compile the one-row graphs (all of them where the compile cache does not hold them all or the dynamic-K
+    costs must be measured), run each once
     (a graph's first run is slower: so is not the first request) and know those costs, before the server
     says ready; App.turn compiles the rest (every tensor-parallel rank runs this)."""
     pipe.prepare([], max_batch, every_graph=True, rows_now=1)
@@ -268,8 +284,8 @@ def prepare(pipe, max_batch):
 
 def serve(load, defaults, host="127.0.0.1", port=1025, model_name=None, tp=False, max_batch=1, max_queue=64,
           max_connections=None, api_key=None, strict_model_name=False, read_timeout=30):
-    """Listen, load the pipeline and compile its graphs (/health and /v2/health/ready answer 503
-    meanwhile, /v2/health/live 200), then generate until SIGINT/SIGTERM."""
+    """Listen, load the pipeline and compile its graphs, or on a warm start its one-row graphs (/health and
+    /v2/health/ready answer 503 meanwhile, /v2/health/live 200), then generate until SIGINT/SIGTERM."""
     from .api import Api
     from .http import HttpServer
     app = App(defaults, model_name, tp, max_batch, max_queue)

@@ -203,9 +203,10 @@ def test_compile_cache_is_written_then_used(pair, tmp_path):
     env = {"MINDSPEC_HOME": str(tmp_path)}
     code, out1, err = run(*args, env=env, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert code == 0, err
-    entries = [e for e in os.listdir(tmp_path / "compile_cache") if not e.endswith(".lock")]
-    assert len(entries) == 1
-    graphs = os.listdir(tmp_path / "compile_cache" / entries[0] / "rank_0" / "graph_cache")
+    entries = sorted(os.listdir(tmp_path / "compile_cache"))
+    key = entries[0]
+    assert entries == [key, key + ".lock", key + ".whole"]  # one entry, its lock, the mark that it holds every graph
+    graphs = os.listdir(tmp_path / "compile_cache" / key / "rank_0" / "graph_cache")
     # prefill, decode (a one-row verify of K=1), verify K=2; not K=4 or 8, which -k 2 never runs
     assert sum(g.endswith(".mindir") for g in graphs) == 3
     other = tmp_path / "elsewhere"

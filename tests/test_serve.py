@@ -33,14 +33,10 @@ def pair(tiny_target, tiny_draft_ckpt, tmp_path_factory):
     return tiny_target[0], draft
 
 
-@pytest.fixture(scope="module")
-def server(pair):
-    """(base URL, process, stderr lines, the thread reading them) of one server for the whole module."""
-    target, draft = pair
-    p = subprocess.Popen([sys.executable, "-m", "mindspec", "serve", "--target", target, "--draft", draft, "-k", "2",
-                          "--max-seq", str(MAX_SEQ), "--port", "0", "--model-name", "tiny", "--max-batch", "2",
-                          "--max-queue", "4", "--max-connections", str(MAX_CONN), "--read-timeout", "3"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def _start(args):
+    """(process, stdout lines, stderr lines, the thread reading them, base URL) of a started server."""
+    p = subprocess.Popen([sys.executable, "-m", "mindspec", "serve", *args], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
     lines, err = queue.Queue(), []
     threading.Thread(target=lambda: [lines.put(x) for x in p.stdout], daemon=True).start()
     reader = threading.Thread(target=lambda: err.extend(p.stderr), daemon=True)  # never let the pipe fill
@@ -50,8 +46,30 @@ def server(pair):
             line = lines.get(timeout=300)
             m = re.search(r"serving tiny on (http://127\.0\.0\.1:\d+)", line)
             if m:
-                break
-        yield m.group(1), p, err, reader
+                return p, lines, err, reader, m.group(1)
+    except BaseException:
+        p.kill()
+        raise
+
+
+COLD_AT_READY = []  # the module server's mindspec_graphs_cold when it said ready
+
+
+@pytest.fixture(scope="module")
+def server(pair):
+    """(base URL, process, stderr lines, the thread reading them) of one server for the whole module: its
+    second start, which finds every graph in the compile cache the first one filled (if an earlier run had
+    not) and says ready before its two-row graphs compile."""
+    target, draft = pair
+    args = ["--target", target, "--draft", draft, "-k", "2", "--max-seq", str(MAX_SEQ), "--port", "0", "--model-name",
+            "tiny", "--max-batch", "2", "--max-queue", "4", "--max-connections", str(MAX_CONN), "--read-timeout", "3"]
+    first = _start(args)[0]
+    first.kill()
+    first.wait()
+    p, _, err, reader, base = _start(args)
+    try:
+        COLD_AT_READY.append(_metrics(base)[("mindspec_graphs_cold", ())])
+        yield base, p, err, reader
     finally:
         if p.poll() is None:
             p.kill()
@@ -632,10 +650,42 @@ def _wait_warm(base):
         time.sleep(0.5)
 
 
-def test_an_idle_server_gives_every_compiled_graph_its_first_run(server):
-    """Warm-up only compiles; an idle server runs each graph once (a first run is slower), so a
-    request does not pay for it: mindspec_graphs_cold falls to 0 with nobody asking anything."""
+def test_a_warm_start_is_ready_before_its_larger_batches_compile_then_idle_finishes_them(server):
+    """The second start said ready with the two-row graphs still to compile (warm-up compiled and ran the
+    one-row graphs only), and an idle server compiles them and runs each once (a first run is slower), so
+    a request does not pay for it: mindspec_graphs_cold falls to 0 with nobody asking anything. (Requests
+    sent meanwhile, by the tests above, each got the target's own tokens.)"""
+    assert COLD_AT_READY and COLD_AT_READY[0] > 0, COLD_AT_READY
     _wait_warm(server[0])
+
+
+def test_a_graph_that_fails_to_compile_after_ready_leaves_the_server_serving(pipe, monkeypatch, capsys):
+    """A larger batch's graph that does not compile once the server serves (found by review: the
+    exception left the worker loop and stopped the server) is one line on stderr; the requests run as
+    many at once as the compiled graphs hold, each with the target's own tokens, and the graph is not
+    tried again at every step."""
+    from mindspec.request import parse
+    from mindspec.serve import App
+    t, tried, ends = pipe.target, [], {}
+    ref = pipe.generate(prompt_ids=IDS, max_new_tokens=N, speculate=False).token_ids
+
+    def broken(*a, **kw):
+        tried.append(a)
+        raise RuntimeError("Compile graph failed: out of memory\n(C++ call stack)")
+    monkeypatch.setattr(t, "pending", [("prefill", 2, 32)])  # as on a server whose two-row graphs are to come
+    monkeypatch.setattr(t, "load_error", None)
+    monkeypatch.setattr(t, "_compile", broken)
+    app = App({}, max_batch=2)
+    app.pipe = pipe
+    on_event = lambda rid, kind, val: ends.__setitem__(rid, val) if kind == "end" else None  # noqa: E731
+    app.turn([(i, parse({"prompt_ids": IDS, "max_tokens": N})) for i in range(2)], [], on_event)
+    while len(ends) < 2:
+        app.turn([], [], on_event)
+    assert [ends[i].result().token_ids for i in range(2)] == [ref, ref]
+    assert len(tried) == 1 and t.pending == [("prefill", 2, 32)] and t.ready_rows() == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["mindspec: the graphs for batches larger than 1 did not compile (RuntimeError: Compile graph "
+                   "failed: out of memory); serving up to 1 at once"], err
 
 
 def test_a_repeated_prompt_is_served_from_the_prefix_cache(server, pipe):
