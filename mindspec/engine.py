@@ -108,7 +108,7 @@ class Engine:
 
     def _admit(self):
         """Waiting requests enter prefill while slots are free (and the graphs of a batch that size are
-        compiled: a server compiles the larger batches' while it serves)."""
+        compiled: a warm server loads the larger batches' while it serves)."""
         if self.target.writes != self.writes:  # graphs ran outside the engine: slots hold their dummy K/V
             self.cached.clear()
             self.parked.clear()  # (cost measurement also resets the draft's rows)

@@ -196,8 +196,9 @@ class Pipeline:
     def prepare(self, reqs, max_batch=1, every_graph=False, rows_now=None):
         """Size the cache for these requests (read them first, size once), compile what they need
         (every graph of every batch bucket with every_graph) and measure the dynamic-K costs. rows_now:
-        compile only the graphs of batches up to that many rows now, the others left to
-        target.load_next (where the costs are known: measuring them runs every graph)."""
+        where the compile cache holds every graph and the costs are known (measuring them runs every
+        graph), load only the graphs of batches up to that many rows now, the others left to
+        target.load_next."""
         need = max(len(r.prompt_ids) + r.max_new_tokens for r in reqs) if reqs else 1
         positions = self.fixed_max_seq or self.spec.seq_for(need, self.max_positions)
         n = max_batch if every_graph else min(max_batch, max(len(reqs), 1))  # (no slot for rows that cannot come)

@@ -6,11 +6,11 @@ went away, then runs one engine step over every running row. The HTTP side (mind
 on a thread of its own; the endpoints in mindspec.api) parses a request, hands it over here and
 relays the engine's events to its client. A client that goes away (streamed or not) aborts its row
 at the next step; SIGINT/SIGTERM fail the queued and running requests with 503 and stop the server
-cleanly. The server says ready once the one-row graphs are compiled and run once (a graph's first run
-costs ~0.3 s more than the next) and the dynamic-K costs are known; where the compile cache holds every
-graph (a warm start: a cold compile takes seconds a graph, so a first start compiles all before ready)
-it compiles the larger batches' while it serves: one per idle tick, or one per step while a request waits for a batch no compiled graph
-holds yet; an idle server also runs each of them once (mindspec_graphs_cold counts what is left).
+cleanly. A first start compiles every graph before it says ready. A warm start (the compile cache holds
+every graph, the dynamic-K costs are known) says ready once the one-row graphs are loaded and have run
+once (a graph's first run costs ~0.3 s more than the next), and loads the larger batches' while it
+serves: one per idle tick, or one per step while a request waits for a batch no loaded graph holds yet;
+an idle server also runs each of them once (mindspec_graphs_cold counts what is left).
 A failing engine call ends its requests with a 500 and the worker goes on; FAILED_STEPS failed steps in
 a row make /health answer 503 until a step succeeds (see App._account).
 """
@@ -271,10 +271,10 @@ def follow(app):
 
 
 def prepare(pipe, max_batch):
-    """Compile the one-row graphs (all of them where the compile cache does not hold them all or the dynamic-K
-    costs must be measured), run each once
-    (a graph's first run is slower: so is not the first request) and know those costs, before the server
-    says ready; App.turn compiles the rest (every tensor-parallel rank runs this)."""
+    """Before the server says ready: compile the one-row graphs (every graph where the compile cache does not
+    hold them all or the dynamic-K costs must be measured), run each once (a graph's first run is slower,
+    so the first request is not) and know those costs; App.turn loads the rest (every tensor-parallel rank
+    runs this)."""
     pipe.prepare([], max_batch, every_graph=True, rows_now=1)
     t = pipe.target
     while t.cold() and t.cold()[0][1] == 1:  # (cold() in warm-up's order: one row's graphs first)
@@ -294,8 +294,8 @@ def serve(load, defaults, host="127.0.0.1", port=1025, model_name=None, tp=False
     app.call = http.call
     _stop_on_signals()
     port = http.start()
-    print(f"mindspec: listening on http://{host}:{port}; ready once the model is loaded and its one-row graphs "
-          "compiled", file=sys.stderr, flush=True)
+    print(f"mindspec: listening on http://{host}:{port}; ready once the model is loaded and its graphs compiled "
+          "(from a warm compile cache: its one-row graphs)", file=sys.stderr, flush=True)
     try:
         app.pipe = prepare(load(), max_batch)
         _stop_on_signals()  # again, over whatever the frameworks loaded meanwhile installed

@@ -1,9 +1,9 @@
 """`mindspec serve` under load: starts the server on 127.0.0.1 (default pair unless --target/--draft)
 twice and reports the time from launch to ready of each (the first start compiles every graph
 unless MindSpore's compile cache already holds them, and runs until it has; the second start reads
-them from the warm cache), the first request's latency against the tenth's, then sends the same requests (the bench
-prompts as chat turns, each led by the request's own number so that no two are equal, whole
-completions) with 1, 4 and 8 concurrent clients and reports aggregate tokens/s and
+them from the warm cache), the first request's latency against the tenth's, then sends the same
+requests (the bench prompts as chat turns, each led by the request's own number so that no two are
+equal, whole completions) with 1, 4 and 8 concurrent clients and reports aggregate tokens/s and
 p50/p95 latency for each, the time to the first streamed text, and the server's own /metrics
 figures (acceptance, tokens per target call, time to first token). The throughput passes start once
 the idle server has run each compiled graph once (a graph's first run is slower).
