@@ -276,9 +276,8 @@ def prepare(pipe, max_batch):
     so the first request is not) and know those costs; App.turn loads the rest (every tensor-parallel rank
     runs this)."""
     pipe.prepare([], max_batch, every_graph=True, rows_now=1)
-    t = pipe.target
-    while t.cold() and t.cold()[0][1] == 1:  # (cold() in warm-up's order: one row's graphs first)
-        t.warm_next()
+    while (cold := pipe.target.cold()) and cold[0][1] == 1:  # (in warm-up's order: one row's graphs first)
+        pipe.target.warm_next()
     return pipe
 
 

@@ -34,7 +34,7 @@ def pair(tiny_target, tiny_draft_ckpt, tmp_path_factory):
 
 
 def _start(args):
-    """(process, stdout lines, stderr lines, the thread reading them, base URL) of a started server."""
+    """(process, stderr lines, the thread reading them, base URL) of a started server."""
     p = subprocess.Popen([sys.executable, "-m", "mindspec", "serve", *args], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
     lines, err = queue.Queue(), []
@@ -46,7 +46,7 @@ def _start(args):
             line = lines.get(timeout=300)
             m = re.search(r"serving tiny on (http://127\.0\.0\.1:\d+)", line)
             if m:
-                return p, lines, err, reader, m.group(1)
+                return p, err, reader, m.group(1)
     except BaseException:
         p.kill()
         raise
@@ -66,7 +66,7 @@ def server(pair):
     first = _start(args)[0]
     first.kill()
     first.wait()
-    p, _, err, reader, base = _start(args)
+    p, err, reader, base = _start(args)
     try:
         COLD_AT_READY.append(_metrics(base)[("mindspec_graphs_cold", ())])
         yield base, p, err, reader
