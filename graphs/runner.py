@@ -19,7 +19,7 @@ from mindspec.spec import PREFILL_CHUNK, cache_positions, round_up
 from .fuse import rot_rows_for
 from .llama import GreedyStep, LlamaDecoder, Logits, Prefill, SampleStep
 from .sampling import TOPK_CAP
-from .tp import tp_layout, tp_size
+from .tp import all_reduce_sum, tp_layout, tp_size
 
 
 JIT_LEVELS = {"CPU": "O0", "Ascend": None}  # CPU: O1 measured 5-10% slower per call (default model); Ascend:
@@ -318,11 +318,12 @@ class TargetModel:
         return names
 
     def warmup(self, names, cache_dir=None, now=None):
-        """Compile the graphs `names` (graph_names). `now`: where the compile cache holds every one of them,
-        only the first `now` here, the rest left pending for load_next (a server says ready once its one-row
-        graphs are in and loads the others while it serves; a graph not in the cache compiles for seconds,
-        so without a whole cache all of them compile here). Graphs an earlier warm-up left pending are
-        compiled first. Compiling runs no graph: it writes no slot.
+        """Compile the graphs `names` (graph_names). `now`: where the compile cache holds every one of them
+        (under tensor parallelism: every rank's own entry), only the first `now` here, the rest left pending
+        for load_next (a server says ready once its one-row graphs are in and loads the others while it
+        serves; a graph not in the cache compiles for seconds, so without a whole cache all of them compile
+        here). Graphs an earlier warm-up left pending are compiled first. Compiling runs no graph: it writes
+        no slot.
 
         With `cache_dir`, the graphs are saved to / loaded from MindSpore's compile cache, but only
         when they are the first graphs compiled in this process: MindSpore numbers the graphs it compiles
@@ -349,6 +350,8 @@ class TargetModel:
             fcntl.flock(lock, fcntl.LOCK_SH if whole else fcntl.LOCK_EX)
             whole = whole or os.path.exists(path + ".whole")  # (filled while this one waited)
             self._cache = (path, lock)
+        if tp_size() > 1:  # ranks must hold the same graphs: whole only where every rank's entry is
+            whole = all_reduce_sum(np.array([not whole], np.float32))[0] == 0
         first = set(names[:now] if whole else names)
         while self.pending and self.pending[0] in first and self.load_next():
             pass

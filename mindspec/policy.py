@@ -13,7 +13,7 @@ import time
 from mindspec.graphs.tp import tp_size
 
 from .errors import MindspecError
-from .tp import is_rank0
+from .tp import is_rank0, share
 
 COST_CONTEXT = 64  # positions of context at which costs are measured (a typical mid-request state)
 
@@ -263,8 +263,8 @@ def _write_costs(entries):
 
 
 def measure_costs(pipe, batch_sizes=(1,), reps=5, cache=True):
-    """{B: (c, v)} measured on rank 0 and shared, so every tensor-parallel rank picks the same K."""
-    from .tp import share
+    """{B: (c, v)} measured (or read from rank 0's costs file) and shared from rank 0, so every
+    tensor-parallel rank picks the same K."""
     return share(_measure_costs(pipe, batch_sizes, reps, cache))
 
 
@@ -285,7 +285,8 @@ def _measure_costs(pipe, batch_sizes, reps=5, cache=True):
         raise MindspecError("measuring the draft/target cost ratio needs a draft")
     saved = _read_costs() if cache else {}
     sizes = sorted(set(batch_sizes) | {1})  # batch 1's decode is the unit
-    hits = {B: saved.get(_cost_key(pipe, B)) for B in sizes}
+    # rank 0's: every rank measures (a collective a call), or none does
+    hits = share({B: saved.get(_cost_key(pipe, B)) for B in sizes})
     t, s = pipe.target, pipe.proposer.session
     if all(h and isinstance(h["c"], dict) and "feed" in h and all(str(k) in h["c"] for k in t.k_buckets)
            and all(str(k) in h["v"] for k in (0,) + t.k_buckets) for h in hits.values()):

@@ -84,12 +84,34 @@ def run_job(target, draft, out):
     return res, logits
 
 
+def prepare_job(target, draft, out):
+    """What every rank runs in the server's start-up test: prepare as `mindspec serve --max-batch 2` does
+    (graphs beyond one row's left pending where the compile cache holds them all and the costs are known),
+    then a continuous batch. TP_TEST_HOMES="A,B": rank r's MINDSPEC_HOME is the r-th (ranks on machines of
+    their own, each with its own compile cache and costs). A rank stuck in a collective dies after 150 s."""
+    import signal
+    from mindspec.graphs.tp import tp_rank
+    signal.alarm(150)
+    homes = os.environ.get("TP_TEST_HOMES")
+    if homes:
+        os.environ["MINDSPEC_HOME"] = homes.split(",")[tp_rank()]
+    import mindspec
+    pipe = mindspec.load(target=target, draft=draft, max_seq=128, buckets=(4,), max_batch=2, batch_buckets=(1, 2))
+    pipe.prepare([], 2, every_graph=True, rows_now=1)
+    res = {"pending": [list(g) for g in pipe.target.pending]}
+    res["batched"] = [r.token_ids for r in pipe.generate_many(
+        [dict(prompt_ids=ids, max_new_tokens=NEW_TOKENS, k=4) for ids in PROMPTS], max_batch=2)]
+    with open(f"{out}.rank{tp_rank()}.json", "w") as f:
+        json.dump(res, f)
+
+
 def worker_main(argv):
     from mindspec import tp
     target, draft, out = argv
+    job_fn = prepare_job if os.environ.get("TP_TEST_JOB") == "prepare" else run_job
 
     def job():
-        run_job(target, draft, out)
+        job_fn(target, draft, out)
         return 0
     return tp.run_worker(job)
 
@@ -125,14 +147,14 @@ def reference(pair):
             os.environ["MINDSPEC_HOME"] = old
 
 
-def launch(n, pair, env=None):
+def launch(n, pair, env=None, name=None):
     from mindspec import tp
     target, draft, _, root = pair
     out, err = io.StringIO(), io.StringIO()
     old = dict(os.environ)
     os.environ.update(env or {}, MINDSPEC_HOME=str(root / "home"))  # one compile cache for all TP sizes
     try:
-        code = tp.launch([target, draft, str(root / f"tp{n}")], n, script=os.path.abspath(__file__),
+        code = tp.launch([target, draft, str(root / (name or f"tp{n}"))], n, script=os.path.abspath(__file__),
                          stdout=out, stderr=err, timeout=60)
         return code, out.getvalue(), err.getvalue()
     finally:
@@ -172,6 +194,33 @@ def test_tp_equals_tp1_and_reads_only_its_shard(pair, reference, n):
         assert set(res["read"]["whole_names"]) <= norms
         assert res["read"]["slice"] < total * 1.2 / n, (res["read"]["slice"], total)
     assert 0.1 < ref["accepted"] / ref["drafted"] < 0.95  # the draft is sometimes wrong: rollbacks happen
+
+
+def test_ranks_agree_on_what_a_server_start_leaves_pending(pair, reference, tmp_path):
+    """A server start leaves the larger batches' graphs pending only where the compile cache holds every
+    graph and the costs are known. Ranks decide together: one rank whose machine has neither (a new host,
+    a first start stopped midway) makes every rank compile all and use rank 0's costs (found: rank 1
+    measured costs alone, its graph runs' collectives met rank 0's next share and the job died; with the
+    costs shared, the ranks left different graphs pending). Then, every rank's cache whole, each leaves
+    the same graphs pending and loads them in the same order; the batches equal TP=1's."""
+    import shutil
+    ref, _ = reference
+    warm, other = tmp_path / "warm", tmp_path / "other"
+    runs = {}
+    for run, homes in (("fill", [warm, warm]), ("new-host", [warm, other]), ("warm", [warm, other])):
+        if run == "new-host":  # rank 1 on a host of its own: no costs file, and a compile cache that holds the
+            # graphs (they load fast) with no entry marked whole, as after a first start stopped midway
+            shutil.copytree(warm / "compile_cache", other / "compile_cache", ignore=shutil.ignore_patterns("*.whole"))
+        code, out, err = launch(2, pair, {"TP_TEST_JOB": "prepare", "TP_TEST_HOMES": ",".join(map(str, homes))},
+                                name=f"prepare-{run}")
+        assert code == 0, (run, code, out, err[-3000:])
+        runs[run] = [json.load(open(pair[3] / f"prepare-{run}.rank{r}.json")) for r in range(2)]
+        for res in runs[run]:
+            assert res["batched"] == ref["target_only"], run
+    assert runs["fill"][0]["pending"] == runs["fill"][1]["pending"] == []  # a cold cache: every graph first
+    assert runs["new-host"][0]["pending"] == runs["new-host"][1]["pending"] == []  # rank 1's was not whole
+    assert runs["warm"][0]["pending"] == runs["warm"][1]["pending"] != []  # both whole: the same ones pending
+    assert all(B == 2 for _, B, _ in runs["warm"][0]["pending"])
 
 
 def test_tp_refuses_more_ranks_than_heads(pair):
