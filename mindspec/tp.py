@@ -33,8 +33,9 @@ every device and N-fold draft compute that runs concurrently on separate devices
 using (small: the draft/target cost ratio must stay well below 1, see `mindspec plan`) that is a
 small fraction of a device. Identical proposals rely on ONNX Runtime being deterministic for the same
 model, inputs, provider and thread count, which holds for its CPU kernels (tests/test_tp.py checks
-TP=N speculative == TP=1 token for token); on a shared CPU the N drafts compete for cores, which the
-benchmark (tools/bench_tp.py) shows.
+TP=N speculative == TP=1 token for token); each engine step checks it with one small AllReduce
+(same_on_every_rank), so a host with another draft file or processor stops the request with one error.
+On a shared CPU the N drafts compete for cores, which the benchmark (tools/bench_tp.py) shows.
 
 Library use: start your script under msrun (or `launch(args, n, script=path)`), call `init_worker()`
 before `mindspec.load(...)`, and print only where `is_rank0()`.
@@ -379,6 +380,25 @@ def share(obj):
     buf[:len(data)] = np.frombuffer(data, np.uint8)
     got = all_reduce_sum(buf)[:n].astype(np.uint8).tobytes()
     return pickle.loads(got)  # noqa: S301 - bytes from rank 0 of this very job
+
+
+def same_on_every_rank(what, *arrays):
+    """Raise MindspecError unless every rank holds the same integer arrays: a checksum per rank, one
+    AllReduce of [c, c²] (all equal exactly when n·Σc² = (Σc)²). The replicated draft is trusted to propose
+    the same tokens on every rank; a rank whose draft file, onnxruntime build or processor differs would
+    verify other tokens than the rest: every rank's output garbage, until the ranks' calls no longer
+    match and one dies inside a collective."""
+    import zlib
+
+    import numpy as np
+    from mindspec.graphs.tp import all_reduce_sum, tp_size
+    if tp_size() == 1:
+        return
+    c = zlib.crc32(b"".join(np.ascontiguousarray(a, np.int64).tobytes() for a in arrays)) % 509  # 64 ranks' c² sum
+    s = all_reduce_sum(np.array([c, c * c], np.float32))  # stays exact in float32 (< 2**24)
+    if int(s[0]) ** 2 != tp_size() * int(s[1]):
+        raise MindspecError(f"the tensor-parallel ranks disagree on {what}: every host needs the same draft file, "
+                            "onnxruntime build and kind of processor")
 
 
 _WATCHER = """

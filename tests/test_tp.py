@@ -105,10 +105,26 @@ def prepare_job(target, draft, out):
         json.dump(res, f)
 
 
+def drafts_job(target, draft, out):
+    """Rank r drafts with the r-th file of TP_TEST_DRAFTS="A,B" (a host with another draft): one speculative
+    generate, its tokens or its error."""
+    import mindspec
+    from mindspec.errors import MindspecError
+    from mindspec.graphs.tp import tp_rank
+    pipe = mindspec.load(target=target, draft=os.environ["TP_TEST_DRAFTS"].split(",")[tp_rank()], k=4,
+                         max_seq=128, buckets=(4,))
+    try:
+        res = {"tokens": pipe.generate(prompt_ids=PROMPTS[1], max_new_tokens=NEW_TOKENS).token_ids}
+    except MindspecError as e:
+        res = {"error": str(e)}
+    with open(f"{out}.rank{tp_rank()}.json", "w") as f:
+        json.dump(res, f)
+
+
 def worker_main(argv):
     from mindspec import tp
     target, draft, out = argv
-    job_fn = prepare_job if os.environ.get("TP_TEST_JOB") == "prepare" else run_job
+    job_fn = {"prepare": prepare_job, "drafts": drafts_job}.get(os.environ.get("TP_TEST_JOB"), run_job)
 
     def job():
         job_fn(target, draft, out)
@@ -221,6 +237,24 @@ def test_ranks_agree_on_what_a_server_start_leaves_pending(pair, reference, tmp_
     assert runs["new-host"][0]["pending"] == runs["new-host"][1]["pending"] == []  # rank 1's was not whole
     assert runs["warm"][0]["pending"] == runs["warm"][1]["pending"] != []  # both whole: the same ones pending
     assert all(B == 2 for _, B, _ in runs["warm"][0]["pending"])
+
+
+def test_ranks_whose_drafts_differ_stop_with_one_error(pair):
+    """Every rank runs the draft and must propose the same tokens (same file, onnxruntime, processor).
+    Found: a host with another draft file made each rank verify its own drafts, their rows moved apart
+    until their calls no longer matched, and a rank died in an AllReduce ("rank 1 died", nothing said
+    why). Now each step's tokens are checked across ranks: the request fails with one error, every rank."""
+    from mindspec.export import export_draft
+    target, draft, tensors, root = pair
+    other_dir, _ = make_tiny_checkpoint(root / "otherckpt", base=tensors, noise=0.1, seed=2, **SHAPE)
+    other = str(root / "other.onnx")
+    export_draft(other_dir, other)
+    code, out, err = launch(2, pair, {"TP_TEST_JOB": "drafts", "TP_TEST_DRAFTS": f"{draft},{other}"}, name="drafts")
+    assert code == 0, (code, out, err[-3000:])
+    for r in range(2):
+        res = json.load(open(root / f"drafts.rank{r}.json"))
+        assert res.get("error") == ("the tensor-parallel ranks disagree on the tokens to verify: every host needs "
+                                    "the same draft file, onnxruntime build and kind of processor"), (r, res)
 
 
 def test_tp_refuses_more_ranks_than_heads(pair):
