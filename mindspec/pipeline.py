@@ -16,6 +16,7 @@ from .sequence import Request, Result
 from .device import detect_device
 from .spec import BATCH_BUCKETS, K_BUCKETS, PLAN_DTYPE, TOP_LOGPROBS, SpecConfig, cache_positions, resolve_dtype
 from .tokenizer import Tokenizer
+from .tp import share
 
 __all__ = ["Pipeline", "Result", "load"]
 
@@ -173,7 +174,7 @@ class Pipeline:
         k = self.spec.k_for_request(k)
         stop = stop_strings(stop)
         if seed is None and temperature:
-            seed = int.from_bytes(os.urandom(7), "little")
+            seed = share(int.from_bytes(os.urandom(7), "little"))  # rank 0's: every rank must draw the same
         params = SamplingParams(temperature, top_k, top_p, repetition_penalty, draft_temperature, seed)
         if draft_min_conf is not None and not 0 < draft_min_conf < 1:
             raise MindspecError(f"draft_min_conf must be between 0 and 1, got {draft_min_conf}")

@@ -106,17 +106,20 @@ def prepare_job(target, draft, out):
 
 
 def drafts_job(target, draft, out):
-    """Rank r drafts with the r-th file of TP_TEST_DRAFTS="A,B" (a host with another draft): one speculative
-    generate, its tokens or its error."""
+    """A greedy and an unseeded sampled generate (library use), their tokens or their errors. With
+    TP_TEST_DRAFTS="A,B" rank r drafts with the r-th file (a host with another draft)."""
     import mindspec
     from mindspec.errors import MindspecError
     from mindspec.graphs.tp import tp_rank
-    pipe = mindspec.load(target=target, draft=os.environ["TP_TEST_DRAFTS"].split(",")[tp_rank()], k=4,
+    drafts = os.environ.get("TP_TEST_DRAFTS")
+    pipe = mindspec.load(target=target, draft=drafts.split(",")[tp_rank()] if drafts else draft, k=4,
                          max_seq=128, buckets=(4,))
-    try:
-        res = {"tokens": pipe.generate(prompt_ids=PROMPTS[1], max_new_tokens=NEW_TOKENS).token_ids}
-    except MindspecError as e:
-        res = {"error": str(e)}
+    res = {}
+    for name, kw in (("greedy", {}), ("sampled", {"temperature": 1.0})):
+        try:
+            res[name] = pipe.generate(prompt_ids=PROMPTS[1], max_new_tokens=NEW_TOKENS, **kw).token_ids
+        except MindspecError as e:
+            res[name] = str(e)
     with open(f"{out}.rank{tp_rank()}.json", "w") as f:
         json.dump(res, f)
 
@@ -253,8 +256,20 @@ def test_ranks_whose_drafts_differ_stop_with_one_error(pair):
     assert code == 0, (code, out, err[-3000:])
     for r in range(2):
         res = json.load(open(root / f"drafts.rank{r}.json"))
-        assert res.get("error") == ("the tensor-parallel ranks disagree on the tokens to verify: every host needs "
-                                    "the same draft file, onnxruntime build and kind of processor"), (r, res)
+        assert res["greedy"] == ("the tensor-parallel ranks disagree on the tokens to verify: every host needs "
+                                 "the same draft file, onnxruntime build and kind of processor"), (r, res)
+
+
+def test_an_unseeded_sampled_library_request_draws_one_seed_for_every_rank(pair, reference):
+    """A script run on every rank (README's library use under msrun) that samples without a seed: each rank
+    drew its own seed from os.urandom, drafted and accepted differently and the request failed on the
+    check above. The seed is rank 0's now: every rank commits the same tokens."""
+    root = pair[3]
+    code, out, err = launch(2, pair, {"TP_TEST_JOB": "drafts"}, name="unseeded")
+    assert code == 0, (code, out, err[-3000:])
+    ranks = [json.load(open(root / f"unseeded.rank{r}.json")) for r in range(2)]
+    assert ranks[0]["greedy"] == reference[0]["speculative"][1]
+    assert isinstance(ranks[0]["sampled"], list) and ranks[0]["sampled"] == ranks[1]["sampled"], ranks
 
 
 def test_tp_refuses_more_ranks_than_heads(pair):
