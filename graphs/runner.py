@@ -339,19 +339,22 @@ class TargetModel:
         self.pending = [(kind, B, T) for kind, B, T in names if f"{kind}{(B, T)}" not in self.compiled]
         if not self.pending:
             return
-        whole = False
-        if cache_dir and _COMPILES == 0 and os.path.isfile(sys.argv[0] if sys.argv else ""):
+        whole, cached = False, cache_dir and _COMPILES == 0 and os.path.isfile(sys.argv[0] if sys.argv else "")
+        if cached:
             path = os.path.join(cache_dir, self.cache_key(names))
             os.makedirs(cache_dir, exist_ok=True)
+            whole = os.path.exists(path + ".whole")
+        if tp_size() > 1:  # ranks must hold the same graphs: whole only where every rank's entry is (agreed before
+            # any lock: a rank waiting in a collective while holding one could deadlock two jobs sharing a cache)
+            whole = all_reduce_sum(np.array([not whole], np.float32))[0] == 0
+        if cached:
             lock = open(path + ".lock", "w")  # noqa: SIM115 - held until the last pending graph is in
             # one process fills an entry while the others wait; once whole, readers share it (a server may
             # hold it for as long as some graphs stay pending)
-            whole = os.path.exists(path + ".whole")
             fcntl.flock(lock, fcntl.LOCK_SH if whole else fcntl.LOCK_EX)
-            whole = whole or os.path.exists(path + ".whole")  # (filled while this one waited)
+            if tp_size() == 1:
+                whole = whole or os.path.exists(path + ".whole")  # (filled while this one waited)
             self._cache = (path, lock)
-        if tp_size() > 1:  # ranks must hold the same graphs: whole only where every rank's entry is
-            whole = all_reduce_sum(np.array([not whole], np.float32))[0] == 0
         first = set(names[:now] if whole else names)
         while self.pending and self.pending[0] in first and self.load_next():
             pass

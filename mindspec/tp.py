@@ -33,8 +33,10 @@ every device and N-fold draft compute that runs concurrently on separate devices
 using (small: the draft/target cost ratio must stay well below 1, see `mindspec plan`) that is a
 small fraction of a device. Identical proposals rely on ONNX Runtime being deterministic for the same
 model, inputs, provider and thread count, which holds for its CPU kernels (tests/test_tp.py checks
-TP=N speculative == TP=1 token for token); each engine step checks it with one small AllReduce
-(same_on_every_rank), so a host with another draft file or processor stops the request with one error.
+TP=N speculative == TP=1 token for token); each decode step checks the tokens it verifies with one small
+AllReduce (same_on_every_rank), so a host with another draft file or processor stops the request with one
+error. Draft probabilities are not compared: a sampled acceptance they change shows a step later, as
+positions that differ.
 On a shared CPU the N drafts compete for cores, which the benchmark (tools/bench_tp.py) shows.
 
 Library use: start your script under msrun (or `launch(args, n, script=path)`), call `init_worker()`
@@ -383,20 +385,24 @@ def share(obj):
 
 
 def same_on_every_rank(what, *arrays):
-    """Raise MindspecError unless every rank holds the same integer arrays: a checksum per rank, one
-    AllReduce of [c, c²] (all equal exactly when n·Σc² = (Σc)²). The replicated draft is trusted to propose
+    """Raise MindspecError where the ranks hold different integer arrays: a checksum c < m per rank, one
+    AllReduce of [c, c²] (all equal exactly when n·Σc² = (Σc)²; m as large as float32 keeps that exact,
+    2896 at TP=2, so a difference goes unseen once in m checks). The replicated draft is trusted to propose
     the same tokens on every rank; a rank whose draft file, onnxruntime build or processor differs would
     verify other tokens than the rest: every rank's output garbage, until the ranks' calls no longer
     match and one dies inside a collective."""
+    import math
     import zlib
 
     import numpy as np
     from mindspec.graphs.tp import all_reduce_sum, tp_size
-    if tp_size() == 1:
+    n = tp_size()
+    if n == 1:
         return
-    c = zlib.crc32(b"".join(np.ascontiguousarray(a, np.int64).tobytes() for a in arrays)) % 509  # 64 ranks' c² sum
-    s = all_reduce_sum(np.array([c, c * c], np.float32))  # stays exact in float32 (< 2**24)
-    if int(s[0]) ** 2 != tp_size() * int(s[1]):
+    data = b"".join(np.ascontiguousarray(a, np.int64).tobytes() for a in arrays)
+    c = zlib.crc32(data) % math.isqrt((2 ** 24 - 1) // n)
+    s = all_reduce_sum(np.array([c, c * c], np.float32))  # n·c² < 2**24: every sum exact in float32
+    if int(s[0]) ** 2 != n * int(s[1]):
         raise MindspecError(f"the tensor-parallel ranks disagree on {what}: every host needs the same draft file, "
                             "onnxruntime build and kind of processor")
 

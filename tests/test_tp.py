@@ -88,10 +88,10 @@ def prepare_job(target, draft, out):
     """What every rank runs in the server's start-up test: prepare as `mindspec serve --max-batch 2` does
     (graphs beyond one row's left pending where the compile cache holds them all and the costs are known),
     then a continuous batch. TP_TEST_HOMES="A,B": rank r's MINDSPEC_HOME is the r-th (ranks on machines of
-    their own, each with its own compile cache and costs). A rank stuck in a collective dies after 150 s."""
+    their own, each with its own compile cache and costs). A rank stuck in a collective dies after 300 s."""
     import signal
     from mindspec.graphs.tp import tp_rank
-    signal.alarm(150)
+    signal.alarm(300)
     homes = os.environ.get("TP_TEST_HOMES")
     if homes:
         os.environ["MINDSPEC_HOME"] = homes.split(",")[tp_rank()]
@@ -107,7 +107,10 @@ def prepare_job(target, draft, out):
 
 def drafts_job(target, draft, out):
     """A greedy and an unseeded sampled generate (library use), their tokens or their errors. With
-    TP_TEST_DRAFTS="A,B" rank r drafts with the r-th file (a host with another draft)."""
+    TP_TEST_DRAFTS="A,B" rank r drafts with the r-th file (a host with another draft). A rank stuck in a
+    collective dies after 300 s."""
+    import signal
+    signal.alarm(300)
     import mindspec
     from mindspec.errors import MindspecError
     from mindspec.graphs.tp import tp_rank

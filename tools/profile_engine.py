@@ -1,8 +1,9 @@
 """Where an engine's time goes: `tools/bench_serve.py`'s chat requests (each led by its own number, so they
-share the system turn only), run in-process through the engine with up to --max-batch rows at once, and
-the time of each kind of call it makes: the target's prompt chunks, the draft's catch-up on prompts, the
-draft's proposals and the target's verify (or decode) steps. Each batch size runs twice; the first round
-pays each graph's first run, the second is the one to read.
+share the system turn only), run in-process through the engine (default pair) with up to --max-batch rows
+at once, and the time of each kind of call it makes: the target's prompt chunks, the draft's catch-up (on
+prompts, and on tokens a row's draft missed), the draft's proposals and the target's verify (or decode)
+steps. Each batch size runs two rounds of new requests; the first pays the first runs of the graphs that
+measuring the dynamic-K costs did not run, the second is the one to read.
 
     .venv/bin/python tools/profile_engine.py [--max-batch 1,8] [--requests 48] [--max-new-tokens 48]
 """
@@ -40,20 +41,20 @@ def main():
     pipe = mindspec.load(max_seq=a.max_seq, max_batch=max(sizes))
     texts = [p for rows in PROMPT_SETS.values() for p, _ in rows]
 
-    def requests():
+    def requests(first=0):  # (numbered from `first`: no request finds another round's in the prefix cache)
         return [pipe.request(prompt=f"Request {i}. {texts[i % len(texts)]}", chat=True,
-                             max_new_tokens=a.max_new_tokens) for i in range(a.requests)]
+                             max_new_tokens=a.max_new_tokens) for i in range(first, first + a.requests)]
     pipe.prepare(requests(), max(sizes), every_graph=True)
     spent, calls = collections.Counter(), collections.Counter()
     timed(pipe.target, "prefill", spent, calls, "target prompt chunks")
     timed(pipe.proposer, "prefill", spent, calls, "draft catch-up")
     timed(pipe.proposer, "get_candidates", spent, calls, "draft proposals")
     timed(pipe.target, "step", spent, calls, "target steps")
-    for B in sizes:
+    for i, B in enumerate(sizes):
         for rnd in (1, 2):
             spent.clear()
             calls.clear()
-            reqs = requests()
+            reqs = requests((2 * i + rnd) * a.requests)
             t = time.perf_counter()
             pipe.run(reqs, max_batch=B)
             wall = time.perf_counter() - t
