@@ -260,11 +260,10 @@ class Engine:
             drafts, q = drafts[:, :K], (q[:, :K] if q is not None and K else None)
         t1 = time.perf_counter()
         ids = np.concatenate([np.array([[r.seq[-1]] for r in running]), drafts], 1)  # [n, K+1]
-        same_on_every_rank("the tokens to verify", ids, [r.slot for r in running], [r.pos for r in running],
-                           n_valid)  # (under TP)
+        slots, pos = [r.slot for r in running], [r.pos for r in running]
+        same_on_every_rank("the tokens to verify", ids, slots, pos, n_valid)  # (under TP)
         s = self._sampling(running, K, q=q) if need_q else None
-        acc, nxt, *lps = self.target.step(ids, [r.slot for r in running], [r.pos for r in running], n_valid, s,
-                                          logprobs=want_lp)
+        acc, nxt, *lps = self.target.step(ids, slots, pos, n_valid, s, logprobs=want_lp)
         t2 = time.perf_counter()
         for i, r in enumerate(running):
             n = int(acc[i])

@@ -391,14 +391,14 @@ def same_on_every_rank(what, *arrays):
     the same tokens on every rank; a rank whose draft file, onnxruntime build or processor differs would
     verify other tokens than the rest: every rank's output garbage, until the ranks' calls no longer
     match and one dies inside a collective."""
+    from mindspec.graphs.tp import all_reduce_sum, tp_size
+    n = tp_size()
+    if n == 1:  # (every decode step calls this)
+        return
     import math
     import zlib
 
     import numpy as np
-    from mindspec.graphs.tp import all_reduce_sum, tp_size
-    n = tp_size()
-    if n == 1:
-        return
     data = b"".join(np.ascontiguousarray(a, np.int64).tobytes() for a in arrays)
     c = zlib.crc32(data) % math.isqrt((2 ** 24 - 1) // n)
     s = all_reduce_sum(np.array([c, c * c], np.float32))  # n·c² < 2**24: every sum exact in float32
