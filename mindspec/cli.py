@@ -346,8 +346,8 @@ def _exit_code(fn):
     try:
         return fn() or 0
     except MindspecError as e:
-        print(f"mindspec: error: {e}", file=sys.stderr)
-        return 2
+        from .tp import fail
+        return fail(e)
     except KeyboardInterrupt:
         return 130
 

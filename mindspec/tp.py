@@ -7,7 +7,8 @@ Launcher (the user's process): `launch` re-executes the command under MindSpore'
 127.0.0.1 with the venv's bin first on PATH (msrun starts a bare `python`), streams rank 0's stdout and
 stderr to the user's, and returns rank 0's exit code. A rank that dies (crash, kill, OOM) ends the
 whole job: msrun notices within a second and kills the others; the launcher prints one line naming
-the rank and its log, and returns non-zero. Nothing waits on a dead rank for long: msrun's
+the rank and its log, and returns non-zero; a rank that failed with a one-line error (`fail`) is
+named with that error, and the job exits 2. Nothing waits on a dead rank for long: msrun's
 cluster time-out bounds the start-up, and a grace period bounds the shutdown after a failure.
 
 Several machines (`--nodes N --node-rank R --master-addr A --master-port P`, each machine running the
@@ -290,9 +291,10 @@ def launch(argv, n, script=None, timeout=CLUSTER_TIMEOUT, log_dir=None, grace=FA
         # itself), or on a node without rank 0 that of its own ranks, which ran in lock step with rank 0
         shutil.rmtree(job, ignore_errors=True)
         return rcs.get(0, max(rcs.values()))
-    print(f"mindspec: error: {_who_died(job, msrun_log, topo.ranks, rcs, n)}; the job was stopped (logs: {log_dir})",
-          file=stderr, flush=True)
-    return 1
+    said = _rank_error(job, topo.ranks)  # a rank that failed with a one-line error: its own words, its code
+    what = f"tensor-parallel rank {said[0]} of {n}: {said[1]}" if said else _who_died(job, msrun_log, topo.ranks, rcs, n)
+    print(f"mindspec: error: {what}; the job was stopped (logs: {log_dir})", file=stderr, flush=True)
+    return rcs.get(said[0], 2) if said else 1
 
 
 def _on_ascend(device):
@@ -337,6 +339,15 @@ def _all_exited(job, ranks):
         return False
     pids = [int(_read(os.path.join(job, f"rank{r}.pid"), "0") or 0) for r in ranks]
     return not any(pid and _alive(pid) for pid in pids)
+
+
+def _rank_error(job, ranks):
+    """(rank, line) of the first rank that recorded a one-line error (fail), or None."""
+    for r in ranks:
+        line = _read(os.path.join(job, f"rank{r}.error"))
+        if line:
+            return r, line
+    return None
 
 
 def _who_died(job, msrun_log, ranks, rcs, n):
@@ -515,7 +526,25 @@ def worker_exit(rc):
     return rc
 
 
+def fail(e):
+    """Report a one-line error (exit code 2). In a rank it is also kept for the launcher, which shows only
+    rank 0's stderr: a rank whose host lacks a file or holds a broken one is named with its own words, not
+    as a rank that "died" (found: "rank 1 of 2 died (exit code 1)", the cause in msrun's log only)."""
+    print(f"mindspec: error: {e}", file=sys.stderr, flush=True)
+    job = os.environ.get(ENV_JOB)
+    if job and is_worker():
+        from mindspec.graphs.tp import tp_rank
+        with open(os.path.join(job, f"rank{tp_rank()}.error"), "w", encoding="utf-8") as f:
+            f.write(str(e).replace("\n", " "))
+    return 2
+
+
 def run_worker(fn, n=None):
-    """One rank of a `launch`ed command: init_worker(n), then rc = fn(), recorded for the launcher."""
+    """One rank of a `launch`ed command: init_worker(n), then rc = fn() (a MindspecError: fail), recorded
+    for the launcher."""
     init_worker(n)
-    return worker_exit(fn())
+    try:
+        rc = fn()
+    except MindspecError as e:
+        rc = fail(e)
+    return worker_exit(rc)

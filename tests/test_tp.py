@@ -267,6 +267,19 @@ def test_ranks_whose_drafts_differ_stop_with_one_error(pair):
                                  "the same draft file, onnxruntime build and kind of processor"), (r, res)
 
 
+def test_a_rank_whose_host_lacks_the_draft_ends_the_job_with_its_own_error(pair):
+    """Found: a rank failing with a one-line error (here its host has no draft file) ended the job as
+    "tensor-parallel rank 1 of 2 died (exit code 1)", the cause only in msrun's log of that rank. Now the
+    launcher says the rank's own words, and exits 2 as for any bad input."""
+    target, draft, _, root = pair
+    missing = str(root / "missing.onnx")
+    code, out, err = launch(2, pair, {"TP_TEST_JOB": "drafts", "TP_TEST_DRAFTS": f"{draft},{missing}"}, name="lacks")
+    assert code == 2, (code, out, err[-3000:])
+    assert err.splitlines()[-1].startswith(f"mindspec: error: tensor-parallel rank 1 of 2: draft model not found: "
+                                           f"{missing}; the job was stopped (logs: "), err[-3000:]
+    assert "Traceback" not in err
+
+
 def test_tp_refuses_more_ranks_than_heads(pair):
     from mindspec.checkpoint import Checkpoint
     from mindspec.errors import MindspecError
