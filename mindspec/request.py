@@ -132,8 +132,10 @@ def parse(req, defaults=None):
     do_sample = kw.pop("do_sample", None)
     if do_sample is False:  # TGI / MindIE: greedy whatever the other sampling fields say
         kw.update(temperature=0.0, top_k=0, top_p=1.0)
-    elif do_sample and not kw.get("temperature"):
+    elif do_sample and kw.get("temperature") is None:
         kw["temperature"] = 1.0
+    elif do_sample and kw["temperature"] == 0:  # TGI's rule: sampling needs a temperature
+        raise RequestError("temperature must be > 0 when do_sample is true")
     if isinstance(kw.get("temperature"), (int, float)) and kw["temperature"] > 0 and kw.get("seed") is None:
         kw["seed"] = draw_seed()
     return kw

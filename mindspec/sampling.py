@@ -17,13 +17,14 @@ from .errors import MindspecError
 
 
 MAX_TEMPERATURE = 100.0  # above this every distribution is flat to float32 precision
+MIN_TEMPERATURE = 1e-5  # below this a temperature is greedy (as vLLM's): logits divided by ~0 overflow
 PENALTY_RANGE = (0.01, 100.0)  # a penalty outside divides logits by ~0 or ~inf in float32
 MAX_TOP_K = 2 ** 31 - 1  # the graph's int32; any k >= the vocabulary means "off"
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 = greedy. top_k 0 / top_p 1.0 / repetition_penalty 1.0 = off. The draft uses the
+    """temperature 0 (or below MIN_TEMPERATURE) = greedy. top_k 0 / top_p 1.0 / repetition_penalty 1.0 = off. The draft uses the
     same processing with `draft_temperature` (None: the target's): it changes q, hence the acceptance
     rate, never the output distribution. `seed` (None: drawn when the request is made) keys every
     uniform draw (see uniforms). Every value is checked against what the float32 graph represents."""
@@ -49,6 +50,9 @@ class SamplingParams:
         number("repetition_penalty", self.repetition_penalty, *PENALTY_RANGE)
         if self.draft_temperature is not None:
             number("draft_temperature", self.draft_temperature, 0, MAX_TEMPERATURE)
+        for name in ("temperature", "draft_temperature"):
+            if 0 < (getattr(self, name) or 0) < MIN_TEMPERATURE:
+                object.__setattr__(self, name, 0.0)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer))
                                       or not 0 <= self.seed < 2 ** 63):
             raise MindspecError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")

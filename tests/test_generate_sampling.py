@@ -28,6 +28,22 @@ def test_seeded_runs_repeat_and_differ_by_seed(pipe):
     assert a.stats["drafted"] > 0
 
 
+def test_a_temperature_too_small_to_divide_by_is_greedy(pipe):
+    """Found trying the server: temperature 5e-324 passed the range check, the draft's logits divided by it
+    overflowed to NaN and every draft was rejected (acceptance 0; the same with draft_temperature 5e-324).
+    Below 1e-5 a temperature means greedy, as in vLLM: the target's greedy tokens, a greedy draft."""
+    import warnings
+    greedy = pipe.generate(prompt_ids=PROMPT, max_new_tokens=12)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # numpy's overflow / invalid-value warnings fail the test
+        tiny = pipe.generate(prompt_ids=PROMPT, max_new_tokens=12, temperature=5e-324, seed=1)
+        assert tiny.token_ids == greedy.token_ids and tiny.stats["accepted"] == greedy.stats["accepted"] > 0
+        hot = pipe.generate(prompt_ids=PROMPT, max_new_tokens=12, temperature=T, draft_temperature=5e-324, seed=1)
+        zero = pipe.generate(prompt_ids=PROMPT, max_new_tokens=12, temperature=T, draft_temperature=0.0, seed=1)
+    assert hot.token_ids == zero.token_ids and hot.stats["accepted_at"] == zero.stats["accepted_at"]
+    assert zero.stats["accepted"] > 0
+
+
 @pytest.mark.parametrize("min_conf", [None, 0.5])
 def test_second_token_follows_the_target_distribution(pipe, tiny_target, min_conf):
     """The second token is the first one decided by accept/reject: its marginal must be the

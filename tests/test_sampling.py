@@ -66,6 +66,8 @@ def test_sampling_params_draft_and_flags():
     assert SamplingParams(0.7).for_draft().temperature == 0.7
     assert p.truncates and not SamplingParams(1.0).truncates and SamplingParams(0.0).greedy
     assert SamplingParams(0.0).plain_greedy and not SamplingParams(0.0, repetition_penalty=1.2).plain_greedy
+    assert SamplingParams(1e-300).greedy and SamplingParams(1.0, draft_temperature=5e-324).for_draft().greedy
+    assert not SamplingParams(1e-5).greedy
     tok, q = draft_token(np.log([0.1, 0.6, 0.3]), SamplingParams(1.0, draft_temperature=0.0), [], 0.99)
     assert tok == 1 and q.tolist() == [0, 1, 0]  # a greedy draft: one-hot q, still lossless
 

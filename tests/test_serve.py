@@ -328,6 +328,9 @@ BAD = [  # (path, body or raw bytes, status, words in the message)
      "unknown field 'parameters.max_new_token'"),
     ("/generate", {"inputs": "hi", "parameters": {"grammar": {"type": "json"}}}, 422, "grammar="),
     ("/generate", {"inputs": "hi", "params": {}}, 422, "unknown field 'params'"),
+    # TGI refuses it; it sampled at temperature 1.0 (a missing temperature's default)
+    ("/generate", {"inputs": "hi", "parameters": {"do_sample": True, "temperature": 0}}, 422,
+     "temperature must be > 0 when do_sample is true"),
     ("/v1/completions", {"prompt": IDS, "max_tokens": MAX_SEQ}, 400, "max_tokens=128 does not fit: the 4-token prompt"),
     ("/generate", {"inputs": "hi", "parameters": {"max_new_tokens": MAX_SEQ}}, 422, "max_new_tokens=128 does not fit"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "role 'wizard' is not one of"),
