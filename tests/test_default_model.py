@@ -52,6 +52,22 @@ def test_default_draft_runs_batched():
     assert sess.pos.tolist() == [len(p) for p in prompts]
 
 
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="known: a one-row draft session feeds a row's tokens in one call, a session "
+                   "of more rows splits them (one call more a step, 12% of B=1's speed here); q8's int8 activations "
+                   "make the two differ, so a seeded sampled text can change once the engine grows past one row")
+def test_a_one_row_draft_session_computes_what_a_batching_one_does():
+    """Found trying the library: a seeded sampled request gave one text from pipe.generate on a fresh
+    pipeline and another after generate_many had grown the engine (and from then on)."""
+    import numpy as np
+    from mindspec.default import default_pair
+    from mindspec.export import DraftSession
+    from mindspec.tokenizer import Tokenizer
+    target, draft = default_pair()
+    ids = Tokenizer(target).encode("The capital of France is")
+    one, three = DraftSession(draft, max_seq=64, max_batch=1), DraftSession(draft, max_seq=64, max_batch=3)
+    np.testing.assert_array_equal(one.forward([ids])[0], three.forward([ids])[0])
+
+
 def test_default_pair_reexports_an_old_draft(tmp_path, monkeypatch):
     """A draft left by an older mindspec (format 1), or one without a readable manifest, is
     exported again; a current one is kept."""
