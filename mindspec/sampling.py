@@ -24,9 +24,9 @@ MAX_TOP_K = 2 ** 31 - 1  # the graph's int32; any k >= the vocabulary means "off
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 (or below MIN_TEMPERATURE) = greedy. top_k 0 / top_p 1.0 / repetition_penalty 1.0 = off. The draft uses the
-    same processing with `draft_temperature` (None: the target's): it changes q, hence the acceptance
-    rate, never the output distribution. `seed` (None: drawn when the request is made) keys every
+    """temperature 0 (or below MIN_TEMPERATURE) = greedy. top_k 0 / top_p 1.0 / repetition_penalty 1.0 =
+    off. The draft uses the same processing with `draft_temperature` (None: the target's): it changes q,
+    hence the acceptance rate, never the output distribution. `seed` (None: drawn when the request is made) keys every
     uniform draw (see uniforms). Every value is checked against what the float32 graph represents."""
     temperature: float = 1.0
     top_k: int = 0

@@ -292,7 +292,8 @@ def launch(argv, n, script=None, timeout=CLUSTER_TIMEOUT, log_dir=None, grace=FA
         shutil.rmtree(job, ignore_errors=True)
         return rcs.get(0, max(rcs.values()))
     said = _rank_error(job, topo.ranks)  # a rank that failed with a one-line error: its own words, its code
-    what = f"tensor-parallel rank {said[0]} of {n}: {said[1]}" if said else _who_died(job, msrun_log, topo.ranks, rcs, n)
+    what = f"tensor-parallel rank {said[0]} of {n}: {said[1]}" if said else \
+        _who_died(job, msrun_log, topo.ranks, rcs, n)
     print(f"mindspec: error: {what}; the job was stopped (logs: {log_dir})", file=stderr, flush=True)
     return rcs.get(said[0], 2) if said else 1
 

@@ -52,9 +52,10 @@ def test_default_draft_runs_batched():
     assert sess.pos.tolist() == [len(p) for p in prompts]
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="known: a one-row draft session feeds a row's tokens in one call, a session "
-                   "of more rows splits them (one call more a step, 12% of B=1's speed here); q8's int8 activations "
-                   "make the two differ, so a seeded sampled text can change once the engine grows past one row")
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="known: a one-row draft session feeds a row's tokens in one call, a session of more rows "
+                   "splits them (one call more a step, 12% of B=1's speed here); q8's int8 activations make the two "
+                   "differ, so a seeded sampled text can change once the engine grows past one row")
 def test_a_one_row_draft_session_computes_what_a_batching_one_does():
     """Found trying the library: a seeded sampled request gave one text from pipe.generate on a fresh
     pipeline and another after generate_many had grown the engine (and from then on)."""
