@@ -11,7 +11,7 @@ import traceback
 from aiohttp import web
 
 from . import __version__
-from .errors import MindspecError, summary
+from .errors import MindspecError, is_int, summary
 from .formats import TGI, OpenAI, openai_error, tgi_error
 from .request import RequestError, parse
 from .spec import TOP_LOGPROBS
@@ -344,6 +344,9 @@ class Api:
                 raise RequestError(f"prompt is a list of {len(p)} prompts: send one prompt per request "
                                    "(a string or a list of token ids)", param="prompt")
             if isinstance(p, list):
+                if not p or not all(is_int(x) for x in p):
+                    raise RequestError("prompt must be a string or a non-empty list of integer token ids",
+                                       param="prompt")
                 flat["prompt_ids"] = p
             elif isinstance(p, str) or p is None:
                 flat["prompt"] = p

@@ -11,3 +11,8 @@ def summary(e):
     message goes to the server's stderr."""
     lines = [line.strip() for line in str(e).splitlines() if line.strip()]
     return (f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__)[:300]
+
+
+def is_int(v):
+    """Whether a user's value counts as an integer in the checks (JSON's true/false are not)."""
+    return isinstance(v, int) and not isinstance(v, bool)

@@ -10,7 +10,7 @@ the shapes of prompts, messages, stop strings and token counts.
 import os
 import random
 
-from .errors import MindspecError
+from .errors import MindspecError, is_int
 
 SEED_ENV = "MINDSPEC_SEED_BASE"  # set by the tensor-parallel launcher: every rank draws the same seeds
 _seeds = None
@@ -30,10 +30,6 @@ class RequestError(MindspecError):
     def __init__(self, message, status=400, param=None):
         super().__init__(message)
         self.status, self.param = status, param  # param: the field at fault (OpenAI's error.param)
-
-
-def _is_int(v):
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def checked_text(name, v):
@@ -100,7 +96,7 @@ def parse(req, defaults=None):
         kw["messages"] = _messages(req["messages"])
     else:
         ids = req["prompt_ids"]
-        if not isinstance(ids, list) or not ids or not all(_is_int(i) for i in ids):
+        if not isinstance(ids, list) or not ids or not all(is_int(i) for i in ids):
             raise RequestError("prompt_ids must be a non-empty list of integer token ids")
         kw["prompt_ids"] = ids
     limits = ("max_new_tokens", "max_tokens", "max_completion_tokens")  # the last two: OpenAI's names of it
@@ -112,19 +108,19 @@ def parse(req, defaults=None):
     name = named[0] if named else "max_new_tokens"
     n = req.get(name, kw.get("max_new_tokens"))
     if n is not None:
-        if not _is_int(n) or n < 1:
+        if not is_int(n) or n < 1:
             raise RequestError(f"{name} must be an integer >= 1, got {n!r}")
         kw["max_new_tokens"] = n
         if req.get(name) is not None:
             kw["limit_field"] = name  # asked for explicitly: more than the cache holds is an error, not a cut
-    if not _is_int(kw.get("min_tokens", 0)) or not 0 <= kw.get("min_tokens", 0) <= kw.get("max_new_tokens", 2 ** 31):
+    if not is_int(kw.get("min_tokens", 0)) or not 0 <= kw.get("min_tokens", 0) <= kw.get("max_new_tokens", 2 ** 31):
         raise RequestError(f"min_tokens must be an integer in [0, max_tokens], got {kw.get('min_tokens')!r}")
     ids = kw.get("stop_token_ids")
-    if ids is not None and not (isinstance(ids, list) and all(_is_int(i) for i in ids)):
+    if ids is not None and not (isinstance(ids, list) and all(is_int(i) for i in ids)):
         raise RequestError("stop_token_ids must be a list of integer token ids")
     if kw.get("stop") is not None:
         kw["stop"] = stop_strings(kw["stop"])
-    if "k" in kw and kw["k"] != "auto" and not _is_int(kw["k"]):
+    if "k" in kw and kw["k"] != "auto" and not is_int(kw["k"]):
         raise RequestError(f"k must be an integer K bucket or \"auto\", got {kw['k']!r}")
     for flag in ("chat", "do_sample", "ignore_eos"):
         if not isinstance(kw.get(flag, False), bool):

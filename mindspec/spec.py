@@ -3,7 +3,7 @@ buckets, fixed or dynamic K, the cache sizing rule, quantization modes, the dtyp
 Importing it loads no framework, so bad input is refused before MindSpore or onnxruntime start."""
 from dataclasses import dataclass
 
-from .errors import MindspecError
+from .errors import MindspecError, is_int
 
 K_BUCKETS = (1, 2, 4, 8)  # draft lengths with their own compiled verify graph
 BATCH_BUCKETS = (1, 2, 4, 8)  # rows per compiled call; a step pads its rows up to the next bucket
@@ -46,10 +46,6 @@ def resolve_dtype(dtype, device):
     return dtype
 
 
-def _is_int(v):
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 @dataclass(frozen=True)
 class SpecConfig:
     """k: a K bucket (fixed K) or "auto" (dynamic K per step). k_buckets / batch_buckets: the compiled
@@ -61,12 +57,12 @@ class SpecConfig:
 
     def __post_init__(self):
         ks = tuple(sorted(set(self.k_buckets)))
-        if not ks or not all(_is_int(b) and b >= 1 for b in ks):
+        if not ks or not all(is_int(b) and b >= 1 for b in ks):
             raise MindspecError(f"K buckets must be integers >= 1, got {self.k_buckets!r}")
-        if not (_is_int(self.max_batch) and self.max_batch >= 1):
+        if not (is_int(self.max_batch) and self.max_batch >= 1):
             raise MindspecError(f"max_batch must be an integer >= 1, got {self.max_batch!r}")
         self.check_k(self.k, ks)
-        bs = sorted({b for b in self.batch_buckets if _is_int(b) and 1 <= b < self.max_batch} | {self.max_batch})
+        bs = sorted({b for b in self.batch_buckets if is_int(b) and 1 <= b < self.max_batch} | {self.max_batch})
         object.__setattr__(self, "k_buckets", tuple(sorted(set(ks) | ({self.k} - {"auto"}))))
         object.__setattr__(self, "batch_buckets", tuple(bs))
 
@@ -75,14 +71,14 @@ class SpecConfig:
         """k must be "auto" or a compiled bucket."""
         if k == "auto":
             return k
-        if not _is_int(k) or not 1 <= k <= max(buckets):
+        if not is_int(k) or not 1 <= k <= max(buckets):
             raise MindspecError(f"-k must be between 1 and the largest K bucket {max(buckets)} (or auto), got {k!r}")
         return k
 
     def k_for_request(self, k):
         """A request's own k (None: the pipeline's) checked against the compiled buckets."""
         k = self.k if k is None else k
-        if k != "auto" and (not _is_int(k) or k not in self.k_buckets):
+        if k != "auto" and (not is_int(k) or k not in self.k_buckets):
             raise MindspecError(f"K={k!r} is not a compiled bucket {list(self.k_buckets)}")
         return k
 

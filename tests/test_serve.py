@@ -328,6 +328,9 @@ BAD = [  # (path, body or raw bytes, status, words in the message)
      "unknown field 'parameters.max_new_token'"),
     ("/generate", {"inputs": "hi", "parameters": {"grammar": {"type": "json"}}}, 422, "grammar="),
     ("/generate", {"inputs": "hi", "params": {}}, 422, "unknown field 'params'"),
+    # OpenAI's prompt as token ids: the error named "prompt_ids", a field /v1/completions does not have
+    ("/v1/completions", {"prompt": []}, 400, "prompt must be a string or a non-empty list of integer token ids"),
+    ("/v1/completions", {"prompt": [1, "a"]}, 400, "prompt must be a string or a non-empty list of integer token"),
     # TGI refuses it; it sampled at temperature 1.0 (a missing temperature's default)
     ("/generate", {"inputs": "hi", "parameters": {"do_sample": True, "temperature": 0}}, 422,
      "temperature must be > 0 when do_sample is true"),
