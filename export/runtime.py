@@ -166,8 +166,9 @@ class DraftSession:
 
     def feed(self, chunks):
         """Cache tokens without their logits (a prompt's catch-up): chunks {row: ids}. Host cache: each
-        row in calls of its own (a row's calls the same alone and in any batch, and no extra call for
-        the last tokens, as forward needs for its logits); the ascend profile: one call over the rows."""
+        row in calls of its own, cut at multiples of PREFILL_CHUNK positions (a row's calls the same
+        alone, in any batch and whatever its feed started from; no extra call for the last tokens, as
+        forward needs for its logits); the ascend profile: one call over the rows."""
         if self.device_kv:
             lo, hi = min(chunks), max(chunks)
             self.forward([list(chunks.get(row, ())) for row in range(lo, hi + 1)], start=lo)
@@ -176,7 +177,10 @@ class DraftSession:
         for row, ids in chunks.items():
             self._check([ids], row)
         for row, ids in chunks.items():
-            self._run([ids], row)
+            while ids:
+                n = PREFILL_CHUNK - int(self.pos[row]) % PREFILL_CHUNK  # up to the next multiple
+                self._run([ids[:n]], row)
+                ids = ids[n:]
 
     def _run(self, tokens, start):
         """Calls over rows start..start+B-1 (B = 1, or at most one token a row) in pieces of at most MAX_T

@@ -15,7 +15,8 @@ the free slot whose tokens share the longest prefix with its prompt and starts i
 them (at least its last prompt token is fed again: its logits give the first token). Chat requests
 share their system turn, batch jobs their instructions. The draft (host cache) parks a finished
 row's cache among its spare rows, and a new row starts from the spare one sharing the longest prefix
-with its prompt; it feeds the rest, at most DRAFT_CATCHUP tokens a row per step, so a long uncached
+with its prompt, up to a multiple of PREFILL_CHUNK (the draft reads every prompt in the same pieces:
+draft_cut); it feeds the rest, at most DRAFT_CATCHUP tokens a row per step, so a long uncached
 prompt never stalls the running rows: the new row waits for its draft instead. A dynamic-K row
 admitted where the policy would not draft for it, or where feeding its draft the prompt would not pay
 back over the tokens it may commit, skips its draft; should that start to pay (a smaller batch), it
@@ -144,8 +145,9 @@ class Engine:
         prompt (the draft needs no logits from its prompt: all of it may come from there)."""
         best, hit = r.row, 0
         if self.prefix_cache:
-            for j, toks in self.parked.items():
-                n = min(common_prefix(toks, r.prompt_ids), self.proposer.cached(j))
+            for j, (toks, end) in self.parked.items():  # end: the length of the prompt row j was fed
+                n = min(common_prefix(toks, r.prompt_ids), self.proposer.cached(j), end)
+                n = n if n == end == len(r.prompt_ids) else draft_cut(n)  # the same pieces as a fresh feed
                 if n > hit:
                     best, hit = j, n
         self.proposer.adopt(r.row, best, hit)
@@ -163,7 +165,7 @@ class Engine:
                 keep = self.prefix_cache and r.finish_reason != "error" and self.proposer.keeps_rows
                 self.proposer.release(r.row, last, keep)
                 if keep:
-                    self.parked[last] = r.seq[:self.proposer.cached(last)]
+                    self.parked[last] = r.seq[:self.proposer.cached(last)], len(r.prompt_ids)
             moved = self.rows.pop()
             if moved is not r:
                 self.rows[r.row], moved.row = moved, r.row
@@ -204,7 +206,7 @@ class Engine:
             catch = {}
             for r in (r for r in pre if r.speculate and may_draft(r)):
                 d = self.proposer.cached(r.row)
-                stop = min(r.pos, d + DRAFT_CATCHUP)
+                stop = draft_cut(min(r.pos, d + DRAFT_CATCHUP), len(r.prompt_ids))
                 if stop > d:
                     catch[r.row] = r.prompt_ids[d:stop]
             self.proposer.prefill(catch)
@@ -333,6 +335,14 @@ class Engine:
             u_acc=np.stack([uniforms(sd, st, max(K, 1), ACCEPT) for sd, st in zip(seeds, start)]),
             u_smp=np.stack([uniforms(sd, st, K + 1, SAMPLE) for sd, st in zip(seeds, start)]),
             seen=seen, q=q)
+
+
+def draft_cut(n, end=None):
+    """Where a draft's feed of a row's tokens may stop at most n: a multiple of PREFILL_CHUNK or the
+    prompt's end. The draft's calls (DraftSession.feed) are cut at those multiples too, so every
+    prompt is read in the same pieces whatever the target's cache or a parked row held: the q8
+    draft's logits depend on how tokens were cut into calls, and a seeded text would follow them."""
+    return n if n == end else n // PREFILL_CHUNK * PREFILL_CHUNK
 
 
 def common_prefix(a, b):

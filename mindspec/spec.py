@@ -10,7 +10,7 @@ BATCH_BUCKETS = (1, 2, 4, 8)  # rows per compiled call; a step pads its rows up 
 PREFILL_CHUNK = 32  # prompts go through compiled [B, 32] graphs, a chunk of each prefilling row per step
 # most prompt tokens the draft feeds a row per step (after a prefix-cache hit it feeds the whole prompt):
 # default draft: 128 tokens of one row 75 ms (format 3), under one target chunk (89 ms); 512 would stall the rows
-DRAFT_CATCHUP = 4 * PREFILL_CHUNK
+DRAFT_CATCHUP = 4 * PREFILL_CHUNK  # a multiple: a prompt's catch-up stops at multiples of the chunk (engine.draft_cut)
 SEQ_ROUND = 256  # an auto-sized cache grows in steps of this (each size is a new set of graphs)
 QUANTIZE_MODES = (None, "int8", "q8", "q4")
 TOP_LOGPROBS = 20  # most alternatives a request may ask per token with its logprobs (OpenAI's and vLLM's limit)
