@@ -143,32 +143,39 @@ class DraftSession:
             raise MindspecError(f"token id out of the draft's vocabulary (0..{self.vocab_size - 1})")
         return n
 
-    def forward(self, tokens, start=0):
+    def forward(self, tokens, start=0, alone=()):
         """Row start+b gets tokens[b] at positions pos..pos+len-1 (an empty list: the row sits this
-        call out, its logits row is garbage). Returns logits [B, V] after each row's last token."""
+        call out, its logits row is garbage). Returns logits [B, V] after each row's last token.
+        alone: rows b whose several tokens run in a call of their own, as a one-row session runs them."""
         n = self._check(tokens, start)
         if self.device_kv:
             return self._forward_bound(tokens, start)
-        # GroupQueryAttention runs several tokens a row only in a call of one row (builder.py): rows with
-        # more than one token feed all but their last first, then every row its last token in one call.
-        # Alone or in any batch a row's calls are then the same (q8 rounds activations to int8, so the
-        # float noise between a joint and a split call grows to ~0.6 in the default draft's logits: a
-        # seeded request's draws would depend on its batch). A one-row session never batches: one call
-        if n.max() > 1 and self.max_batch > 1:
-            lag = np.flatnonzero(n > 1)
-            if len(lag) > 1 and n.max() == 2:  # one token behind on several rows (all drafts accepted): one call
-                lo, hi = int(lag[0]), int(lag[-1]) + 1
-                self._run([tokens[b][:1] if n[b] == 2 else [] for b in range(lo, hi)], start + lo)
-            else:
-                self.feed({start + int(b): tokens[b][:-1] for b in lag})
-            tokens = [t[-1:] for t in tokens]
-        return self._run(tokens, start)
+        if n.max() == 1 or self.max_batch == 1:
+            return self._run(tokens, start)
+        # GroupQueryAttention runs several tokens a row only in a call of one row (builder.py). q8 rounds
+        # activations to int8, so the float noise between one call of a row's tokens and a split one grows
+        # to ~0.6 in the default draft's logits: a sampled row (alone: its text follows its draws) runs them
+        # in one call, as a one-row session does; other rows feed all but their last token (several rows one
+        # token behind: one call), then every row its last token in one call
+        solo = {b: self._run([tokens[b]], start + b)[0] for b in alone if n[b] > 1}  # b -> [V]
+        lag = [b for b in np.flatnonzero(n > 1) if b not in solo]
+        if len(lag) > 1 and max(n[lag]) == 2:  # one token behind on several rows (all drafts accepted): one call
+            lo, hi = int(lag[0]), int(lag[-1]) + 1
+            self._run([tokens[b][:1] if b in lag else [] for b in range(lo, hi)], start + lo)
+        elif lag:
+            self.feed({start + int(b): tokens[b][:-1] for b in lag})
+        last = [[] if b in solo else t[-1:] for b, t in enumerate(tokens)]
+        logits = self._run(last, start) if any(last) else np.zeros((len(tokens), self.vocab_size), np.float32)
+        for b, x in solo.items():
+            logits[b] = x
+        return logits
 
-    def feed(self, chunks):
+    def feed(self, chunks, aligned=()):
         """Cache tokens without their logits (a prompt's catch-up): chunks {row: ids}. Host cache: each
-        row in calls of its own, cut at multiples of PREFILL_CHUNK positions (a row's calls the same
-        alone, in any batch and whatever its feed started from; no extra call for the last tokens, as
-        forward needs for its logits); the ascend profile: one call over the rows."""
+        row in calls of its own (a row's calls the same alone and in any batch; no extra call for the
+        last tokens, as forward needs for its logits), those of `aligned` rows cut at multiples of
+        PREFILL_CHUNK positions (whatever their feed started from: see engine.draft_cut); the ascend
+        profile: one call over the rows."""
         if self.device_kv:
             lo, hi = min(chunks), max(chunks)
             self.forward([list(chunks.get(row, ())) for row in range(lo, hi + 1)], start=lo)
@@ -178,7 +185,7 @@ class DraftSession:
             self._check([ids], row)
         for row, ids in chunks.items():
             while ids:
-                n = PREFILL_CHUNK - int(self.pos[row]) % PREFILL_CHUNK  # up to the next multiple
+                n = PREFILL_CHUNK - int(self.pos[row]) % PREFILL_CHUNK if row in aligned else len(ids)
                 self._run([ids[:n]], row)
                 ids = ids[n:]
 

@@ -15,14 +15,13 @@ the free slot whose tokens share the longest prefix with its prompt and starts i
 them (at least its last prompt token is fed again: its logits give the first token). Chat requests
 share their system turn, batch jobs their instructions. The draft (host cache) parks a finished
 row's cache among its spare rows, and a new row starts from the spare one sharing the longest prefix
-with its prompt, up to a multiple of PREFILL_CHUNK (the draft reads every prompt in the same pieces:
-draft_cut); it feeds the rest, at most DRAFT_CATCHUP tokens a row per step, so a long uncached
-prompt never stalls the running rows: the new row waits for its draft instead. A dynamic-K row
-admitted where the policy would not draft for it, or where feeding its draft the prompt would not pay
-back over the tokens it may commit, skips its draft; should that start to pay (a smaller batch), it
-catches up the same way. Anything
-else that runs the target graphs (warm-up, cost measurement) writes into slots: the engine then
-forgets what they held.
+with its prompt (a sampled request: up to a multiple of PREFILL_CHUNK, as the draft reads its prompt
+in the same pieces whatever was cached: draft_cut); it feeds the rest, at most DRAFT_CATCHUP tokens a
+row per step, so a long uncached prompt never stalls the running rows: the new row waits for its
+draft instead. A dynamic-K row admitted where the policy would not draft for it, or where feeding its
+draft the prompt would not pay back over the tokens it may commit, skips its draft; should that start
+to pay (a smaller batch), it catches up the same way. Anything else that runs the target graphs
+(warm-up, cost measurement) writes into slots: the engine then forgets what they held.
 """
 import time
 from collections import deque
@@ -145,9 +144,11 @@ class Engine:
         prompt (the draft needs no logits from its prompt: all of it may come from there)."""
         best, hit = r.row, 0
         if self.prefix_cache:
-            for j, (toks, end) in self.parked.items():  # end: the length of the prompt row j was fed
-                n = min(common_prefix(toks, r.prompt_ids), self.proposer.cached(j), end)
-                n = n if n == end == len(r.prompt_ids) else draft_cut(n)  # the same pieces as a fresh feed
+            for j, (toks, aligned) in self.parked.items():  # aligned: the prompt row j read in draft_cut's pieces
+                n = min(common_prefix(toks, r.prompt_ids), self.proposer.cached(j))
+                if not r.params.greedy:  # only the pieces a fresh feed would read too
+                    n = min(n, aligned)
+                    n = n if n == aligned == len(r.prompt_ids) else draft_cut(n)
                 if n > hit:
                     best, hit = j, n
         self.proposer.adopt(r.row, best, hit)
@@ -165,7 +166,7 @@ class Engine:
                 keep = self.prefix_cache and r.finish_reason != "error" and self.proposer.keeps_rows
                 self.proposer.release(r.row, last, keep)
                 if keep:
-                    self.parked[last] = r.seq[:self.proposer.cached(last)], len(r.prompt_ids)
+                    self.parked[last] = r.seq[:self.proposer.cached(last)], 0 if r.params.greedy else len(r.prompt_ids)
             moved = self.rows.pop()
             if moved is not r:
                 self.rows[r.row], moved.row = moved, r.row
@@ -203,13 +204,16 @@ class Engine:
                                       self._sampling(fed, 0, prefill=True), logprobs=want_lp)
             toks, lps = out if want_lp else (out, None)
         if self.proposer is not None:
-            catch = {}
+            catch, aligned = {}, set()
             for r in (r for r in pre if r.speculate and may_draft(r)):
                 d = self.proposer.cached(r.row)
-                stop = draft_cut(min(r.pos, d + DRAFT_CATCHUP), len(r.prompt_ids))
+                stop = min(r.pos, d + DRAFT_CATCHUP)
+                if not r.params.greedy:
+                    stop = draft_cut(stop, len(r.prompt_ids))
+                    aligned.add(r.row)
                 if stop > d:
                     catch[r.row] = r.prompt_ids[d:stop]
-            self.proposer.prefill(catch)
+            self.proposer.prefill(catch, aligned)
         dt = time.perf_counter() - t0
         for i, (r, chunk) in enumerate(zip(fed, chunks)):
             r.pos += len(chunk)
@@ -338,10 +342,11 @@ class Engine:
 
 
 def draft_cut(n, end=None):
-    """Where a draft's feed of a row's tokens may stop at most n: a multiple of PREFILL_CHUNK or the
-    prompt's end. The draft's calls (DraftSession.feed) are cut at those multiples too, so every
-    prompt is read in the same pieces whatever the target's cache or a parked row held: the q8
-    draft's logits depend on how tokens were cut into calls, and a seeded text would follow them."""
+    """Where a sampled row's draft may stop reading its prompt, at most n: a multiple of PREFILL_CHUNK
+    or the prompt's end. Its calls (DraftSession.feed) are cut at those multiples too, so a sampled
+    prompt is read in the same pieces whatever the target's cache or a parked row held: the q8 draft's
+    logits depend on how tokens were cut into calls, and a seeded text follows them (a greedy row's
+    tokens are the target's whatever the draft computes: its prompt is read in the fewest calls)."""
     return n if n == end else n // PREFILL_CHUNK * PREFILL_CHUNK
 
 

@@ -19,11 +19,11 @@ class DraftProposer:
         self.session = session
         self.vocab_size = session.vocab_size
 
-    def prefill(self, chunks):
+    def prefill(self, chunks, aligned=()):
         """Feed prompt tokens to rows' caches: chunks {row: ids} (their logits are not needed: drafting
-        starts later)."""
+        starts later); `aligned` rows in calls cut at multiples of the prefill chunk (DraftSession.feed)."""
         if chunks:
-            self.session.feed(chunks)
+            self.session.feed(chunks, aligned)
 
     def cached(self, row):
         """Tokens of row's sequence the draft's cache holds."""
@@ -46,7 +46,8 @@ class DraftProposer:
         m, V, k = len(rows), self.vocab_size, max(counts)
         made = np.array([counts[i] for i in live], np.int64)  # [n]: lowered by a confidence cut
         feed = [r.seq[int(self.session.pos[i]):] if r is not None else [] for i, r in enumerate(rows)]
-        logits = self.session.forward(feed)[live]  # [n, V]
+        # a sampled row's tokens are cut into calls as alone (its draws follow the draft's logits)
+        logits = self.session.forward(feed, alone=[i for i in live if not rows[i].params.greedy])[live]  # [n, V]
         drafts = np.zeros((len(live), k), np.int64)
         q = np.zeros((len(live), k, V), np.float32) if need_q else None
         for i in range(k):

@@ -5,7 +5,7 @@ prompts, and on tokens a row's draft missed), the draft's proposals and the targ
 steps. Each batch size runs two rounds of new requests; the first pays the first runs of the graphs that
 measuring the dynamic-K costs did not run, the second is the one to read.
 
-    .venv/bin/python tools/profile_engine.py [--max-batch 1,8] [--requests 48] [--max-new-tokens 48]
+    .venv/bin/python tools/profile_engine.py [--max-batch 1,8] [--requests 48] [--max-new-tokens 48] [--temperature T]
 """
 import argparse
 import collections
@@ -36,6 +36,7 @@ def main():
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--max-seq", type=int, default=512)
+    ap.add_argument("--temperature", type=float, default=0.0, help="sampled requests (each its drawn seed)")
     a = ap.parse_args()
     sizes = [int(x) for x in a.max_batch.split(",")]
     pipe = mindspec.load(max_seq=a.max_seq, max_batch=max(sizes))
@@ -43,7 +44,8 @@ def main():
 
     def requests(first=0):  # (numbered from `first`: no request finds another round's in the prefix cache)
         return [pipe.request(prompt=f"Request {i}. {texts[i % len(texts)]}", chat=True,
-                             max_new_tokens=a.max_new_tokens) for i in range(first, first + a.requests)]
+                             max_new_tokens=a.max_new_tokens, temperature=a.temperature)
+                for i in range(first, first + a.requests)]
     pipe.prepare(requests(), max(sizes), every_graph=True)
     spent, calls = collections.Counter(), collections.Counter()
     timed(pipe.target, "prefill", spent, calls, "target prompt chunks")
