@@ -128,10 +128,10 @@ def parse(req, defaults=None):
     do_sample = kw.pop("do_sample", None)
     if do_sample is False:  # TGI / MindIE: greedy whatever the other sampling fields say
         kw.update(temperature=0.0, top_k=0, top_p=1.0)
-    elif do_sample and kw.get("temperature") is None:
-        kw["temperature"] = 1.0
-    elif do_sample and kw["temperature"] == 0:  # TGI's rule: sampling needs a temperature
+    elif do_sample and req.get("temperature") == 0:  # TGI's rule: sampling needs a temperature
         raise RequestError("temperature must be > 0 when do_sample is true")
+    elif do_sample and req.get("temperature") is None and not kw.get("temperature"):
+        kw["temperature"] = 1.0  # the client's missing temperature, not the server's greedy default
     if isinstance(kw.get("temperature"), (int, float)) and kw["temperature"] > 0 and kw.get("seed") is None:
         kw["seed"] = draw_seed()
     return kw
@@ -157,8 +157,6 @@ def make(pipe, kw, request_id=None):
     prompt, prompt_ids, chat = kw.pop("prompt", None), kw.pop("prompt_ids", None), kw.pop("chat", False)
     if messages is not None:
         prompt, chat = pipe.tokenizer.apply_chat_template(messages), False
-    if kw.get("k") == "auto" and pipe.engine is not None and pipe.engine.dynamic is None and pipe.k != "auto":
-        raise RequestError(f"k=\"auto\" needs the pipeline started with dynamic K (this one runs K={pipe.k})")
     r = pipe.request(prompt, prompt_ids, chat=chat, request_id=request_id, **kw)
     if max_input and len(r.prompt_ids) > max_input:
         raise RequestError(f"prompt is {len(r.prompt_ids)} tokens, more than this server's limit of {max_input}",

@@ -453,6 +453,13 @@ def test_seeded_sampling_repeats(server):
     assert isinstance(seed, int)
     tgi["parameters"]["seed"] = seed
     assert post(base, "/generate", tgi)["generated_text"] == first["generated_text"]
+    # do_sample with no temperature samples at 1.0, as TGI does (found: a 422, the server's greedy default
+    # taken for the client's temperature 0)
+    tgi["parameters"].update(temperature=1.0, seed=3)
+    at_one = post(base, "/generate", tgi)["generated_text"]
+    del tgi["parameters"]["temperature"]
+    assert post(base, "/generate", tgi)["generated_text"] == at_one
+    assert at_one != post(base, "/generate", dict(tgi, parameters={"max_new_tokens": N}))["generated_text"]  # sampled
 
 
 def test_unmodified_client_libraries(server, pipe):
