@@ -250,8 +250,15 @@ def launch_dp(argv, a):
     return launch(argv, a.input, a.output, job_id(batch_defaults(a), a.target), a.dp, a.tp, a.nodes, a.node_rank)
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with a one-line error, as every other bad input gets (its usage stays in --help)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def parser():
-    p = argparse.ArgumentParser(prog="mindspec", description="Speculative decoding: MindSpore target, ONNX draft.")
+    p = Parser(prog="mindspec", description="Speculative decoding: MindSpore target, ONNX draft.")
     sub = p.add_subparsers(dest="cmd", required=True)
     e = sub.add_parser("export", help="export a draft checkpoint to ONNX (+ manifest)")
     e.add_argument("--model", required=True, help="Hugging Face Llama checkpoint directory")
@@ -401,6 +408,9 @@ def _given(argv):
 def parse(argv):
     """The command's arguments: argparse's, then serve's --config file under the flags given, and checks
     that span flags (raises MindspecError)."""
+    if not argv:  # a bare `mindspec`: what it can do, not an error line
+        parser().print_help(sys.stderr)
+        raise SystemExit(2)
     args = parser().parse_args(argv)
     if getattr(args, "config", None):
         from .mindie_config import apply
