@@ -16,7 +16,7 @@ def openai_error(status, message, param=None):
 
 def tgi_error(status, message):
     """TGI's and MindIE's error body."""
-    kind = "validation" if status < 500 else ("overloaded" if status == 503 else "generation")
+    kind = "overloaded" if status in (429, 503) else "validation" if status < 500 else "generation"  # (TGI's 429)
     return {"error": " ".join(str(message).split()), "error_type": kind}
 
 
