@@ -92,6 +92,11 @@ class Engine:
             if not r.done:
                 r.error = e
                 events[r] = events.get(r, "") + r.finish("error")
+        self.reset()
+
+    def reset(self):
+        """No request, nothing cached, the draft's rows empty (after a failure, or a caller that left
+        between two graph calls)."""
         self._empty()
         if self.proposer is not None:
             self.proposer.reset()

@@ -3,6 +3,7 @@ generate (one request), generate_many (many, continuously batched) and run (what
 use)."""
 import inspect
 import os
+import threading
 from collections import deque
 
 import numpy as np
@@ -36,6 +37,7 @@ class Pipeline:
                                 f"is {self.cfg.vocab_size}")
         self.eos = frozenset(self.cfg.eos_token_ids) | frozenset(self.tokenizer.eos_token_ids)
         self.target = self.proposer = self.engine = None
+        self._turn, self._holder = threading.Lock(), None  # run(): one call at a time, threads take turns
         self.prefix_cache = prefix_cache  # a new request reuses the K/V of a prefix a finished one left (engine.py)
         self.set_draft(draft)
         self.fixed_max_seq = max_seq
@@ -243,7 +245,24 @@ class Pipeline:
 
     def run(self, reqs, on_event=None, max_batch=1):
         """Run requests to the end through the engine, up to max_batch at once (the rest join as rows
-        finish). on_event(request, text) gets each step's new text per request."""
+        finish). on_event(request, text) gets each step's new text per request. Calls from several threads
+        take turns (the graphs and caches are one); a call left by an exception (Ctrl-C, a callback that
+        raised) leaves the engine empty."""
+        if self._holder == threading.get_ident():
+            raise MindspecError("generate was called from inside its own callback: call it after this one returns")
+        with self._turn:
+            self._holder = threading.get_ident()
+            try:
+                self._run(reqs, on_event, max_batch)
+            except BaseException:
+                if self.engine is not None:
+                    self.engine.reset()  # (this call's requests were the only ones in it)
+                raise
+            finally:
+                self._holder = None
+        return reqs
+
+    def _run(self, reqs, on_event, max_batch):
         self.prepare(reqs, max_batch)
         compile_s = self.target.compile_s
         todo, pending = deque(reqs), set()
@@ -258,7 +277,6 @@ class Pipeline:
                     pending.discard(r)
         for r in reqs:
             r.stats.compile_s = self.target.compile_s - compile_s
-        return reqs
 
     def generate(self, prompt=None, prompt_ids=None, max_new_tokens=64, on_text=None, **kw):
         """Generate (greedy at temperature 0, else speculative sampling: the target's distribution

@@ -191,3 +191,43 @@ def test_library_calls_refuse_bad_input_naming_it(pipe):
         with pytest.raises(MindspecError, match=words):
             pipe.generate_many(reqs, max_batch=max_batch)
 
+
+
+def test_threads_sharing_a_pipeline_take_turns(pipe):
+    """Found: two threads calling generate on one pipeline at once crashed the process inside MindSpore
+    (a segfault) or hung it. A pipeline runs one call at a time; the others wait their turn."""
+    import threading
+    solo = [pipe.generate(prompt_ids=p, max_new_tokens=20).token_ids for p in PROMPTS[:3]]
+    got = {}
+
+    def ask(i):
+        got[i] = pipe.generate(prompt_ids=PROMPTS[i], max_new_tokens=20).token_ids
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert [got.get(i) for i in range(3)] == solo
+
+
+def test_a_call_its_callback_interrupts_leaves_the_pipeline_clean(pipe):
+    """Found: Ctrl-C or an on_text callback that raised left the request in the engine, stepped by later
+    calls, and a later call needing a larger cache failed ("cannot resize the KV cache while requests are
+    running"). A callback that calls generate again is refused (its turn would never come)."""
+    from mindspec.errors import MindspecError
+
+    class Stop(Exception):
+        pass
+
+    def boom(text):
+        raise Stop
+
+    want = pipe.generate(prompt_ids=[5, 6, 7], max_new_tokens=12).token_ids
+    for _ in range(2):
+        with pytest.raises(Stop):
+            pipe.generate(prompt_ids=[5, 6, 7], max_new_tokens=40, on_text=boom)
+        assert not pipe.engine.has_work
+    with pytest.raises(MindspecError, match="from inside its own callback"):
+        pipe.generate(prompt_ids=[5, 6], max_new_tokens=3, on_text=lambda t: pipe.generate(prompt_ids=[5]))
+    assert pipe.generate(prompt_ids=[5, 6, 7], max_new_tokens=12).token_ids == want
