@@ -49,31 +49,49 @@ def export_draft(model_dir, out_path, quantize=None, layers=None, max_seq=None, 
         if os.path.exists(path) and not path.endswith((".onnx", ".onnx.json", ".onnx.data")):
             raise MindspecError(f"--out would replace {path}, which is not an exported draft's file: "
                                 f"give a path ending in .onnx")
-    os.makedirs(out_dir, exist_ok=True)
-    if os.path.exists(out_path + ".json"):
-        os.remove(out_path + ".json")  # a half-finished export must not look valid
-
-    from .builder import build_decoder, save_model
+    from .builder import build_decoder
     model = build_decoder(ckpt, layers, dtype, profile, max_seq)
-    tmp = tempfile.mkdtemp(prefix=".export-", dir=out_dir)
     try:
-        # same basename in the temp dirs: external weights are referenced as "<basename>.data"
-        base = os.path.basename(out_path)
-        os.makedirs(os.path.join(tmp, "fp32"))
-        os.makedirs(os.path.join(tmp, "out"))
-        done = save_model(model, os.path.join(tmp, "fp32", base))
-        del model
-        if quantize:
-            from .quantize import quantize as run_quantize
-            done = run_quantize(done, quantize, os.path.join(tmp, "out", base))
-        for suffix in ("", ".data"):
-            if os.path.exists(done + suffix):
-                os.replace(done + suffix, out_path + suffix)
-            elif os.path.exists(out_path + suffix):
-                os.remove(out_path + suffix)  # stale weights of an earlier export
+        os.makedirs(out_dir, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".export-", dir=out_dir)
+    except OSError as e:
+        raise MindspecError(f"cannot write the draft into {out_dir}: {e.strerror}") from None
+    try:  # everything is made in tmp: a failure (or Ctrl-C) before the swap leaves an earlier draft whole
+        return _swap_in(_write(model, ckpt, tmp, os.path.basename(out_path), layers or n, quantize, max_seq,
+                               dtype, profile), out_path)
+    except OSError as e:
+        raise MindspecError(f"cannot write the draft to {out_path}: {e.strerror}") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return write_manifest(out_path, ckpt, layers or n, quantize, max_seq, dtype, profile)
+
+
+def _write(model, ckpt, tmp, base, layers, quantize, max_seq, dtype, profile):
+    """Save (and quantize) the model in tmp and write its manifest beside it: (onnx path, manifest)."""
+    from .builder import save_model
+    # same basename in the temp dirs: external weights are referenced as "<basename>.data"
+    os.makedirs(os.path.join(tmp, "fp32"))
+    os.makedirs(os.path.join(tmp, "out"))
+    done = save_model(model, os.path.join(tmp, "fp32", base))
+    del model
+    if quantize:
+        from .quantize import quantize as run_quantize
+        done = run_quantize(done, quantize, os.path.join(tmp, "out", base))
+    return done, write_manifest(done, ckpt, layers, quantize, max_seq, dtype, profile)
+
+
+def _swap_in(made, out_path):
+    """Move a made draft over out_path: the manifest goes last (a draft without one is refused, never
+    half-trusted) and stale weights of an earlier export go."""
+    done, manifest = made
+    if os.path.exists(out_path + ".json"):
+        os.remove(out_path + ".json")
+    for suffix in ("", ".data"):
+        if os.path.exists(done + suffix):
+            os.replace(done + suffix, out_path + suffix)
+        elif os.path.exists(out_path + suffix):
+            os.remove(out_path + suffix)
+    os.replace(done + ".json", out_path + ".json")
+    return manifest
 
 
 def _check_profile(profile, quantize, dtype):

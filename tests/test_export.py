@@ -433,6 +433,26 @@ def test_export_validation(tiny_target, tmp_path):
         assert side.read_text() == "{}"
 
 
+def test_a_failed_export_leaves_an_earlier_draft_whole(tiny_target, tmp_path):
+    """Found: a second export to the same --out from a checkpoint with a garbage tokenizer.json failed with
+    one line after it had deleted the manifest and moved its own model in: the working draft was lost. And
+    an --out where nothing can be written was a traceback."""
+    out = tmp_path / "keep.onnx"
+    export_draft(tiny_target[0], str(out))
+    before = {p.name: p.read_bytes() for p in tmp_path.glob("keep.onnx*")}
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_target[0], bad)
+    (bad / "tokenizer.json").write_text("not json")
+    with pytest.raises(MindspecError, match="tokenizer.json"):
+        export_draft(str(bad), str(out), layers=1)
+    assert {p.name: p.read_bytes() for p in tmp_path.glob("keep.onnx*")} == before
+    assert read_manifest(str(out))["num_layers"] == 2 and not list(tmp_path.glob(".export-*"))
+    for where, words in [("/proc/x.onnx", "cannot write the draft into /proc: "),
+                         (f"{out}/x.onnx", f"cannot write the draft into {out}: ")]:
+        with pytest.raises(MindspecError, match=words):
+            export_draft(tiny_target[0], where)
+
+
 def test_providers_and_options(monkeypatch):
     monkeypatch.setenv("ASCEND_DEVICE_ID", "0")  # inherited from an Ascend env script
     monkeypatch.setenv("DEVICE_ID", "3")  # msrun's, this rank's
