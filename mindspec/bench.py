@@ -184,9 +184,10 @@ class HF:
 # -- the benchmark ---------------------------------------------------------------------------------
 
 def run(target=None, draft=None, prompts="story,chat,code", max_new_tokens=128, ks=(1, 2, 4, 8),
-        hf=True, hf_assistants=None, repeat=1, batch_sizes=(1,), log=sys.stderr):
+        hf=True, hf_assistants=None, repeat=1, batch_sizes=(1,), log=sys.stderr, on_part=None):
     """Run every mode on every prompt (batch 1) or on batches of B requests at once (B > 1: the set's
-    prompts cycled to B rows, through generate_many); returns the bench.json dict."""
+    prompts cycled to B rows, through generate_many); returns the bench.json dict. on_part(dict) gets
+    the results so far ("complete": false) each time a set finishes a batch size."""
     import mindspec
     from .spec import SEQ_ROUND, round_up
     from .tokenizer import Tokenizer
@@ -239,7 +240,22 @@ def run(target=None, draft=None, prompts="story,chat,code", max_new_tokens=128, 
                      "(pip install -e .[bench])")
     print(f"warm-up and compile: {time.perf_counter() - t0:.1f} s", file=log)
 
-    tallies = {}  # (set, B, mode, k) -> Tally
+    tallies, done = {}, []  # (set, B, mode, k) -> Tally; the (set, B) finished
+
+    def result(complete):
+        runs = []
+        for name, B in done:
+            base = tallies[(name, B, "target-only", 0)]
+            runs += [t.result(base) for key, t in tallies.items() if key[:2] == (name, B)]
+        for r in runs:
+            if r["mode"] == "hf-generate":
+                r["tokens_per_target_call"] = 1.0
+        return {"runs": runs, "complete": complete, "notes": notes, "target": os.path.abspath(target),
+                "draft": draft and os.path.abspath(draft), "max_new_tokens": max_new_tokens, "ks": ks,
+                "batch_sizes": sizes, "repeat": repeat, "max_seq": max_seq, "costs_vs_decode": costs,
+                "prompts": {n: [p for p, _ in rows] for n, rows in sets.items()},
+                "hf": hf_model.version if hf_model else None, "cpu_count": os.cpu_count()}
+
     for name, rows in enc.items():
         for B in sizes:
             batch = [rows[i % len(rows)] for i in range(B)]
@@ -258,20 +274,11 @@ def run(target=None, draft=None, prompts="story,chat,code", max_new_tokens=128, 
                         new, stats = hf_model.generate(ids, max_new_tokens, extra)
                         row = dict(prompt_set=name, batch_size=1, mode=mode, k=None, assistant=spec)
                         tallies.setdefault((name, 1, mode, spec), Tally(**row)).add(new, stats)
+            done.append((name, B))
+            if on_part is not None and len(done) < len(enc) * len(sizes):
+                on_part(result(complete=False))
             print(f"{name} B={B}: done", file=log)
-    runs = []
-    for name in enc:
-        for B in sizes:
-            base = tallies[(name, B, "target-only", 0)]
-            runs += [t.result(base) for key, t in tallies.items() if key[:2] == (name, B)]
-    for r in runs:
-        if r["mode"] == "hf-generate":
-            r["tokens_per_target_call"] = 1.0
-    return {"runs": runs, "notes": notes, "target": os.path.abspath(target),
-            "draft": draft and os.path.abspath(draft), "max_new_tokens": max_new_tokens, "ks": ks,
-            "batch_sizes": sizes, "repeat": repeat, "max_seq": max_seq, "costs_vs_decode": costs,
-            "prompts": {n: [p for p, _ in rows] for n, rows in sets.items()},
-            "hf": hf_model.version if hf_model else None, "cpu_count": os.cpu_count()}
+    return result(complete=True)
 
 
 def table(result):
@@ -365,11 +372,24 @@ def cmd_bench(a):
         os.makedirs(a.out, exist_ok=True)
     except OSError as e:
         raise MindspecError(f"cannot write --out {a.out}: {e.strerror}") from None
-    result = run(target=a.target, draft=a.draft, prompts=a.prompts, max_new_tokens=a.max_new_tokens, ks=ks,
-                 hf=not a.no_hf, hf_assistants=a.hf_assistants and a.hf_assistants.split(","), repeat=a.repeat,
-                 batch_sizes=[int(b) for b in a.batch_sizes.split(",") if b])
-    with open(os.path.join(a.out, "bench.json"), "w") as f:
-        json.dump(result, f, indent=1)
+    out, saved = os.path.join(a.out, "bench.json"), []
+
+    def save(result):  # whole or not at all: a run stopped half way keeps the sets it finished
+        with open(out + ".part", "w") as f:
+            json.dump(result, f, indent=1)
+        os.replace(out + ".part", out)
+        saved.append(len({(r["prompt_set"], r["batch_size"]) for r in result["runs"]}))
+
+    try:
+        result = run(target=a.target, draft=a.draft, prompts=a.prompts, max_new_tokens=a.max_new_tokens, ks=ks,
+                     hf=not a.no_hf, hf_assistants=a.hf_assistants and a.hf_assistants.split(","), repeat=a.repeat,
+                     batch_sizes=[int(b) for b in a.batch_sizes.split(",") if b], on_part=save)
+    except KeyboardInterrupt:
+        if saved:
+            print(f"mindspec bench: stopped; {out} holds the {saved[-1]} finished (prompt set, batch size) runs "
+                  f"(\"complete\": false)", file=sys.stderr)
+        raise
+    save(result)
     files = ["bench.json", "bench.png"] + (["bench-batch.png"] if len(result["batch_sizes"]) > 1 else [])
     plot(result, os.path.join(a.out, "bench.png"))
     if len(result["batch_sizes"]) > 1:

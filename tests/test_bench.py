@@ -76,6 +76,30 @@ def test_bench_writes_json_png_and_table(pair):
     assert len(lines) == 2 + len(runs)
 
 
+def test_a_bench_stopped_half_way_keeps_the_sets_it_finished(pair):
+    """Found: bench.json was written at the very end only: Ctrl-C (or any failure) 19 minutes into the
+    README's bench lost every result."""
+    import signal
+    target, draft, d = pair
+    prompts = d / "two.jsonl"
+    prompts.write_text('{"prompt": "Once", "set": "a"}\n' + '{"prompt": "Twice upon", "set": "b"}\n' * 40)
+    out = d / "half"
+    p = subprocess.Popen([sys.executable, "-m", "mindspec", "bench", "--target", target, "--draft", draft, "--prompts",
+                          str(prompts), "--ks", "1,2", "--max-new-tokens", "6", "--out", str(out), "--no-hf",
+                          "--batch-sizes", "1,2"], stderr=subprocess.PIPE, text=True,
+                         env=dict(os.environ, MINDSPEC_HOME=str(d / "home")))  # (the graphs of the test above)
+    for line in p.stderr:
+        if "a B=2: done" in line:
+            p.send_signal(signal.SIGINT)
+            break
+    err = p.stderr.read()
+    assert p.wait(120) == 130, err
+    assert f"mindspec bench: stopped; {out}/bench.json holds the 2 finished" in err, err
+    got = json.loads((out / "bench.json").read_text())
+    assert got["complete"] is False and {(r["prompt_set"], r["batch_size"]) for r in got["runs"]} == {("a", 1), ("a", 2)}
+    assert {r["mode"] for r in got["runs"]} == {"target-only", "fixed-k", "dynamic-k"}
+
+
 @pytest.mark.parametrize("args, needle", [
     (["--prompts", "poetry"], "unknown prompt set"),
     (["--prompts", "{bad}.jsonl"], "cannot read prompts file"),
