@@ -295,7 +295,7 @@ def parse_size(text, what, rate=False):
     if bool(m.group(4)) != rate:
         raise MindspecError(f"{what} is a rate: e.g. 1.6TB/s, got {text!r}" if rate else
                             f"{what} is a size, not a rate: e.g. 64GB, got {text!r}")
-    return float(m.group(1)) * _PREFIX[(m.group(2) or "").lower()]
+    return _in_range(float(m.group(1)) * _PREFIX[(m.group(2) or "").lower()], text, what, 1e18, "1EB")
 
 
 def parse_count(text, what):
@@ -303,7 +303,15 @@ def parse_count(text, what):
     m = re.fullmatch(r"\s*(\d+(?:\.\d*)?(?:e[+-]?\d+)?)\s*([kmbt]?)\s*", str(text), re.I)
     if not m or float(m.group(1)) <= 0:
         raise MindspecError(f"bad parameter count {text!r} for {what}: e.g. 70e9 or 70B")
-    return float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}[m.group(2).lower()]
+    n = float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}[m.group(2).lower()]
+    return _in_range(n, text, what, 1e15, "1000T")
+
+
+def _in_range(x, text, what, top, name):
+    """x unless it is beyond `top` (what a float holds only as inf or makes NaN of further on)."""
+    if not x <= top:
+        raise MindspecError(f"{what} {text!r} is out of range (at most {name})")
+    return x
 
 
 def _model_from_args(a, prefix, path):

@@ -93,7 +93,12 @@ def test_refusal_says_what_to_change(capsys):
                                         (["--device-bw", "64GiB"], "a rate: e.g. 1.6TB/s"),
                                         (["--allreduce-us", "inf"], "allreduce-us not negative"),
                                         (["--device-tflops", "nan"], "device-tflops"),
-                                        (["--tp", "0"], "--tp must be >= 1, got 0")])  # named --devices (0)
+                                        (["--tp", "0"], "--tp must be >= 1, got 0"),  # named --devices (0)
+                                        # numbers a float holds only as inf: NaN tracebacks further on
+                                        (["--device-mem", "1e300GB"], "out of range"),
+                                        (["--device-mem", "1e400GB"], "out of range"),
+                                        (["--params", "1e400"], "out of range"),
+                                        (["--device-bw", "1e20TB/s"], "out of range")])
 def test_bad_input(bad, match, capsys):
     with pytest.raises(MindspecError, match=match):
         run_plan(SEED + bad, capsys)                # argparse: the last value given wins
