@@ -1,4 +1,5 @@
 """User-facing errors: the CLI prints them on one line and exits 2 (the server maps them to 4xx)."""
+import numbers
 
 
 class MindspecError(Exception):
@@ -16,3 +17,8 @@ def summary(e):
 def is_int(v):
     """Whether a user's value counts as an integer in the checks (JSON's true/false are not)."""
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def is_number(v):
+    """Whether a user's value counts as a real number in the checks (numpy's too; not true/false)."""
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)

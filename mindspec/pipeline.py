@@ -10,7 +10,7 @@ import numpy as np
 
 from .checkpoint import Checkpoint
 from .engine import Engine
-from .errors import MindspecError
+from .errors import MindspecError, is_int, is_number
 from .request import checked_text, stop_strings
 from .sampling import SamplingParams
 from .sequence import Request, Result
@@ -25,6 +25,13 @@ __all__ = ["Pipeline", "Result", "load"]
 class Pipeline:
     def __init__(self, target, draft=None, k="auto", max_seq=None, buckets=K_BUCKETS, device=None,
                  device_mem=None, tp=1, max_batch=1, batch_buckets=BATCH_BUCKETS, dtype=None, prefix_cache=True):
+        target, draft = _path("target", target), draft and _path("draft", draft)
+        if max_seq is not None and not (is_int(max_seq) and max_seq >= 1):
+            raise MindspecError(f"max_seq must be an integer >= 1 or None (sized for each call), got {max_seq!r}")
+        if not (is_int(tp) and tp >= 1):
+            raise MindspecError(f"tp must be an integer >= 1, got {tp!r}")
+        if device_mem is not None and not (is_number(device_mem) and 0 < device_mem < float("inf")):
+            raise MindspecError(f"device_mem must be a number of bytes, got {device_mem!r}")
         self.device = detect_device(device)  # target and draft: "CPU" or "Ascend"
         self.dtype = resolve_dtype(dtype, self.device)  # the target's; refused before any weight loads
         self.spec = SpecConfig(k, tuple(buckets), tuple(batch_buckets), max_batch)
@@ -158,7 +165,7 @@ class Pipeline:
         if (prompt is None) == (prompt_ids is None):
             raise MindspecError("give exactly one of a prompt or prompt ids")
         if prompt_ids is not None:
-            if isinstance(prompt_ids, (str, bytes)) or not hasattr(prompt_ids, "__iter__") or not all(
+            if not isinstance(prompt_ids, (list, tuple, np.ndarray)) or not all(
                     isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in prompt_ids):
                 raise MindspecError("prompt_ids must be a list of integer token ids")  # not 1.7 -> 1, True -> 1
             ids = [int(i) for i in prompt_ids]
@@ -186,8 +193,8 @@ class Pipeline:
         if seed is None and temperature:
             seed = share(int.from_bytes(os.urandom(7), "little"))  # rank 0's: every rank must draw the same
         params = SamplingParams(temperature, top_k, top_p, repetition_penalty, draft_temperature, seed)
-        if draft_min_conf is not None and not 0 < draft_min_conf < 1:
-            raise MindspecError(f"draft_min_conf must be between 0 and 1, got {draft_min_conf}")
+        if draft_min_conf is not None and not (is_number(draft_min_conf) and 0 < draft_min_conf < 1):
+            raise MindspecError(f"draft_min_conf must be between 0 and 1, got {draft_min_conf!r}")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise MindspecError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
@@ -297,6 +304,8 @@ class Pipeline:
         anything runs; a request that fails while running has finish_reason "error"."""
         if max_batch is not None and (type(max_batch) is not int or max_batch < 1):
             raise MindspecError(f"max_batch must be an integer >= 1, got {max_batch!r}")
+        if not isinstance(requests, (list, tuple)):
+            raise MindspecError(f"requests must be a list of dicts of generate's keywords, got {type(requests).__name__}")
         keywords = set(inspect.signature(self.request).parameters)
         reqs = []
         for i, kw in enumerate(requests):
@@ -311,6 +320,13 @@ class Pipeline:
                 raise MindspecError(f"requests[{i}]: {e}") from None
         self.run(reqs, max_batch=max_batch or self.spec.max_batch)
         return [r.result() for r in reqs]
+
+
+def _path(what, p):
+    """A path given as a str or a path-like object, as a str."""
+    if not isinstance(p, (str, os.PathLike)):
+        raise MindspecError(f"{what} must be a path (a str or os.PathLike), got {p!r}")
+    return os.fspath(p)
 
 
 def load(target=None, draft=None, k="auto", **kw):

@@ -190,6 +190,27 @@ def test_library_calls_refuse_bad_input_naming_it(pipe):
             ([good], "2", "max_batch must be")]:
         with pytest.raises(MindspecError, match=words):
             pipe.generate_many(reqs, max_batch=max_batch)
+    # a second careless pass: TypeErrors from deep inside, or values taken that fail every later call
+    with pytest.raises(MindspecError, match="requests must be a list of dicts"):
+        pipe.generate_many(None)
+    with pytest.raises(MindspecError, match="draft_min_conf must be between 0 and 1, got '0.5'"):
+        pipe.generate(prompt_ids=[5], draft_min_conf="0.5")
+    with pytest.raises(MindspecError, match="prompt_ids must be a list"):
+        pipe.generate(prompt_ids={1: 2})
+
+
+def test_load_refuses_bad_arguments_before_loading(tiny_target, noisy_draft):
+    import pathlib
+    from mindspec.errors import MindspecError
+    for kw, words in [(dict(max_seq="64"), "max_seq must be an integer >= 1 or None"),
+                      (dict(max_seq=0), "max_seq must be an integer >= 1 or None"),
+                      (dict(max_seq=-5), "max_seq must be an integer >= 1 or None"),
+                      (dict(tp=0), "tp must be an integer >= 1"), (dict(draft=True), "draft must be a path"),
+                      (dict(draft=123), "draft must be a path"), (dict(device_mem="64GB"), "device_mem must be")]:
+        with pytest.raises(MindspecError, match=words):
+            mindspec.load(tiny_target[0], **dict(dict(draft=noisy_draft), **kw))
+    p = mindspec.load(pathlib.Path(tiny_target[0]), pathlib.Path(noisy_draft), k=2)  # (a Path draft: TypeError)
+    assert p.draft_path == noisy_draft
 
 
 
