@@ -9,7 +9,7 @@ import sys
 
 from .errors import MindspecError
 from .request import SEED_ENV
-from .device import CHOICES, DEVICE_ENV, check_tp, detect_device
+from .device import CHOICES, DEVICE_ENV, check_device_env, check_tp, detect_device
 from .spec import DTYPES
 
 MODEL_COMMANDS = ("generate", "serve", "batch")  # the ones that load a model (and may run on msrun ranks)
@@ -430,7 +430,7 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     parsed = []
     try:
-        code = _exit_code(lambda: parsed.append(parse(argv)))
+        code = _exit_code(lambda: check_device_env() or parsed.append(parse(argv)))
     except SystemExit:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
         raise

@@ -126,6 +126,16 @@ def check_tp(tp, device, probe=None):
             raise MindspecError(f"--tp {tp} needs {tp} NPUs, {n} visible")
 
 
+def check_device_env(env=None):
+    """DEVICE_ID / ASCEND_DEVICE_ID, when set, are device numbers: MindSpore's import aborts the process
+    on a negative one (std::runtime_error in UlongToUint), so they are checked before it loads."""
+    env = os.environ if env is None else env
+    for name in ("DEVICE_ID", "ASCEND_DEVICE_ID"):
+        v = env.get(name)
+        if v not in (None, "") and not (v.strip().isdigit()):
+            raise MindspecError(f"{name}={v!r} is not a device number (an integer >= 0)")
+
+
 def device_id(env=None):
     """This process's NPU: msrun's per-rank DEVICE_ID first (an ASCEND_DEVICE_ID inherited from an
     Ascend env script would put every rank on NPU 0), then ASCEND_DEVICE_ID, else 0."""

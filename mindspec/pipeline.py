@@ -14,7 +14,7 @@ from .errors import MindspecError, is_int, is_number
 from .request import checked_text, stop_strings
 from .sampling import SamplingParams
 from .sequence import Request, Result
-from .device import detect_device
+from .device import check_device_env, detect_device
 from .spec import BATCH_BUCKETS, K_BUCKETS, PLAN_DTYPE, TOP_LOGPROBS, SpecConfig, cache_positions, resolve_dtype
 from .tokenizer import Tokenizer
 from .tp import share
@@ -32,6 +32,7 @@ class Pipeline:
             raise MindspecError(f"tp must be an integer >= 1, got {tp!r}")
         if device_mem is not None and not (is_number(device_mem) and 0 < device_mem < float("inf")):
             raise MindspecError(f"device_mem must be a number of bytes, got {device_mem!r}")
+        check_device_env()  # (before MindSpore's import, which aborts on a bad one)
         self.device = detect_device(device)  # target and draft: "CPU" or "Ascend"
         self.dtype = resolve_dtype(dtype, self.device)  # the target's; refused before any weight loads
         self.spec = SpecConfig(k, tuple(buckets), tuple(batch_buckets), max_batch)
