@@ -85,8 +85,21 @@ QUIET = {"Version", "LogConfig", "EnableDynamicAdjustTimeoutConfig"} | {f"Server
         "supportSelectBatch")}
 
 
+# the blocks of MindIE's layout (and ours): a block of another shape is refused, not warned about and skipped
+MODEL_LIST = "BackendConfig.ModelDeployConfig.ModelConfig"
+OBJECTS = ("ServerConfig", "BackendConfig", "BackendConfig.ModelDeployConfig", "BackendConfig.ScheduleConfig",
+           "mindspec")
+KINDS = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number", float: "a number",
+         type(None): "null"}
+
+
 def _flatten(obj, path=""):
     """{key path: value} of the leaves (ModelConfig is a list: its entries are [i])."""
+    entry = path.startswith(MODEL_LIST + "[") and path.endswith("]")  # ModelConfig[i]
+    shape = list if path == MODEL_LIST else dict if path in OBJECTS or entry else None
+    if shape is not None and not isinstance(obj, shape):
+        what = "a list of objects" if shape is list else "an object"
+        raise ValueError(f"{path}: must be {what} (MindIE's layout), got {KINDS.get(type(obj), 'a value')}")
     if isinstance(obj, dict) and (path in ("", "ServerConfig", "BackendConfig", "mindspec")
                                   or path.startswith("BackendConfig.")) and path not in QUIET:
         out = {}
@@ -106,11 +119,11 @@ def read(path):
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
-        flat = _flatten(data) if isinstance(data, dict) else None
     except OSError as e:
         raise ValueError(f"{path}: {e.strerror or e}") from None
     except (ValueError, RecursionError) as e:  # (RecursionError: nested deeper than Python's stack)
         raise ValueError(f"{path}: not valid JSON: {e}") from None
+    flat = _flatten(data) if isinstance(data, dict) else None  # (ValueError: a block of another shape)
     if flat is None:
         raise ValueError(f"{path}: must be a JSON object (MindIE's config.json layout)")
     values, warnings = {}, []

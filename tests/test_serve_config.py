@@ -139,6 +139,13 @@ BAD_CONFIGS = [  # (file content, the one line expected)
     ([1, 2], "must be a JSON object"),
     ("[" * 100000 + "]" * 100000, "not valid JSON"),  # deeper than Python's stack: was a RecursionError traceback
     ('{"mindspec": {"apiKey": "\\ud800"}}', "the API key is not valid text"),  # every request was a 500
+    # a block of another shape was warned about and skipped, and the server started on the defaults
+    ({"BackendConfig": {"ModelDeployConfig": {"ModelConfig": {"modelName": "x"}}}},
+     "BackendConfig.ModelDeployConfig.ModelConfig: must be a list of objects (MindIE's layout), got an object"),
+    ({"BackendConfig": {"ModelDeployConfig": {"ModelConfig": ["x"]}}},
+     "BackendConfig.ModelDeployConfig.ModelConfig[0]: must be an object (MindIE's layout), got a string"),
+    ({"ServerConfig": []}, "ServerConfig: must be an object (MindIE's layout), got a list"),
+    ({"mindspec": "fast"}, "mindspec: must be an object (MindIE's layout), got a string"),
 ]
 
 
