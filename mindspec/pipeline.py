@@ -206,7 +206,8 @@ class Pipeline:
         ids = self.encode(prompt, prompt_ids, chat, limit)
         if len(ids) + 1 > limit:
             raise MindspecError(f"prompt is {len(ids)} tokens; it does not fit max_seq {limit}")
-        r = Request(ids, params, max_new_tokens, stop=stop, eos=self.eos, k=k,
+        # (the target's cache is rounded up to a prefill chunk: a request still ends at the pair's limit)
+        r = Request(ids, params, min(max_new_tokens, limit - len(ids)), stop=stop, eos=self.eos, k=k,
                     speculate=speculate and self.draft_path is not None, tokenizer=self.tokenizer,
                     draft_min_conf=draft_min_conf, request_id=request_id)
         r.logprobs = logprobs

@@ -268,9 +268,10 @@ def measure_costs(pipe, batch_sizes=(1,), reps=5, cache=True):
     return share(_measure_costs(pipe, batch_sizes, reps, cache))
 
 
-def _context(t):
-    """Positions of context the costs are measured at: COST_CONTEXT, or what the cache leaves room for."""
-    return max(1, min(COST_CONTEXT, t.max_seq - max(t.k_buckets) - 2))
+def _context(t, draft_seq):
+    """Positions of context the costs are measured at: COST_CONTEXT, or what the caches leave room for
+    (the draft's may hold fewer than the target's, which is rounded up to a prefill chunk)."""
+    return max(1, min(COST_CONTEXT, min(t.max_seq, draft_seq) - max(t.k_buckets) - 2))
 
 
 def _measure_costs(pipe, batch_sizes, reps=5, cache=True):
@@ -293,7 +294,7 @@ def _measure_costs(pipe, batch_sizes, reps=5, cache=True):
         # ratios: the machine's speed drifts (20-70% from one day to the next here), they keep
         return Costs({B: tuple({int(k): x for k, x in h[n].items()} for n in "cv") for B, h in hits.items()
                       if B in batch_sizes}, hits[1]["feed"])
-    ctx = _context(t)
+    ctx = _context(t, pipe.proposer.max_seq)
     prompt = [i % t.cfg.vocab_size for i in range(7, 7 + ctx)]  # content does not change the cost
     t.warmup(t.graph_names(sizes, (0,) + t.k_buckets))
     B_max = max(sizes)

@@ -163,11 +163,9 @@ def make(pipe, kw, request_id=None):
                            param="prompt")
     limit = pipe.max_positions  # as Pipeline.request's prompt check
     left = limit - len(r.prompt_ids)
-    if r.max_new_tokens > left:
-        if limit_field:  # as vLLM: asking for more than fits is an error; a default is cut to what fits
-            raise RequestError(f"{limit_field}={r.max_new_tokens} does not fit: the {len(r.prompt_ids)}-token "
-                               f"prompt leaves {left} of the {limit} positions", param=limit_field)
-        r.max_new_tokens = left
+    if limit_field and kw["max_new_tokens"] > left:  # as vLLM: asking for more than fits is an error; a default
+        raise RequestError(f"{limit_field}={kw['max_new_tokens']} does not fit: the {len(r.prompt_ids)}-token "
+                           f"prompt leaves {left} of the {limit} positions", param=limit_field)  # is cut (request)
     bad = [i for i in stop_ids if not 0 <= i < pipe.cfg.vocab_size]
     if bad:
         raise RequestError(f"stop_token_ids: {bad[0]} is outside the vocabulary [0, {pipe.cfg.vocab_size})")

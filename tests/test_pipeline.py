@@ -155,6 +155,18 @@ def test_a_request_the_pair_holds_runs_to_the_drafts_last_position(tiny_target, 
     assert [r.finish_reason for r in both] == ["length", "length"]  # the first at the cache's end
 
 
+def test_a_draft_exported_for_fewer_positions_than_the_target_cache_holds(tiny_target, tmp_path):
+    """Found: with a draft exported for 40 positions, dynamic K failed every request ("draft cache full: row 0:
+    0 cached + 54 new tokens exceed max_seq 40": its costs were measured at the target cache's 64 positions,
+    40 rounded up to a prefill chunk), and a request ran on past the pair's 40 positions to the cache's end."""
+    draft = str(tmp_path / "s40.onnx")
+    export_draft(tiny_target[0], draft, max_seq=40)
+    pipe = mindspec.load(target=tiny_target[0], draft=draft)  # dynamic K
+    res = pipe.generate(prompt_ids=[5, 6, 7], max_new_tokens=100)
+    assert len(res.token_ids) == 37 and res.finish_reason == "length" and res.stats["drafted"] > 0
+    assert res.token_ids == pipe.generate(prompt_ids=[5, 6, 7], max_new_tokens=100, speculate=False).token_ids
+
+
 def test_drafts_never_outrun_the_tokens_a_request_has_left(pipe):
     """A request of 3 new tokens at K=8 (the prefill gives the first) drafted and verified 8 where one
     could be used: wasted work, and an acceptance rate that flattered short requests."""
