@@ -190,6 +190,9 @@ class Pipeline:
         logprobs=n: each generated token's logprob under the target (its raw logits) and its n most
         likely alternatives (0..TOP_LOGPROBS), in Result.logprobs."""
         k = self.spec.k_for_request(k)
+        for flag, v in (("speculate", speculate), ("chat", chat)):
+            if not isinstance(v, (bool, np.bool_)):
+                raise MindspecError(f"{flag} must be True or False, got {v!r}")
         stop = stop_strings(stop)
         if seed is None and temperature:
             seed = share(int.from_bytes(os.urandom(7), "little"))  # rank 0's: every rank must draw the same

@@ -209,6 +209,9 @@ def test_library_calls_refuse_bad_input_naming_it(pipe):
         pipe.generate(prompt_ids=[5], draft_min_conf="0.5")
     with pytest.raises(MindspecError, match="prompt_ids must be a list"):
         pipe.generate(prompt_ids={1: 2})
+    for flag in ("speculate", "chat"):  # "no" counted as true
+        with pytest.raises(MindspecError, match=f"{flag} must be True or False, got 'no'"):
+            pipe.generate(prompt="hi", **{flag: "no"})
 
 
 def test_load_refuses_bad_arguments_before_loading(tiny_target, noisy_draft):
