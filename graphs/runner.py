@@ -13,6 +13,7 @@ import numpy as np
 import mindspore as ms
 from mindspore import Tensor
 
+from mindspec import signals
 from mindspec.errors import MindspecError
 from mindspec.device import detect_device, device_id
 from mindspec.spec import PREFILL_CHUNK, cache_positions, round_up
@@ -365,6 +366,7 @@ class TargetModel:
         the next warm-up."""
         if not self.pending or self.load_error is not None:
             return False
+        signals.check()  # a stop raised inside MindSpore's compiler was swallowed or dumped an error
         kind, B, T = self.pending[0]
         if self._cache is not None and f"{kind}{(B, T)}" in self.compiled:
             self._close_cache()  # compiled meanwhile without the cache, it takes no number there: the graphs

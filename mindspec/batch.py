@@ -13,21 +13,19 @@ import hashlib
 import json
 import os
 import shutil
-import signal
 import stat
 import sys
 import tempfile
-import threading
 import time
 from typing import NamedTuple
 
 from .errors import MindspecError
 from .request import FIELDS, make, parse
+from .signals import Signals
 
 MARKER, VERSION = "mindspec_batch", 1  # the first key of every record, so a torn record is still ours
 HEAD = b'{"' + MARKER.encode() + b'": 1, '
 PROGRESS_ENV, PROGRESS_S = "MINDSPEC_PROGRESS_S", 30.0  # seconds between progress lines off a terminal
-SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class Item(NamedTuple):
@@ -439,39 +437,7 @@ class Progress:
             self.bar = None
 
 
-# ---- signals and MindSpore's droppings ----
-
-class Signals:
-    """While the job runs, SIGINT/SIGTERM are only recorded; `check()` turns one into KeyboardInterrupt
-    at a safe point (after loading, between records, between decoding steps). Raised inside MindSpore
-    instead, a KeyboardInterrupt breaks its import half-way (the interpreter then aborts at exit:
-    `Fatal Python error: PyThreadState_Get`), is swallowed by its graph compiler (the job runs on), or
-    aborts a compile, which writes rank_0/om/analyze_fail.ir. (MindSpore's own SIGINT handler, set on
-    every graph run, sends the process SIGTERM.) A second signal stops at once through `hard_stop`."""
-
-    def __init__(self, active, hard_stop):
-        self.active = active and threading.current_thread() is threading.main_thread()
-        self.hard_stop, self.got, self.old = hard_stop, None, {}
-
-    def __enter__(self):
-        if self.active:
-            self.old = {s: signal.signal(s, self._record) for s in SIGNALS}
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)  # if the command line held them back until now
-        return self
-
-    def _record(self, sig, frame):
-        if self.got is not None:
-            self.hard_stop()
-        self.got = sig
-
-    def check(self):
-        if self.got is not None:
-            raise KeyboardInterrupt
-
-    def __exit__(self, *exc):
-        for s, h in self.old.items():
-            signal.signal(s, h)
-
+# ---- MindSpore's droppings ----
 
 class OmDir:
     """MindSpore writes rank_N/om/analyze_fail.ir into the current directory when a compile fails:

@@ -18,7 +18,6 @@ import asyncio
 import itertools
 import os
 import queue
-import signal
 import sys
 import threading
 import time
@@ -27,6 +26,7 @@ from .errors import MindspecError, summary
 from .formats import pieces
 from .metrics import Metrics
 from .request import RequestError, make, parse
+from . import signals
 from .tp import share
 
 TICK = 0.5  # s: how long an idle worker waits for a request before checking signals (and, under TP, pinging)
@@ -114,6 +114,7 @@ class App:
         new requests and aborts to the other ranks (see follow), which apply them and step in lock step."""
         eng = self.pipe.engine
         while True:
+            signals.check()  # SIGINT/SIGTERM end the loop here (mindspec.signals)
             new, gone, jobs = self._take(block=not (eng.has_work or self.warming))
             if self.tp:
                 share((new, gone))  # also when idle: the other ranks must not wait in a collective for long
@@ -256,12 +257,6 @@ class App:
             job.put(("unavailable", None))
 
 
-def _stop_on_signals():
-    """SIGINT and SIGTERM raise KeyboardInterrupt in the main thread: the worker loop ends there."""
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, signal.default_int_handler)
-
-
 def follow(app):
     """Ranks > 0 of a tensor-parallel server: apply each turn rank 0 shares and step the engine in lock
     step with it (the target's collectives need every rank); answer nobody. Runs until the job is stopped."""
@@ -291,21 +286,28 @@ def serve(load, defaults, host="127.0.0.1", port=1025, model_name=None, tp=False
     http = HttpServer(Api(app, api_key, strict_model_name, read_timeout).handle, host, port, max_connections,
                       keepalive=read_timeout)
     app.call = http.call
-    _stop_on_signals()
     port = http.start()
     print(f"mindspec: listening on http://{host}:{port}; ready once the model is loaded and its graphs compiled "
           "(from a warm compile cache: its one-row graphs)", file=sys.stderr, flush=True)
-    try:
-        app.pipe = prepare(load(), max_batch)
-        _stop_on_signals()  # again, over whatever the frameworks loaded meanwhile installed
-        app.model_name = app.model_name or os.path.basename(os.path.normpath(app.pipe.model_dir))
-        app.ready.set()
-        print(f"mindspec: serving {app.model_name} on http://{host}:{port} "
-              f"(up to {max_batch} requests at once)", flush=True)
-        app.work()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        app.stop()
-        http.stop()
+    with signals.Signals(True, _hard_stop) as sig:
+        try:
+            app.pipe = prepare(load(), max_batch)
+            sig.reinstall()  # over whatever the frameworks loaded meanwhile installed
+            sig.check()
+            app.model_name = app.model_name or os.path.basename(os.path.normpath(app.pipe.model_dir))
+            app.ready.set()
+            print(f"mindspec: serving {app.model_name} on http://{host}:{port} "
+                  f"(up to {max_batch} requests at once)", flush=True)
+            app.work()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            app.stop()
+            http.stop()
     print("mindspec: server stopped", file=sys.stderr)
+
+
+def _hard_stop():
+    """A second SIGINT/SIGTERM: no waiting for the graph being compiled or run."""
+    os.write(2, b"mindspec: server stopped\n")
+    os._exit(0)

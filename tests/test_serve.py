@@ -3,12 +3,14 @@ in-process target-only output token for token, streams concatenate to the non-st
 requests get a 4xx with one line of JSON and the server keeps serving, seeded sampling repeats,
 SIGTERM stops it cleanly."""
 import json
+import os
 import queue
 import re
 import signal
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -964,6 +966,23 @@ def test_sigterm_stops_cleanly(server):
     reader.join(timeout=10)
     log = "".join(err)
     assert "server stopped" in log and "Traceback" not in log and "Unhandled" not in log, log[-2000:]
+
+
+@pytest.mark.parametrize("after", [0.5, 6])  # while MindSpore imports and the weights load; while graphs compile
+def test_sigterm_while_loading_stops_quietly(pair, tmp_path, after):
+    """Found: SIGTERM a few seconds after "listening", on a cold compile cache, was swallowed by MindSpore's
+    graph compiler (the server went on to serve) or aborted a compile with a 35-line error dump. A signal
+    now waits for the graph being compiled: then the server stops, one line."""
+    target, draft = pair
+    p = subprocess.Popen([sys.executable, "-m", "mindspec", "serve", "--target", target, "--draft", draft, "-k", "2",
+                          "--max-seq", str(MAX_SEQ), "--port", "0", "--max-batch", "2"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=dict(os.environ, MINDSPEC_HOME=str(tmp_path)))
+    assert "listening" in p.stderr.readline()
+    time.sleep(after)
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 0 and err.strip().splitlines() == ["mindspec: server stopped"], err[-3000:]
+    assert "serving" not in out
 
 
 def test_tensor_parallel_server(pair, pipe):

@@ -1,0 +1,55 @@
+"""SIGINT and SIGTERM as a stop recorded at once and raised (KeyboardInterrupt) at safe points only.
+
+Raised anywhere inside MindSpore instead, a KeyboardInterrupt breaks its import half-way (the interpreter
+then aborts at exit: `Fatal Python error: PyThreadState_Get`), is swallowed by its graph compiler (the
+process runs on: a server that was told to stop went on to serve), or aborts a compile with an error
+dump and rank_0/om/analyze_fail.ir. (MindSpore's own SIGINT handler, set on every graph run, sends the
+process SIGTERM.) Safe points: `check()` — the batch job's between records and steps, the server's
+between turns, and before each graph compile (graphs.runner). A second signal stops at once (`hard_stop`)."""
+import signal
+import threading
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_active = None  # the Signals in force (main thread), for check() from code that holds none
+
+
+class Signals:
+    def __init__(self, active, hard_stop):
+        self.active = active and threading.current_thread() is threading.main_thread()
+        self.hard_stop, self.got, self.old = hard_stop, None, {}
+
+    def __enter__(self):
+        global _active
+        if self.active:
+            self.old = {s: signal.signal(s, self._record) for s in SIGNALS}
+            _active = self
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)  # if the command line held them back until now
+        return self
+
+    def reinstall(self):
+        """Record again, over the handlers a framework loaded meanwhile installed."""
+        if self.active:
+            for s in SIGNALS:
+                signal.signal(s, self._record)
+
+    def _record(self, sig, frame):
+        if self.got is not None:
+            self.hard_stop()
+        self.got = sig
+
+    def check(self):
+        if self.got is not None:
+            raise KeyboardInterrupt
+
+    def __exit__(self, *exc):
+        global _active
+        for s, h in self.old.items():
+            signal.signal(s, h)
+        if _active is self:
+            _active = None
+
+
+def check():
+    """Raise KeyboardInterrupt if a signal was recorded (nothing when no Signals is in force)."""
+    if _active is not None:
+        _active.check()
