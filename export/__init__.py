@@ -49,18 +49,18 @@ def export_draft(model_dir, out_path, quantize=None, layers=None, max_seq=None, 
         if os.path.exists(path) and not path.endswith((".onnx", ".onnx.json", ".onnx.data")):
             raise MindspecError(f"--out would replace {path}, which is not an exported draft's file: "
                                 f"give a path ending in .onnx")
-    from .builder import build_decoder
-    model = build_decoder(ckpt, layers, dtype, profile, max_seq)
-    try:
+    try:  # (before the model is built: an --out where nothing can be written is found at once)
         os.makedirs(out_dir, exist_ok=True)
         tmp = tempfile.mkdtemp(prefix=".export-", dir=out_dir)
     except OSError as e:
-        raise MindspecError(f"cannot write the draft into {out_dir}: {e.strerror}") from None
+        raise MindspecError(f"cannot write the draft into {out_dir}: {e.strerror or e}") from None
     try:  # everything is made in tmp: a failure (or Ctrl-C) before the swap leaves an earlier draft whole
+        from .builder import build_decoder
+        model = build_decoder(ckpt, layers, dtype, profile, max_seq)
         return _swap_in(_write(model, ckpt, tmp, os.path.basename(out_path), layers or n, quantize, max_seq,
                                dtype, profile), out_path)
     except OSError as e:
-        raise MindspecError(f"cannot write the draft to {out_path}: {e.strerror}") from None
+        raise MindspecError(f"cannot write the draft to {out_path}: {e.strerror or e}") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

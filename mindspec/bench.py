@@ -187,7 +187,7 @@ def run(target=None, draft=None, prompts="story,chat,code", max_new_tokens=128, 
         hf=True, hf_assistants=None, repeat=1, batch_sizes=(1,), log=sys.stderr, on_part=None):
     """Run every mode on every prompt (batch 1) or on batches of B requests at once (B > 1: the set's
     prompts cycled to B rows, through generate_many); returns the bench.json dict. on_part(dict) gets
-    the results so far ("complete": false) each time a set finishes a batch size."""
+    the results so far ("complete": false) each time a set finishes a batch size, but the last."""
     import mindspec
     from .spec import SEQ_ROUND, round_up
     from .tokenizer import Tokenizer
@@ -375,9 +375,13 @@ def cmd_bench(a):
     out, saved = os.path.join(a.out, "bench.json"), []
 
     def save(result):  # whole or not at all: a run stopped half way keeps the sets it finished
-        with open(out + ".part", "w") as f:
-            json.dump(result, f, indent=1)
-        os.replace(out + ".part", out)
+        try:
+            with open(out + ".part", "w") as f:
+                json.dump(result, f, indent=1)
+            os.replace(out + ".part", out)
+        finally:
+            if os.path.exists(out + ".part"):
+                os.remove(out + ".part")
         saved.append(len({(r["prompt_set"], r["batch_size"]) for r in result["runs"]}))
 
     try:

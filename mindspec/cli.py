@@ -417,6 +417,8 @@ def parse(argv):
         apply(args, args.config, _given(argv))
     if getattr(args, "temperature", None) is not None:
         check_sampling_args(args)
+    if args.cmd in MODEL_COMMANDS + ("bench", "doctor"):  # the commands that import MindSpore
+        check_device_env()
     if getattr(args, "nodes", None) is not None:  # before any path (a --dp launcher ran replicas 6, 7 of 2)
         from .tp import check_node_rank
         args.node_rank = check_node_rank(args.nodes, args.node_rank)
@@ -430,7 +432,7 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     parsed = []
     try:
-        code = _exit_code(lambda: check_device_env() or parsed.append(parse(argv)))
+        code = _exit_code(lambda: parsed.append(parse(argv)))
     except SystemExit:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
         raise

@@ -123,7 +123,10 @@ def read(path):
         raise ValueError(f"{path}: {e.strerror or e}") from None
     except (ValueError, RecursionError) as e:  # (RecursionError: nested deeper than Python's stack)
         raise ValueError(f"{path}: not valid JSON: {e}") from None
-    flat = _flatten(data) if isinstance(data, dict) else None  # (ValueError: a block of another shape)
+    try:
+        flat = _flatten(data) if isinstance(data, dict) else None  # (ValueError: a block of another shape)
+    except RecursionError:  # (Python 3.12's json nests deeper than its Python stack)
+        raise ValueError(f"{path}: nested too deeply") from None
     if flat is None:
         raise ValueError(f"{path}: must be a JSON object (MindIE's config.json layout)")
     values, warnings = {}, []

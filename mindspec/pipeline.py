@@ -25,7 +25,7 @@ __all__ = ["Pipeline", "Result", "load"]
 class Pipeline:
     def __init__(self, target, draft=None, k="auto", max_seq=None, buckets=K_BUCKETS, device=None,
                  device_mem=None, tp=1, max_batch=1, batch_buckets=BATCH_BUCKETS, dtype=None, prefix_cache=True):
-        target, draft = _path("target", target), draft and _path("draft", draft)
+        target = _path("target", target)
         if max_seq is not None and not (is_int(max_seq) and max_seq >= 1):
             raise MindspecError(f"max_seq must be an integer >= 1 or None (sized for each call), got {max_seq!r}")
         if not (is_int(tp) and tp >= 1):
@@ -100,8 +100,9 @@ class Pipeline:
 
     def set_draft(self, path):
         """Swap the draft (None: target-only), keeping the compiled target. Not while requests run."""
+        path = _path("draft", path) if path else None
         self.manifest = self._check_draft(path) if path else None
-        self.draft_path = path or None
+        self.draft_path = path
         if self.target is not None:
             self._engine()
 
@@ -128,21 +129,22 @@ class Pipeline:
         if max_seq > self.cfg.max_position_embeddings:
             raise MindspecError(f"{max_seq} positions exceed the model's max_position_embeddings "
                                 f"{self.cfg.max_position_embeddings}")
+        positions = cache_positions(max_seq, self.spec.k_buckets)  # per slot, as allocated
         if self.device_mem:  # before any weight is loaded, in the dtypes really used (the draft's: its manifest)
             from .plan import check_fits, shape_from_config, shape_from_draft
             from mindspec.graphs.fuse import rot_rows_for
-            positions = cache_positions(max_seq, self.spec.k_buckets)  # per slot, as allocated
             check_fits(shape_from_config(self.cfg, PLAN_DTYPE[self.dtype], rot_rows=rot_rows_for(self.device)),
                        shape_from_draft(self.draft_path) if self.draft_path else None,
                        tp=self.tp, device_mem=self.device_mem, seq_len=positions * max_batch)
-        elif self.device == "CPU":  # the host's memory is the device's: a cache it cannot hold is refused, not tried
+        elif self.device == "CPU":  # the host's memory is the device's: a target cache larger than all of it (swap
+            # and the draft's cache aside: a coarse bound) is refused, not tried
             from .plan import DTYPE_BYTES, GB, kv_bytes_per_token
-            positions = cache_positions(max_seq, self.spec.k_buckets)
             need = kv_bytes_per_token(self.cfg, DTYPE_BYTES[PLAN_DTYPE[self.dtype]]) * positions * max_batch
             have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
             if need > have:
-                raise MindspecError(f"a KV cache of {max_batch} rows of {max_seq} positions needs {need / GB:.1f} GB, "
-                                    f"more than this machine's {have / GB:.1f} GB: lower --max-batch or --max-seq")
+                raise MindspecError(f"a KV cache of {max_batch} rows of {max_seq} positions needs "
+                                    f"{need / GB:.1f} GB, more than this machine's {have / GB:.1f} GB: "
+                                    "lower --max-batch or --max-seq")
         if max_batch != self.spec.max_batch:
             self.spec = SpecConfig(self.spec.k, self.spec.k_buckets, self._batch_buckets, max_batch)
         self.target = None  # free the old graphs' memory first
@@ -166,8 +168,10 @@ class Pipeline:
         if (prompt is None) == (prompt_ids is None):
             raise MindspecError("give exactly one of a prompt or prompt ids")
         if prompt_ids is not None:
-            if not isinstance(prompt_ids, (list, tuple, np.ndarray)) or not all(
-                    isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in prompt_ids):
+            if isinstance(prompt_ids, (str, bytes, dict, set)) or not hasattr(prompt_ids, "__iter__"):
+                raise MindspecError("prompt_ids must be a list of integer token ids")
+            prompt_ids = list(prompt_ids)  # (a generator is read once)
+            if not all(isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in prompt_ids):
                 raise MindspecError("prompt_ids must be a list of integer token ids")  # not 1.7 -> 1, True -> 1
             ids = [int(i) for i in prompt_ids]
             bad = [i for i in ids if not 0 <= i < self.cfg.vocab_size]
@@ -309,8 +313,10 @@ class Pipeline:
         anything runs; a request that fails while running has finish_reason "error"."""
         if max_batch is not None and (type(max_batch) is not int or max_batch < 1):
             raise MindspecError(f"max_batch must be an integer >= 1, got {max_batch!r}")
-        if not isinstance(requests, (list, tuple)):
-            raise MindspecError(f"requests must be a list of dicts of generate's keywords, got {type(requests).__name__}")
+        if requests is None or isinstance(requests, (str, bytes, dict)) or not hasattr(requests, "__iter__"):
+            raise MindspecError("requests must be a list of dicts of generate's keywords, "
+                                f"got {type(requests).__name__}")
+        requests = list(requests)  # (a generator is read once)
         keywords = set(inspect.signature(self.request).parameters)
         reqs = []
         for i, kw in enumerate(requests):

@@ -295,7 +295,8 @@ def parse_size(text, what, rate=False):
     if bool(m.group(4)) != rate:
         raise MindspecError(f"{what} is a rate: e.g. 1.6TB/s, got {text!r}" if rate else
                             f"{what} is a size, not a rate: e.g. 64GB, got {text!r}")
-    return _in_range(float(m.group(1)) * _PREFIX[(m.group(2) or "").lower()], text, what, 1e18, "1EB")
+    return _in_range(float(m.group(1)) * _PREFIX[(m.group(2) or "").lower()], text, what, 1e18,
+                     "1EB/s" if rate else "1EB")
 
 
 def parse_count(text, what):

@@ -163,9 +163,10 @@ def make(pipe, kw, request_id=None):
                            param="prompt")
     limit = pipe.max_positions  # as Pipeline.request's prompt check
     left = limit - len(r.prompt_ids)
-    if limit_field and kw["max_new_tokens"] > left:  # as vLLM: asking for more than fits is an error; a default
+    # as vLLM: asking for more than fits is an error; a default is cut to what fits (Pipeline.request)
+    if limit_field and kw["max_new_tokens"] > left:
         raise RequestError(f"{limit_field}={kw['max_new_tokens']} does not fit: the {len(r.prompt_ids)}-token "
-                           f"prompt leaves {left} of the {limit} positions", param=limit_field)  # is cut (request)
+                           f"prompt leaves {left} of the {limit} positions", param=limit_field)
     bad = [i for i in stop_ids if not 0 <= i < pipe.cfg.vocab_size]
     if bad:
         raise RequestError(f"stop_token_ids: {bad[0]} is outside the vocabulary [0, {pipe.cfg.vocab_size})")

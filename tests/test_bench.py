@@ -96,7 +96,8 @@ def test_a_bench_stopped_half_way_keeps_the_sets_it_finished(pair):
     assert p.wait(120) == 130, err
     assert f"mindspec bench: stopped; {out}/bench.json holds the 2 finished" in err, err
     got = json.loads((out / "bench.json").read_text())
-    assert got["complete"] is False and {(r["prompt_set"], r["batch_size"]) for r in got["runs"]} == {("a", 1), ("a", 2)}
+    assert got["complete"] is False
+    assert {(r["prompt_set"], r["batch_size"]) for r in got["runs"]} == {("a", 1), ("a", 2)}
     assert {r["mode"] for r in got["runs"]} == {"target-only", "fixed-k", "dynamic-k"}
 
 

@@ -306,6 +306,6 @@ def test_bad_sampling_and_server_flags_are_refused_before_anything_runs(args, wo
 
 def test_a_negative_device_id_is_one_line_not_an_abort():
     """Found: DEVICE_ID=-1 aborted the process inside MindSpore's import (exit 134, a C++ terminate)."""
-    for cmd in (["doctor"], ["generate", "--target", "nowhere", "Hi"]):
-        code, out, err = run(*cmd, env={"DEVICE_ID": "-1"})
-        assert code == 2 and err == "mindspec: error: DEVICE_ID='-1' is not a device number (an integer >= 0)\n", err
+    for cmd, v in ((["doctor"], "-1"), (["generate", "--target", "nowhere", "Hi"], "-1"), (["doctor"], "4294967296")):
+        code, out, err = run(*cmd, env={"DEVICE_ID": v})
+        assert code == 2 and err == f"mindspec: error: DEVICE_ID='{v}' is not a device number (an integer >= 0)\n", err

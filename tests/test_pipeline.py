@@ -209,6 +209,11 @@ def test_library_calls_refuse_bad_input_naming_it(pipe):
         pipe.generate(prompt_ids=[5], draft_min_conf="0.5")
     with pytest.raises(MindspecError, match="prompt_ids must be a list"):
         pipe.generate(prompt_ids={1: 2})
+    # ... while any iterable of them still works, a generator read once (it was "the prompt is empty")
+    three = pipe.generate(prompt_ids=[5, 6, 7], max_new_tokens=3).token_ids
+    assert pipe.generate(prompt_ids=(i for i in range(5, 8)), max_new_tokens=3).token_ids == three
+    assert [r.token_ids for r in pipe.generate_many(dict(prompt_ids=range(5, 8), max_new_tokens=3)
+                                                    for _ in range(2))] == [three, three]
     for flag in ("speculate", "chat"):  # "no" counted as true
         with pytest.raises(MindspecError, match=f"{flag} must be True or False, got 'no'"):
             pipe.generate(prompt="hi", **{flag: "no"})
@@ -226,7 +231,9 @@ def test_load_refuses_bad_arguments_before_loading(tiny_target, noisy_draft):
             mindspec.load(tiny_target[0], **dict(dict(draft=noisy_draft), **kw))
     p = mindspec.load(pathlib.Path(tiny_target[0]), pathlib.Path(noisy_draft), k=2)  # (a Path draft: TypeError)
     assert p.draft_path == noisy_draft
-
+    p.set_draft(None)
+    p.set_draft(pathlib.Path(noisy_draft))
+    assert p.draft_path == noisy_draft
 
 
 def test_threads_sharing_a_pipeline_take_turns(pipe):
