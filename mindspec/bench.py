@@ -121,6 +121,19 @@ def _hf_available():
         return False
 
 
+def parse_assistant(spec):
+    """'layers:N' | 'early-exit:N' | 'prompt-lookup[:N]' -> (kind, N >= 1); N defaults to 10 for prompt-lookup."""
+    kind, colon, n = spec.partition(":")
+    try:
+        n = int(n) if colon or kind != "prompt-lookup" else 10
+    except ValueError:
+        n = 0
+    if kind not in ("layers", "early-exit", "prompt-lookup") or n < 1:
+        raise MindspecError(f"unknown HF assistant {spec!r}: use layers:N, early-exit:N or prompt-lookup[:N] "
+                            f"(N >= 1)")
+    return kind, n
+
+
 class HF:
     """Target-only and assisted greedy generation with transformers on CPU, counting forward calls
     (hooks) so tokens per target call and acceptance come out as for mindspec."""
@@ -143,17 +156,14 @@ class HF:
 
     def assistant(self, spec):
         """'layers:N' (a copy of the first N layers), 'early-exit:N' or 'prompt-lookup' -> generate kwargs."""
-        kind, _, n = spec.partition(":")
+        kind, n = parse_assistant(spec)
         if kind == "prompt-lookup":
-            return {"prompt_lookup_num_tokens": int(n or 10)}
+            return {"prompt_lookup_num_tokens": n}
         if kind == "early-exit":
-            return {"assistant_early_exit": int(n)}
-        if kind != "layers":
-            raise MindspecError(f"unknown HF assistant {spec!r}: use layers:N, early-exit:N or prompt-lookup")
+            return {"assistant_early_exit": n}
         if spec not in self.assistants:
             import copy
             a = copy.deepcopy(self.model)
-            n = int(n)
             a.model.layers = a.model.layers[:n]
             a.config.num_hidden_layers = n
             if isinstance(getattr(a.config, "layer_types", None), list):
@@ -365,7 +375,7 @@ def plot_batch(result, path):
 
 
 def cmd_bench(a):
-    ks = [int(k) for k in a.ks.split(",") if k]
+    load_prompts(a.prompts)  # a bad prompts file is refused before --out is made
     if os.path.isfile(a.out):  # found only after the whole run, its results lost
         raise MindspecError(f"--out {a.out} is a file: give a directory for bench.json and its plots")
     try:
@@ -385,9 +395,9 @@ def cmd_bench(a):
         saved.append(len({(r["prompt_set"], r["batch_size"]) for r in result["runs"]}))
 
     try:
-        result = run(target=a.target, draft=a.draft, prompts=a.prompts, max_new_tokens=a.max_new_tokens, ks=ks,
-                     hf=not a.no_hf, hf_assistants=a.hf_assistants and a.hf_assistants.split(","), repeat=a.repeat,
-                     batch_sizes=[int(b) for b in a.batch_sizes.split(",") if b], on_part=save)
+        result = run(target=a.target, draft=a.draft, prompts=a.prompts, max_new_tokens=a.max_new_tokens, ks=a.ks,
+                     hf=not a.no_hf, hf_assistants=a.hf_assistants, repeat=a.repeat, batch_sizes=a.batch_sizes,
+                     on_part=save)
     except KeyboardInterrupt:
         if saved:
             print(f"mindspec bench: stopped; {out} holds the {saved[-1]} finished (prompt set, batch size) runs "
@@ -405,18 +415,30 @@ def cmd_bench(a):
 
 
 def _counts(what):
-    """An argparse type: comma-separated integers >= 1 (kept as the text)."""
+    """An argparse type: comma-separated integers >= 1 -> [int]."""
     import argparse
 
     def check(text):
         try:
-            ns = [int(k) for k in text.split(",") if k]
+            ns = [int(k) for k in text.split(",")]
         except ValueError:
             raise argparse.ArgumentTypeError(f"not a comma-separated list of {what}: {text!r}") from None
-        if not ns or min(ns) < 1:
+        if min(ns) < 1:
             raise argparse.ArgumentTypeError(f"{what} must be >= 1: {text!r}")
-        return text
+        return ns
     return check
+
+
+def _assistants(text):
+    """An argparse type: comma-separated HF assistant specs -> [spec], each checked (even under --no-hf)."""
+    import argparse
+    specs = text.split(",")
+    for spec in specs:
+        try:
+            parse_assistant(spec)
+        except MindspecError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return specs
 
 
 def add_parser(subparsers):
@@ -434,8 +456,8 @@ def add_parser(subparsers):
                    help="requests running at once, comma-separated (e.g. 1,2,4,8); B > 1 runs the set's prompts "
                         "cycled to B rows together")
     b.add_argument("--no-hf", action="store_true", help="skip Hugging Face transformers even if installed")
-    b.add_argument("--hf-assistants", default=None,
-                   help="HF assistants, comma-separated: layers:N, early-exit:N, prompt-lookup "
+    b.add_argument("--hf-assistants", type=_assistants, default=None,
+                   help="HF assistants, comma-separated: layers:N, early-exit:N, prompt-lookup[:N] "
                         "(default: half the layers, prompt-lookup)")
     b.set_defaults(func=cmd_bench)
     return b

@@ -110,6 +110,7 @@ def test_bench_bad_input_exits_2_with_one_line(pair, args, needle):
     code, _, err = bench("--target", target, "--draft", draft, "--out", str(d / "bad"), *args, home=d / "home")
     assert code == 2 and needle in err and "Traceback" not in err, err
     assert len(err.strip().splitlines()) == 1
+    assert not (d / "bad").exists()  # found trying it: a bad prompts file left an empty --out behind
 
 
 def test_bench_refuses_before_loading_what_would_fail_after(pair, tmp_path):
@@ -125,7 +126,14 @@ def test_bench_refuses_before_loading_what_would_fail_after(pair, tmp_path):
                          (["--out", str(tmp_path / "afile" / "x")], "cannot write"),
                          (["--repeat", "0"], "--repeat: must be an integer >= 1"),
                          (["--max-new-tokens", "0"], "--max-new-tokens: must be an integer >= 1"),
-                         (["--batch-sizes", "1,x"], "not a comma-separated list of batch sizes")):
+                         (["--batch-sizes", "1,x"], "not a comma-separated list of batch sizes"),
+                         # found trying it carelessly: "1,,2" ran as 1,2; a bad HF assistant was a
+                         # ValueError traceback after the whole mindspec part (never checked under --no-hf)
+                         (["--batch-sizes", "1,,2"], "not a comma-separated list of batch sizes"),
+                         (["--ks", "4,"], "not a comma-separated list of K buckets"),
+                         (["--hf-assistants", "layers:x"], "unknown HF assistant 'layers:x'"),
+                         (["--hf-assistants", "layers:0"], "unknown HF assistant 'layers:0'"),
+                         (["--hf-assistants", "medusa"], "unknown HF assistant 'medusa'")):
         code, _, err = bench(*base, "--out", str(tmp_path / "o"), *args, home=d / "home")
         assert code == 2 and needle in err and "Traceback" not in err, err
     assert (tmp_path / "afile").read_text() == "x"
