@@ -253,6 +253,12 @@ def launch_dp(argv, a):
 class Parser(argparse.ArgumentParser):
     """argparse with a one-line error, as every other bad input gets (its usage stays in --help)."""
 
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        # a value like "-1GB" or "-5x" is a (bad) value, not a flag: argparse before Python 3.13 took it
+        # for an option and said only "expected one argument" (no option of ours looks like a number)
+        self._negative_number_matcher = re.compile(r"-\.?\d")
+
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 

@@ -290,6 +290,10 @@ def test_serve_and_batch_defaults_draw_no_seed_under_msrun_or_dp(monkeypatch):
     (["generate", "Hi", "--max-seq", "-5"],
      "mindspec generate: error: argument --max-seq: must be an integer >= 1, got '-5' (see mindspec generate --help)"),
     (["batch", "--input", "i", "--output", "o", "--max-batch", "0"], "--max-batch: must be an integer >= 1"),
+    # a value like a negative number but not one was read as a flag: "expected one argument"
+    (["plan", "--params", "7e9", "--layers", "32", "--kv-heads", "8", "--head-dim", "128", "--device-mem", "-1GB"],
+     "mindspec: error: bad size '-1GB' for --device-mem"),
+    (["generate", "Hi", "--max-seq", "-5x"], "argument --max-seq: must be an integer >= 1, got '-5x'"),
     (["batch", "--output", "o"], "the following arguments are required: --input"),
     (["serve", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     (["no-such-command"], "mindspec: error: argument cmd: invalid choice: 'no-such-command'"),
