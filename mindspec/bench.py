@@ -382,16 +382,18 @@ def cmd_bench(a):
         os.makedirs(a.out, exist_ok=True)
     except OSError as e:
         raise MindspecError(f"cannot write --out {a.out}: {e.strerror}") from None
-    out, saved = os.path.join(a.out, "bench.json"), []
+    out, partial, saved = os.path.join(a.out, "bench.json"), os.path.join(a.out, "bench.partial.json"), []
 
-    def save(result):  # whole or not at all: a run stopped half way keeps the sets it finished
+    def save(result):  # whole or not at all: a run stopped half way keeps the sets it finished, beside
+        # (never over) an earlier run's complete bench.json
+        path = out if result["complete"] else partial
         try:
-            with open(out + ".part", "w") as f:
+            with open(path + ".tmp", "w") as f:
                 json.dump(result, f, indent=1)
-            os.replace(out + ".part", out)
+            os.replace(path + ".tmp", path)
         finally:
-            if os.path.exists(out + ".part"):
-                os.remove(out + ".part")
+            if os.path.exists(path + ".tmp"):
+                os.remove(path + ".tmp")
         saved.append(len({(r["prompt_set"], r["batch_size"]) for r in result["runs"]}))
 
     try:
@@ -400,10 +402,12 @@ def cmd_bench(a):
                      on_part=save)
     except KeyboardInterrupt:
         if saved:
-            print(f"mindspec bench: stopped; {out} holds the {saved[-1]} finished (prompt set, batch size) runs "
-                  f"(\"complete\": false)", file=sys.stderr)
+            print(f"mindspec bench: stopped; {partial} holds the {saved[-1]} finished (prompt set, batch size) "
+                  f"runs (\"complete\": false)", file=sys.stderr)
         raise
     save(result)
+    if os.path.exists(partial):
+        os.remove(partial)
     files = ["bench.json", "bench.png"] + (["bench-batch.png"] if len(result["batch_sizes"]) > 1 else [])
     plot(result, os.path.join(a.out, "bench.png"))
     if len(result["batch_sizes"]) > 1:

@@ -40,6 +40,7 @@ def test_bench_writes_json_png_and_table(pair):
                               home=d / "home")
     assert code == 0, err
     res = json.loads((out / "bench.json").read_text())
+    assert res["complete"] is True and not (out / "bench.partial.json").exists()
     runs = res["runs"]
     assert {r["prompt_set"] for r in runs} == {"story", "chat", "p"}  # "p": rows without a set, by file name
     for r in runs:
@@ -78,12 +79,15 @@ def test_bench_writes_json_png_and_table(pair):
 
 def test_a_bench_stopped_half_way_keeps_the_sets_it_finished(pair):
     """Found: bench.json was written at the very end only: Ctrl-C (or any failure) 19 minutes into the
-    README's bench lost every result."""
+    README's bench lost every result. Then: a stopped re-run into the same --out replaced the earlier
+    run's complete bench.json with its partial one."""
     import signal
     target, draft, d = pair
     prompts = d / "two.jsonl"
     prompts.write_text('{"prompt": "Once", "set": "a"}\n' + '{"prompt": "Twice upon", "set": "b"}\n' * 40)
     out = d / "half"
+    out.mkdir()
+    (out / "bench.json").write_text('{"complete": true, "runs": "an earlier run"}')
     p = subprocess.Popen([sys.executable, "-m", "mindspec", "bench", "--target", target, "--draft", draft, "--prompts",
                           str(prompts), "--ks", "1,2", "--max-new-tokens", "6", "--out", str(out), "--no-hf",
                           "--batch-sizes", "1,2"], stderr=subprocess.PIPE, text=True,
@@ -94,8 +98,9 @@ def test_a_bench_stopped_half_way_keeps_the_sets_it_finished(pair):
             break
     err = p.stderr.read()
     assert p.wait(120) == 130, err
-    assert f"mindspec bench: stopped; {out}/bench.json holds the 2 finished" in err, err
-    got = json.loads((out / "bench.json").read_text())
+    assert f"mindspec bench: stopped; {out}/bench.partial.json holds the 2 finished" in err, err
+    assert json.loads((out / "bench.json").read_text())["runs"] == "an earlier run"
+    got = json.loads((out / "bench.partial.json").read_text())
     assert got["complete"] is False
     assert {(r["prompt_set"], r["batch_size"]) for r in got["runs"]} == {("a", 1), ("a", 2)}
     assert {r["mode"] for r in got["runs"]} == {"target-only", "fixed-k", "dynamic-k"}
