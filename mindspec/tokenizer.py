@@ -73,8 +73,8 @@ class Tokenizer:
         BOS (self.prefix) is prepended as transformers would, unless the text already starts with it
         (chat templates often write it themselves). limit: a text that cannot fit `limit` tokens whatever
         it says is refused before the tokenizer runs (a 4 MB prompt is seconds of it): more characters than
-        `limit` longest tokens hold, times 4 for a normalizer's compositions (3 code points into 1 at most)."""
-        if limit is not None and len(text) > 4 * limit * self._longest:
+        `limit` longest tokens hold, times 4 where a normalizer may compose (3 code points into 1 at most)."""
+        if limit is not None and len(text) > (4 if self._tok.normalizer is not None else 1) * limit * self._longest:
             raise MindspecError(f"prompt is {len(text)} characters; it does not fit max_seq {limit}")
         ids = self._tok.encode(text, add_special_tokens=False).ids
         p = self.prefix

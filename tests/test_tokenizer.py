@@ -152,3 +152,20 @@ def test_config_is_optional(tok_dir):
     (tok_dir / "tokenizer_config.json").unlink()
     tok = Tokenizer(str(tok_dir))
     assert tok.eos_token_ids == set() and tok.decode(tok.encode(TEXT)) == TEXT
+
+
+def test_a_text_that_cannot_fit_is_refused_before_it_is_tokenized(tok_dir):
+    """Found trying the server as an attacker: a prompt just under the old bound (4 x limit x the longest
+    token, 166k characters at max_seq 512) cost the engine 0.3 s of tokenizing (441k tokens of random CJK)
+    before its refusal. Without a normalizer a token covers at most its stored form's characters: the
+    bound is limit x the longest token; a normalizer's compositions keep the 4x allowance."""
+    from tokenizers import normalizers
+    tok = Tokenizer(str(tok_dir))
+    longest = max(map(len, tok._tok.get_vocab(with_added_tokens=True)))
+    assert len(tok.encode("a" * 10 * longest, limit=10)) == 10 * longest  # (as many tokens as characters here)
+    with pytest.raises(MindspecError, match=f"prompt is {10 * longest + 1} characters; it does not fit max_seq 10"):
+        tok.encode("a" * (10 * longest + 1), limit=10)
+    tok._tok.normalizer = normalizers.NFC()  # three code points may compose into one
+    assert len(tok.encode("a" * (10 * longest + 1), limit=10)) == 10 * longest + 1
+    with pytest.raises(MindspecError, match="does not fit max_seq 10"):
+        tok.encode("a" * (40 * longest + 1), limit=10)
