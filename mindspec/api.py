@@ -6,6 +6,7 @@ import asyncio
 import hmac
 import json
 import re
+import sys
 import traceback
 
 from aiohttp import web
@@ -68,6 +69,22 @@ def _logprobs(body, chat):
     return (top or 0) if on else None
 
 
+def _one_prompt(p):
+    """Whether p is one prompt of OpenAI's: a string or a non-empty list of token ids."""
+    return isinstance(p, str) or (isinstance(p, list) and bool(p) and all(is_int(x) for x in p))
+
+
+def _object(pairs):
+    """json's object_pairs_hook: a key given twice is refused (which one counts differs between parsers:
+    a gateway that checked the first would pass a request that runs with the last)."""
+    obj = dict(pairs)
+    if len(obj) < len(pairs):
+        seen = set()
+        twice = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise RequestError(f"request body gives the key {_one_line(repr(twice), 80)} twice")
+    return obj
+
+
 def _check_keys(body, known, where=""):
     """Unknown keys and known-but-unsupported values are a 400 naming the field, never silently dropped."""
     for key, value in body.items():
@@ -103,15 +120,15 @@ class Api:
         hits = [(m, rx.match(path), fn, fam, name) for m, rx, fn, fam, name in self.routes]
         hits = [h for h in hits if h[1]]
         route = next((h for h in hits if h[0] == method), None)
-        family, name = (route[3], route[4]) if route else ("openai", "other")
+        family, name = (route[3], route[4]) if route else (hits[0][3] if hits else "openai", "other")
+        # the methods of this path, as OPTIONS lists them and a 405 says
+        allow = ", ".join(sorted({h[0] for h in hits} | {"OPTIONS"} | ({"HEAD"} if any(
+            h[0] == "GET" for h in hits) else set())))
         try:
             if method == "OPTIONS" and (hits or path == "*"):
-                allow = ", ".join(sorted({h[0] for h in hits} | {"OPTIONS"} | ({"HEAD"} if any(
-                    h[0] == "GET" for h in hits) else set())))
                 return self._answer(name, web.Response(status=204, headers={"Allow": allow}))
             if route is None:
                 if hits:
-                    allow = ", ".join(sorted({h[0] for h in hits}))
                     raise _NotAllowed(f"{request.method} is not allowed on {path}", allow)
                 raise RequestError(f"no such endpoint: {request.method} {path}", 404)
             if self.api_key and name not in _OPEN:
@@ -161,6 +178,10 @@ class Api:
         coding = request.headers.get("Content-Encoding", "identity").strip().lower()
         if coding != "identity":  # (aiohttp would inflate it first: 2 MB of gzip can be 2 GB of text)
             raise RequestError(f"Content-Encoding {coding} is not accepted: send the body uncompressed", 415)
+        te = request.headers.get("Transfer-Encoding")
+        if te is not None and te.strip().lower() != "chunked":  # (aiohttp reads the chunks, ignores the rest)
+            raise RequestError(f"Transfer-Encoding {_one_line(te, 80)} is not supported: send the body plain or "
+                               "chunked", 501)
         if (request.content_length or 0) > MAX_BODY:
             raise RequestError(f"request body is larger than {MAX_BODY} bytes", 413)
         if request.headers.get("Expect", "").lower() == "100-continue":  # curl asks so for bodies over 1 kB
@@ -178,9 +199,12 @@ class Api:
         except asyncio.TimeoutError:
             raise RequestError(f"the request body did not arrive within {self.read_timeout:g} s", 408) from None
         try:
-            body = json.loads(data) if data else None
+            body = json.loads(data, object_pairs_hook=_object) if data else None
         except (ValueError, RecursionError) as e:
-            raise RequestError(f"request body is not valid JSON: {type(e).__name__}: {e}") from None
+            why = f"{type(e).__name__}: {e}"
+            if "integer string conversion" in why:  # Python's int() limit, not the request's fault in its words
+                why = f"a number of more than {sys.get_int_max_str_digits()} digits"
+            raise RequestError(f"request body is not valid JSON: {why}") from None
         if not isinstance(body, dict):
             raise RequestError("request body must be a JSON object")
         return body
@@ -334,13 +358,12 @@ class Api:
         flat = {k: body[k] for k in ("max_tokens",) + SAMPLING if k in body}
         if chat:
             flat["messages"] = body.get("messages")
-            if body.get("max_completion_tokens") is not None and body.get("max_tokens") is None:
-                flat["max_completion_tokens"] = body["max_completion_tokens"]
+            flat["max_completion_tokens"] = body.get("max_completion_tokens")  # (both given: refused by parse)
         else:
             p = body.get("prompt")
-            if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+            if isinstance(p, list) and len(p) == 1 and _one_prompt(p[0]):
                 p = p[0]  # a batch of one prompt
-            if isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p):
+            if isinstance(p, list) and len(p) > 1 and all(_one_prompt(x) for x in p):
                 raise RequestError(f"prompt is a list of {len(p)} prompts: send one prompt per request "
                                    "(a string or a list of token ids)", param="prompt")
             if isinstance(p, list):

@@ -72,6 +72,10 @@ def _messages(v):
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
             raise RequestError(f"messages[{i}].content must be a string")
+        for key, value in m.items():  # what the chat template would not see; null or empty: unused
+            if key not in ("role", "content") and value is not None and value != []:
+                raise RequestError(f"messages[{i}].{key} is not supported (a message gives \"role\" and "
+                                   f"\"content\")", param="messages")
         out.append({"role": m["role"], "content": checked_text(f"messages[{i}].content", content)})
     return out
 

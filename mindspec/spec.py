@@ -79,7 +79,7 @@ class SpecConfig:
         """A request's own k (None: the pipeline's) checked against the compiled buckets."""
         k = self.k if k is None else k
         if k != "auto" and (not is_int(k) or k not in self.k_buckets):
-            raise MindspecError(f"K={k!r} is not a compiled bucket {list(self.k_buckets)}")
+            raise MindspecError(f"k={k!r} is not a compiled bucket {list(self.k_buckets)} (or \"auto\")")
         return k
 
     def batch_bucket(self, n):

@@ -374,6 +374,25 @@ BAD = [  # (path, body or raw bytes, status, words in the message)
     ("/v1/completions", {"prompt": "a" * 3000000}, 400, "prompt is 3000000 characters; it does not fit max_seq 128"),
     ("/tokenize", {"prompt": "a" * 3000000}, 400, "prompt is 3000000 characters; it does not fit max_seq 128"),
     ("/v1/completions", {"prompt": "hi", "stop": ["x"] * 33}, 400, "stop: at most 32 strings"),
+    # found by a second attacker's pass: max_completion_tokens dropped unread beside max_tokens; a message's
+    # name and tool_calls dropped (a top-level "tools" is refused); k's error named no param; a number too
+    # long for Python's int() quoted sys.set_int_max_str_digits(); a nested prompt called "a list of 1
+    # prompts"; a key given twice ran its last value (a gateway checking the first sees another request)
+    ("/v1/chat/completions", {"messages": HI, "max_tokens": 4, "max_completion_tokens": "x"}, 400,
+     "give one of max_tokens or max_completion_tokens, not both"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "name": "bob"}]}, 400,
+     "messages[0].name is not supported"),
+    ("/v1/chat/completions", {"messages": HI + [{"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]}]},
+     400, "messages[1].tool_calls is not supported"),
+    ("/v1/completions", {"prompt": "hi", "k": 3}, 400, "k=3 is not a compiled bucket [1, 2, 4, 8]"),
+    ("/v1/completions", b'{"prompt": "hi", "seed": 1' + b"0" * 5000 + b"}", 400,
+     "request body is not valid JSON: a number of more than 4300 digits"),
+    ("/v1/completions", {"prompt": [[[1]]]}, 400, "prompt must be a string or a non-empty list of integer token ids"),
+    ("/v1/completions", {"prompt": [["a"]]}, 400, "prompt must be a string or a non-empty list of integer token ids"),
+    ("/v1/completions", b'{"prompt": "a", "prompt": "b"}', 400, "request body gives the key 'prompt' twice"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "role": "system", "content": "x"}]}', 400,
+     "request body gives the key 'role' twice"),
+    ("/generate", b'{"inputs": "a", "parameters": {"seed": 1, "seed": 2}}', 422, "gives the key 'seed' twice"),
 ]
 
 
@@ -420,6 +439,10 @@ def test_null_tgi_flags_models_length_and_role_chunk(server):
                                                 "stop": [text[0]], "stream": True})
     assert ev[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""} and ev[-1] == "[DONE]"
     assert ev[-2]["choices"][0]["finish_reason"] == "stop"
+    # an assistant message as OpenAI's client returns it (its unused fields null or empty), sent back
+    echoed = {"role": "assistant", "content": text, "refusal": None, "tool_calls": None, "function_call": None,
+              "annotations": [], "audio": None}
+    assert post(base, "/v1/chat/completions", {"messages": HI + [echoed] + HI, "max_tokens": 2})["choices"]
 
 
 def test_unknown_routes_and_methods_then_still_serving(server):
@@ -430,6 +453,17 @@ def test_unknown_routes_and_methods_then_still_serving(server):
     assert call(base, "/health", {"x": 1})[0] == 405
     status, text = call(base, "/v1/completions", {"prompt": "hi"}, method="PUT")
     assert status == 405 and "not allowed" in json.loads(text)["error"]["message"]
+    # found: a 405 on a TGI/MindIE route came in OpenAI's shape, and its Allow header left out HEAD and
+    # OPTIONS, which OPTIONS on the same path lists
+    for path in ("/generate", "/infer", "/health"):
+        req = urllib.request.Request(base + path, data=b"{}", method="PUT")
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=30)
+        assert e.value.code == 405
+        err = json.loads(e.value.read())
+        assert err["error_type"] == "validation" and "PUT is not allowed on " + path in err["error"], err
+        with urllib.request.urlopen(urllib.request.Request(base + path, method="OPTIONS"), timeout=30) as r:
+            assert e.value.headers["Allow"] == r.headers["Allow"], path
     assert post(base, "/v1/completions", {"prompt": IDS, "max_tokens": 3})["usage"]["completion_tokens"] == 3
 
 
@@ -938,6 +972,10 @@ def test_http_head_options_chunked_and_limits(server):
         out = raw(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Encoding: gzip\r\nConnection: close\r\n"
                   b"Content-Length: " + str(len(packed)).encode() + b"\r\n\r\n" + packed)
         assert out.startswith("HTTP/1.1 415") and "Content-Encoding gzip is not accepted" in out, out
+    # a transfer coding other than chunked (found: read raw, then "not valid JSON ... byte 0x8b") is a 501
+    out = raw(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip, chunked\r\n"
+              b"Connection: close\r\n\r\n" + chunked)
+    assert out.startswith("HTTP/1.1 501") and "Transfer-Encoding gzip, chunked is not supported" in out, out
     t0 = time.time()
     out = raw(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000\r\n\r\n" + body)
     assert out.startswith("HTTP/1.1 408") and "did not arrive within 3 s" in out and time.time() - t0 < 10, out
