@@ -6,7 +6,6 @@ import asyncio
 import hmac
 import json
 import re
-import sys
 import traceback
 
 from aiohttp import web
@@ -14,7 +13,7 @@ from aiohttp import web
 from . import __version__
 from .errors import MindspecError, is_int, summary
 from .formats import TGI, OpenAI, openai_error, tgi_error
-from .request import RequestError, parse
+from .request import RequestError, loads, parse
 from .spec import TOP_LOGPROBS
 
 MAX_BODY = 4 * 2 ** 20  # MindIE's limit on a request's text: 4 MB
@@ -72,17 +71,6 @@ def _logprobs(body, chat):
 def _one_prompt(p):
     """Whether p is one prompt of OpenAI's: a string or a non-empty list of token ids."""
     return isinstance(p, str) or (isinstance(p, list) and bool(p) and all(is_int(x) for x in p))
-
-
-def _object(pairs):
-    """json's object_pairs_hook: a key given twice is refused (which one counts differs between parsers:
-    a gateway that checked the first would pass a request that runs with the last)."""
-    obj = dict(pairs)
-    if len(obj) < len(pairs):
-        seen = set()
-        twice = next(k for k, _ in pairs if k in seen or seen.add(k))
-        raise RequestError(f"request body gives the key {_one_line(repr(twice), 80)} twice")
-    return obj
 
 
 def _check_keys(body, known, where=""):
@@ -199,12 +187,9 @@ class Api:
         except asyncio.TimeoutError:
             raise RequestError(f"the request body did not arrive within {self.read_timeout:g} s", 408) from None
         try:
-            body = json.loads(data, object_pairs_hook=_object) if data else None
-        except (ValueError, RecursionError) as e:
-            why = f"{type(e).__name__}: {e}"
-            if "integer string conversion" in why:  # Python's int() limit, not the request's fault in its words
-                why = f"a number of more than {sys.get_int_max_str_digits()} digits"
-            raise RequestError(f"request body is not valid JSON: {why}") from None
+            body = loads(data) if data else None
+        except ValueError as e:
+            raise RequestError(f"request body is not valid JSON: {e}") from None
         if not isinstance(body, dict):
             raise RequestError("request body must be a JSON object")
         return body

@@ -20,7 +20,7 @@ import time
 from typing import NamedTuple
 
 from .errors import MindspecError
-from .request import FIELDS, make, parse
+from .request import FIELDS, RequestError, loads, make, parse
 from .signals import Signals
 
 MARKER, VERSION = "mindspec_batch", 1  # the first key of every record, so a torn record is still ours
@@ -66,9 +66,11 @@ def _read_lines(path):
 def _row(n, text):
     """(id, request dict, None) of one input line, or (id, None, error)."""
     try:
-        row = json.loads(text)
+        row = loads(text)
     except ValueError as e:
         return n, None, f"line {n}: not valid JSON: {e}"
+    except RequestError as e:  # a key given twice
+        return n, None, f"line {n}: {e}"
     if not isinstance(row, dict):
         return n, None, f"line {n}: not a JSON object"
     rid = row.get("id", n)

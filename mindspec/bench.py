@@ -400,10 +400,10 @@ def cmd_bench(a):
         result = run(target=a.target, draft=a.draft, prompts=a.prompts, max_new_tokens=a.max_new_tokens, ks=a.ks,
                      hf=not a.no_hf, hf_assistants=a.hf_assistants, repeat=a.repeat, batch_sizes=a.batch_sizes,
                      on_part=save)
-    except KeyboardInterrupt:
+    except BaseException as e:  # stopped, or failed (its own error follows): say what was kept
         if saved:
-            print(f"mindspec bench: stopped; {partial} holds the {saved[-1]} finished (prompt set, batch size) "
-                  f"runs (\"complete\": false)", file=sys.stderr)
+            print(f"mindspec bench: {'stopped' if isinstance(e, KeyboardInterrupt) else 'failed'}; {partial} holds "
+                  f"the {saved[-1]} finished (prompt set, batch size) runs (\"complete\": false)", file=sys.stderr)
         raise
     save(result)
     if os.path.exists(partial):

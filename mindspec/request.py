@@ -7,8 +7,10 @@ take the caller's defaults (the command line's flags). Range checks of the sampl
 SamplingParams' (raised by generate before any work); this module checks what generate cannot:
 the shapes of prompts, messages, stop strings and token counts.
 """
+import json
 import os
 import random
+import sys
 
 from .errors import MindspecError, is_int
 
@@ -39,6 +41,30 @@ def checked_text(name, v):
     except UnicodeEncodeError:
         raise RequestError(f"{name} is not valid Unicode text (a lone surrogate?)") from None
     return v
+
+
+def _object(pairs):
+    """json's object_pairs_hook: a key given twice is refused (which one counts differs between parsers:
+    a gateway that checked the first would pass a request that runs with the last)."""
+    obj = dict(pairs)
+    if len(obj) < len(pairs):
+        seen = set()
+        twice = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise RequestError(f"the key {repr(twice)[:80]} is given twice")
+    return obj
+
+
+def loads(data):
+    """A request's JSON (a body or a batch line); ValueError (a message fit for the user) when it is not
+    JSON, RequestError for a key given twice."""
+    try:
+        return json.loads(data, object_pairs_hook=_object)
+    except RecursionError:
+        raise ValueError("nested deeper than Python's stack") from None
+    except ValueError as e:
+        if "integer string conversion" in str(e):  # int()'s limit, in words that are not about Python
+            raise ValueError(f"a number of more than {sys.get_int_max_str_digits()} digits") from None
+        raise
 
 
 def stop_strings(stop):
@@ -72,11 +98,14 @@ def _messages(v):
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
             raise RequestError(f"messages[{i}].content must be a string")
-        for key, value in m.items():  # what the chat template would not see; null or empty: unused
-            if key not in ("role", "content") and value is not None and value != []:
-                raise RequestError(f"messages[{i}].{key} is not supported (a message gives \"role\" and "
-                                   f"\"content\")", param="messages")
-        out.append({"role": m["role"], "content": checked_text(f"messages[{i}].content", content)})
+        msg = {"role": m["role"], "content": checked_text(f"messages[{i}].content", content)}
+        if isinstance(m.get("name"), str) and m["name"]:  # the chat template's to use (as vLLM passes it)
+            msg["name"] = checked_text(f"messages[{i}].name", m["name"])
+        for key, value in m.items():  # fields nothing would read; null or empty: unused
+            if key not in msg and value not in (None, "", [], {}):
+                raise RequestError(f"messages[{i}].{repr(key)[1:-1][:40]} is not supported (a message gives "
+                                   f"\"role\", \"content\" and \"name\")", param="messages")
+        out.append(msg)
     return out
 
 
@@ -107,7 +136,7 @@ def parse(req, defaults=None):
     for f in limits[1:]:
         kw.pop(f, None)
     named = [f for f in limits if req.get(f) is not None]
-    if len(named) > 1:
+    if len(named) > 1 and len({json.dumps(req[f]) for f in named}) > 1:  # the same value twice: proxies send it
         raise RequestError(f"give one of {named[0]} or {named[1]}, not both", param=named[1])
     name = named[0] if named else "max_new_tokens"
     n = req.get(name, kw.get("max_new_tokens"))

@@ -68,13 +68,27 @@ class Tokenizer:
         """Characters of the vocabulary's longest token (its stored form: at least its text's length)."""
         return max(map(len, self._tok.get_vocab(with_added_tokens=True)), default=1)
 
+    @functools.cached_property
+    def _slack(self):
+        """How many times `limit` longest tokens a text may be and still fit: 1 where a token never covers
+        more characters than its stored form (byte-level pre-tokenizing, nothing dropped or merged beyond
+        it: no normalizer, no special token that swallows whitespace, no fused unknowns), else 4 (a
+        normalizer composes 3 code points into 1 at most)."""
+        spec = json.loads(self._tok.to_str())
+        pre = spec.get("pre_tokenizer") or {}
+        parts = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+        tight = (spec.get("normalizer") is None and any(p.get("type") == "ByteLevel" for p in parts)
+                 and not (spec.get("model") or {}).get("fuse_unk")
+                 and not any(a.get("lstrip") or a.get("rstrip") for a in spec.get("added_tokens") or []))
+        return 1 if tight else 4
+
     def encode(self, text, limit=None):
         """Ids of `text`; special tokens written in it (e.g. "<|im_start|>") become their ids.
         BOS (self.prefix) is prepended as transformers would, unless the text already starts with it
         (chat templates often write it themselves). limit: a text that cannot fit `limit` tokens whatever
         it says is refused before the tokenizer runs (a 4 MB prompt is seconds of it): more characters than
-        `limit` longest tokens hold, times 4 where a normalizer may compose (3 code points into 1 at most)."""
-        if limit is not None and len(text) > (4 if self._tok.normalizer is not None else 1) * limit * self._longest:
+        `limit` longest tokens hold, times _slack."""
+        if limit is not None and len(text) > self._slack * limit * self._longest:
             raise MindspecError(f"prompt is {len(text)} characters; it does not fit max_seq {limit}")
         ids = self._tok.encode(text, add_special_tokens=False).ids
         p = self.prefix

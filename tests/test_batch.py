@@ -44,6 +44,17 @@ EXPECT_ERRORS = {3: "line 3: not valid JSON", "e": "line 5: temperature", "f": "
                  "h": "line 8: unknown field(s) temprature"}
 
 
+def test_lines_nested_too_deep_with_a_key_twice_or_a_huge_number_are_their_own_errors():
+    """Found reviewing the server's fixes: a line nested deeper than Python's stack stopped the whole job
+    with a RecursionError traceback; a key given twice ran its last value (the server refuses it); a
+    number past int()'s digit limit quoted sys.set_int_max_str_digits()."""
+    assert B._row(4, "[" * 100000 + "]" * 100000) == (4, None, "line 4: not valid JSON: nested deeper than "
+                                                               "Python's stack")
+    assert B._row(5, '{"prompt": "a", "prompt": "b"}') == (5, None, "line 5: the key 'prompt' is given twice")
+    assert B._row(6, '{"seed": 1' + "0" * 5000 + "}") == (6, None, "line 6: not valid JSON: a number of more "
+                                                                   "than 4300 digits")
+
+
 @pytest.fixture(scope="module")
 def setup(tiny_target, tiny_draft_ckpt, tmp_path_factory):
     d = tmp_path_factory.mktemp("batch")

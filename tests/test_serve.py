@@ -375,12 +375,12 @@ BAD = [  # (path, body or raw bytes, status, words in the message)
     ("/tokenize", {"prompt": "a" * 3000000}, 400, "prompt is 3000000 characters; it does not fit max_seq 128"),
     ("/v1/completions", {"prompt": "hi", "stop": ["x"] * 33}, 400, "stop: at most 32 strings"),
     # found by a second attacker's pass: max_completion_tokens dropped unread beside max_tokens; a message's
-    # name and tool_calls dropped (a top-level "tools" is refused); k's error named no param; a number too
+    # tool_calls dropped (a top-level "tools" is refused); k's error named no param; a number too
     # long for Python's int() quoted sys.set_int_max_str_digits(); a nested prompt called "a list of 1
     # prompts"; a key given twice ran its last value (a gateway checking the first sees another request)
     ("/v1/chat/completions", {"messages": HI, "max_tokens": 4, "max_completion_tokens": "x"}, 400,
      "give one of max_tokens or max_completion_tokens, not both"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "name": "bob"}]}, 400,
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "name": 5}]}, 400,
      "messages[0].name is not supported"),
     ("/v1/chat/completions", {"messages": HI + [{"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]}]},
      400, "messages[1].tool_calls is not supported"),
@@ -389,10 +389,10 @@ BAD = [  # (path, body or raw bytes, status, words in the message)
      "request body is not valid JSON: a number of more than 4300 digits"),
     ("/v1/completions", {"prompt": [[[1]]]}, 400, "prompt must be a string or a non-empty list of integer token ids"),
     ("/v1/completions", {"prompt": [["a"]]}, 400, "prompt must be a string or a non-empty list of integer token ids"),
-    ("/v1/completions", b'{"prompt": "a", "prompt": "b"}', 400, "request body gives the key 'prompt' twice"),
+    ("/v1/completions", b'{"prompt": "a", "prompt": "b"}', 400, "the key 'prompt' is given twice"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "role": "system", "content": "x"}]}', 400,
-     "request body gives the key 'role' twice"),
-    ("/generate", b'{"inputs": "a", "parameters": {"seed": 1, "seed": 2}}', 422, "gives the key 'seed' twice"),
+     "the key 'role' is given twice"),
+    ("/generate", b'{"inputs": "a", "parameters": {"seed": 1, "seed": 2}}', 422, "the key 'seed' is given twice"),
 ]
 
 
@@ -439,10 +439,13 @@ def test_null_tgi_flags_models_length_and_role_chunk(server):
                                                 "stop": [text[0]], "stream": True})
     assert ev[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""} and ev[-1] == "[DONE]"
     assert ev[-2]["choices"][0]["finish_reason"] == "stop"
-    # an assistant message as OpenAI's client returns it (its unused fields null or empty), sent back
+    # an assistant message as OpenAI's client returns it (its unused fields null or empty) sent back; a
+    # message's name (the chat template's to use, as in vLLM); max_tokens and max_completion_tokens alike
     echoed = {"role": "assistant", "content": text, "refusal": None, "tool_calls": None, "function_call": None,
-              "annotations": [], "audio": None}
-    assert post(base, "/v1/chat/completions", {"messages": HI + [echoed] + HI, "max_tokens": 2})["choices"]
+              "annotations": [], "audio": None, "name": ""}
+    out = post(base, "/v1/chat/completions", {"messages": HI + [echoed] + [dict(HI[0], name="bob")],
+                                              "max_tokens": 2, "max_completion_tokens": 2, "ignore_eos": True})
+    assert out["usage"]["completion_tokens"] == 2
 
 
 def test_unknown_routes_and_methods_then_still_serving(server):

@@ -157,15 +157,23 @@ def test_config_is_optional(tok_dir):
 def test_a_text_that_cannot_fit_is_refused_before_it_is_tokenized(tok_dir):
     """Found trying the server as an attacker: a prompt just under the old bound (4 x limit x the longest
     token, 166k characters at max_seq 512) cost the engine 0.3 s of tokenizing (441k tokens of random CJK)
-    before its refusal. Without a normalizer a token covers at most its stored form's characters: the
-    bound is limit x the longest token; a normalizer's compositions keep the 4x allowance."""
-    from tokenizers import normalizers
+    before its refusal. Byte-level, with nothing that lets a token cover more than its stored form, the
+    bound is limit x the longest token; a normalizer's compositions or a special token that swallows the
+    whitespace beside it keep the 4x allowance (a text that fits is never refused)."""
+    from tokenizers import AddedToken, normalizers
     tok = Tokenizer(str(tok_dir))
     longest = max(map(len, tok._tok.get_vocab(with_added_tokens=True)))
     assert len(tok.encode("a" * 10 * longest, limit=10)) == 10 * longest  # (as many tokens as characters here)
     with pytest.raises(MindspecError, match=f"prompt is {10 * longest + 1} characters; it does not fit max_seq 10"):
         tok.encode("a" * (10 * longest + 1), limit=10)
-    tok._tok.normalizer = normalizers.NFC()  # three code points may compose into one
-    assert len(tok.encode("a" * (10 * longest + 1), limit=10)) == 10 * longest + 1
-    with pytest.raises(MindspecError, match="does not fit max_seq 10"):
-        tok.encode("a" * (40 * longest + 1), limit=10)
+    for change in (lambda t: setattr(t, "normalizer", normalizers.NFC()),  # three code points may compose
+                   lambda t: t.add_special_tokens([AddedToken("<|sep|>", rstrip=True)])):  # eats what follows
+        write_tiny_tokenizer(tok_dir)
+        raw = Tokenizer(str(tok_dir))._tok
+        change(raw)
+        raw.save(str(tok_dir / "tokenizer.json"))
+        tok = Tokenizer(str(tok_dir))
+        long = max(map(len, tok._tok.get_vocab(with_added_tokens=True)))
+        assert len(tok.encode("a" * (10 * long + 1), limit=10)) == 10 * long + 1
+        with pytest.raises(MindspecError, match="does not fit max_seq 10"):
+            tok.encode("a" * (40 * long + 1), limit=10)
