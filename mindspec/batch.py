@@ -109,15 +109,17 @@ def _parse(item, defaults):
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
 
-def job_id(defaults, model=None):
+def job_id(defaults, model=None, dtype=None):
     """A short hash of what makes a result valid: the target model (its checkpoint fingerprint and its
     tokenizer, chat template and EOS, which decide the text as much; None = the embedded default, fixed
-    by its pinned package) and the request defaults (sampling flags, --chat). Not the draft, K, --max-seq
+    by its pinned package), the target's dtype (float16 rounds to other near-ties; float32 or None, as
+    before dtypes counted) and the request defaults (sampling flags, --chat). Not the draft, K, --max-seq
     or --tp: they change speed, not the output's distribution."""
     if model is not None:
         from .checkpoint import Checkpoint
         model = [Checkpoint(model).fingerprint()] + [_digest(os.path.join(model, f)) for f in TOKENIZER_FILES]
-    blob = json.dumps({"model": model, "defaults": defaults}, sort_keys=True, default=str)
+    what = {"model": model, "defaults": defaults} | ({"dtype": dtype} if dtype not in (None, "float32") else {})
+    blob = json.dumps(what, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
@@ -133,13 +135,15 @@ def _digest(path):
 def _ours(line):
     """The record a whole output line holds, or None if it is not a mindspec batch record."""
     try:
-        rec = json.loads(line)
-    except ValueError:
+        rec = loads(line)
+    except (ValueError, RequestError):
         return None
     if not isinstance(rec, dict) or rec.get(MARKER) != VERSION or not isinstance(rec.get("job"), str):
         return None
     rid = rec.get("id")
-    return rec if isinstance(rid, (str, int)) and not isinstance(rid, bool) else None
+    if not isinstance(rid, (str, int)) or isinstance(rid, bool) or not isinstance(rec.get("error", ""), str):
+        return None  # (a hand-edited record: an id or error of another type)
+    return rec
 
 
 def _torn(tail):
@@ -152,8 +156,12 @@ def _scan(data, path, job):
     file holding anything but this job's records; duplicates are fine (the first result wins)."""
     lines = data.split(b"\n")
     tail = lines.pop()  # b"" when the file ends with a newline
+    if tail and _ours(tail) is not None:  # a whole record whose newline was lost (an editor, $(cat ...)): kept
+        lines, tail = lines + [tail], b""
     done, errors = set(), {}
     for n, line in enumerate(lines, 1):
+        if not line.strip():  # a blank line (an editor's): nothing
+            continue
         rec = _ours(line)
         if rec is None:
             raise MindspecError(f"{path}:{n} is not a mindspec batch record; not writing to that file")
@@ -244,6 +252,12 @@ class Output:
         self.done, self.errors, keep = _scan(data, self.path, self.job)
         if keep < len(data):
             self._truncate(keep)
+        elif data and not data.endswith(b"\n"):  # the next record starts on a line of its own
+            try:
+                os.write(self.fd, b"\n")
+            except OSError as e:
+                raise MindspecError(f"cannot write output {self.path}: {e.strerror}") from None
+            keep += 1
         return keep
 
     def _truncate(self, size):
@@ -516,7 +530,7 @@ class _Job:
             self.bar.update()
 
 
-def run_batch(load, defaults, input_path, output_path, share=None, model=None, max_batch=1, part=None):
+def run_batch(load, defaults, input_path, output_path, share=None, model=None, max_batch=1, part=None, dtype=None):
     """Run a batch job; returns the exit code (0 all done, 1 some lines failed; MindspecError = 2,
     KeyboardInterrupt = 130, both with the summary once the job has begun). `model` is the target
     checkpoint directory (None: the embedded default), part of the job's fingerprint.
@@ -524,7 +538,7 @@ def run_batch(load, defaults, input_path, output_path, share=None, model=None, m
     hands the finished ids to the other ranks, which run the same job in lock step and write nothing.
     part (i, d): data-parallel replica i of d runs its share of the lines (mindspec.dp) into its own part
     file, a batch output of the same job; ids the output itself already holds count as done."""
-    job_key = job_id(defaults, model)
+    job_key = job_id(defaults, model, dtype)
     path = part_path(output_path, *part) if part else output_path
     job = _Job(path, bar=part is None)
     writer = share is None or _rank0()
@@ -569,7 +583,7 @@ def read_records(path, job):
     except OSError as e:
         raise MindspecError(f"cannot read output {path}: {e.strerror}") from None
     done, errors, keep = _scan(data, path, job)
-    return [json.loads(line) for line in data[:keep].split(b"\n") if line], done, errors
+    return [json.loads(line) for line in data[:keep].split(b"\n") if line.strip()], done, errors
 
 
 def earlier(output_path, job):

@@ -222,16 +222,28 @@ def batch_defaults(a):
     return dict(sampling_kwargs(a), chat=a.chat)
 
 
+def batch_dtype(a):
+    """The target's dtype a batch job runs in on this device (part of the job's fingerprint)."""
+    from .spec import resolve_dtype
+    return resolve_dtype(a.dtype, detect_device(a.device))
+
+
+def batch_job(a):
+    """The job id of batch's flags (mindspec.batch.job_id)."""
+    from .batch import job_id
+    return job_id(batch_defaults(a), a.target, batch_dtype(a))
+
+
 def cmd_doctor(a):
     from .doctor import run
     return run(a.device)
 
 
 def cmd_batch(a):
-    from .batch import job_id, run_batch
+    from .batch import run_batch
     if a.merge:
         from .dp import merge_command
-        return merge_command(a.input, a.output, job_id(batch_defaults(a), a.target))
+        return merge_command(a.input, a.output, batch_job(a))
     share = None
     if a.tp > 1:  # every rank runs the job in lock step; rank 0 alone reads and writes the output
         from .tp import share
@@ -240,14 +252,14 @@ def cmd_batch(a):
         from .dp import check_parts
         check_parts(a.output, 1)  # a --dp run's unmerged parts: its lines would run twice
     return run_batch(lambda: load_pipeline(a), batch_defaults(a), a.input, a.output,
-                     share=share, model=a.target, max_batch=a.max_batch, part=part)
+                     share=share, model=a.target, max_batch=a.max_batch, part=part,
+                     dtype=batch_dtype(a))
 
 
 def launch_dp(argv, a):
     """`batch --dp N` in the user's process: N replicas, then the merge (mindspec.dp)."""
-    from .batch import job_id
     from .dp import launch
-    return launch(argv, a.input, a.output, job_id(batch_defaults(a), a.target), a.dp, a.tp, a.nodes, a.node_rank)
+    return launch(argv, a.input, a.output, batch_job(a), a.dp, a.tp, a.nodes, a.node_rank)
 
 
 class Parser(argparse.ArgumentParser):

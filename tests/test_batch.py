@@ -496,6 +496,24 @@ def test_a_torn_last_line_is_cut_only_when_the_file_is_ours(tmp_path, monkeypatc
         out.write_bytes(_rec(1, job, **OK) + torn)
         assert _batch(inp, out) == 0
         assert [r["id"] for r in records(out)] == [1, 2], torn
+    # found trying it carelessly: a whole last record whose newline was lost ($(cat ...), an editor) was cut
+    # as torn — its result run again, and another job's record replaced by this one's without a word; a
+    # blank line refused the file; a hand-edited record (an error that is a list) or one nested past
+    # Python's stack was a traceback
+    out.write_bytes(_rec(1, job, **OK) + _rec(2, job, **dict(OK, text="kept"))[:-1])
+    assert _batch(inp, out) == 0
+    assert [r["text"] for r in records(out)] == ["ok", "kept"] and out.read_bytes().endswith(b"}\n")
+    out.write_bytes(_rec(1, job, **OK) + b"\n" + _rec(2, job, **OK) + b"\n")
+    assert _batch(inp, out) == 0 and [r["id"] for r in records(out)] == [1, 2]
+    other = _rec(1, "0123456789ab", **OK)[:-1]
+    for foreign, words in ((other, "holds the results of another job"),
+                           (_rec(1, job, error=["x"]), "o.jsonl:1 is not a mindspec batch record"),
+                           (_rec(1, job, **OK) + b"[" * 100000 + b"]" * 100000 + b"\n",
+                            "o.jsonl:2 is not a mindspec batch record")):
+        out.write_bytes(foreign)
+        with pytest.raises(MindspecError, match=words):
+            _batch(inp, out)
+        assert out.read_bytes() == foreign
     for foreign in (b'{"id": 1, "text": "ok"}\n{"mi', b"hello", b'{"mindspec_batch": 1}\n'):
         out.write_bytes(foreign)
         with pytest.raises(MindspecError, match="is not a mindspec batch record"):
@@ -506,7 +524,15 @@ def test_a_torn_last_line_is_cut_only_when_the_file_is_ours(tmp_path, monkeypatc
 def test_the_job_fingerprint_covers_the_target_and_the_request_defaults(tiny_target, tiny_draft_ckpt, tmp_path,
                                                                        monkeypatch):
     job = B.job_id(DEFAULTS, tiny_target[0])
-    assert job == B.job_id(dict(DEFAULTS), tiny_target[0])
+    assert job == B.job_id(dict(DEFAULTS), tiny_target[0]) == B.job_id(DEFAULTS, tiny_target[0], "float32")
+    # found: a float16 job (Ascend's default) resumed in float32 mixed the two precisions' texts under one job
+    assert B.job_id(DEFAULTS, tiny_target[0], "float16") != job
+    from mindspec import cli
+    a = cli.parse(["batch", "--input", "i", "--output", "o", "--target", tiny_target[0], "--device", "cpu",
+                   "--max-new-tokens", "5"])
+    assert cli.batch_job(a) == B.job_id(cli.batch_defaults(a), tiny_target[0])
+    assert cli.batch_job(cli.parse(["batch", "--input", "i", "--output", "o", "--target", tiny_target[0],
+                                    "--device", "cpu", "--dtype", "float16"])) != cli.batch_job(a)
     others = (B.job_id(DEFAULTS, tiny_draft_ckpt[0]), B.job_id(dict(DEFAULTS, max_new_tokens=6), tiny_target[0]),
               B.job_id(DEFAULTS))
     assert job not in others
