@@ -35,6 +35,13 @@ class Item(NamedTuple):
     rid: object
     kw: object
     err: object = None
+    asked: object = None  # a hash of the line's request as written (None: not JSON), kept in its records
+
+
+def _asked(req):
+    """A short hash of a line's request (its fields but the id, as written: a drawn seed is not in it), so
+    a resume can tell a line edited since its result was written."""
+    return None if req is None else hashlib.sha256(json.dumps(req, sort_keys=True).encode()).hexdigest()[:12]
 
 
 def _key(rid):
@@ -91,7 +98,7 @@ def _rows(lines, input_path):
             raise MindspecError(f"{input_path}:{n}: id {rid!r} is already line {line_of[_key(rid)]}'s; ids must be "
                                 f"unique (a line without \"id\" has its line number)")
         line_of[_key(rid)] = n
-        items.append(Item(n, rid, req, err))
+        items.append(Item(n, rid, req, err, _asked(req)))
     return items
 
 
@@ -152,13 +159,14 @@ def _torn(tail):
 
 
 def _scan(data, path, job):
-    """(ids with a result, {id: error messages}, bytes to keep) of an output file's content. Refuses a
+    """(ids with a result, {id: error messages}, {id: its result's request hash}, bytes to keep) of an
+    output file's content. Refuses a
     file holding anything but this job's records; duplicates are fine (the first result wins)."""
     lines = data.split(b"\n")
     tail = lines.pop()  # b"" when the file ends with a newline
     if tail and _ours(tail) is not None:  # a whole record whose newline was lost (an editor, $(cat ...)): kept
         lines, tail = lines + [tail], b""
-    done, errors = set(), {}
+    done, errors, asked = set(), {}, {}
     for n, line in enumerate(lines, 1):
         if not line.strip():  # a blank line (an editor's): nothing
             continue
@@ -171,10 +179,12 @@ def _scan(data, path, job):
         if "error" in rec:
             errors.setdefault(_key(rec["id"]), set()).add(rec["error"])
         else:
+            if _key(rec["id"]) not in done and isinstance(rec.get("request"), str):  # (the first result wins)
+                asked[_key(rec["id"])] = rec["request"]
             done.add(_key(rec["id"]))
     if tail and not _torn(tail):
         raise MindspecError(f"{path}:{len(lines) + 1} is not a mindspec batch record; not writing to that file")
-    return done, errors, len(data) - len(tail)
+    return done, errors, asked, len(data) - len(tail)
 
 
 def _lock_holder(fd):
@@ -206,7 +216,7 @@ class Output:
     def __init__(self, path, job, input_path, wait=False):
         self.path, self.job, self.fd, self.created, self.wrote = path, job, None, False, False
         self.wait = wait  # for the lock (machines merging one shared output), instead of refusing
-        self.done, self.errors = set(), {}
+        self.done, self.errors, self.asked = set(), {}, {}  # asked: {id: request hash} of the results
         if path is None:
             return
         self._open()
@@ -249,7 +259,7 @@ class Output:
                 data = f.read()
         except OSError as e:
             raise MindspecError(f"cannot read output {self.path}: {e.strerror}") from None
-        self.done, self.errors, keep = _scan(data, self.path, self.job)
+        self.done, self.errors, self.asked, keep = _scan(data, self.path, self.job)
         if keep < len(data):
             self._truncate(keep)
         elif data and not data.endswith(b"\n"):  # the next record starts on a line of its own
@@ -266,6 +276,14 @@ class Output:
         except OSError as e:
             raise MindspecError(f"cannot write output {self.path}: {e.strerror}") from None
 
+    def check_asked(self, items, input_path):
+        """Refuse a line edited since its result was written (its id would keep the old result)."""
+        for item in items:
+            was = self.asked.get(_key(item.rid))
+            if was is not None and item.asked is not None and was != item.asked:
+                raise MindspecError(f"{input_path}:{item.line}: this line (id {_key(item.rid)[:40]}) changed since "
+                                    f"{self.path} got its result; give the new request a new id, or another --output")
+
     def absorb(self, done, errors):
         """Count another file's finished ids and error messages as this output's (a replica's part: the
         output's own records)."""
@@ -278,7 +296,8 @@ class Output:
         for that id in those words is not written again."""
         if self.fd is None or body.get("error") in self.errors.get(_key(item.rid), ()):
             return
-        data = _dump({MARKER: VERSION, "job": self.job, "id": item.rid, **body})
+        asked = {"request": item.asked} if item.asked is not None and "error" not in body else {}
+        data = _dump({MARKER: VERSION, "job": self.job, "id": item.rid, **body, **asked})
         try:
             view = memoryview(data)
             while view:
@@ -550,6 +569,7 @@ def run_batch(load, defaults, input_path, output_path, share=None, model=None, m
             job.out.absorb(*earlier(output_path, job_key))
         ok = False
         try:
+            job.out.check_asked(rows, input_path)
             done = share(job.out.done) if share else job.out.done  # before rank 0 writes anything
             job.tally = Tally(rows, done, job.out.errors)
             job.run(load, [_parse(i, defaults) for i in rows if _key(i.rid) not in done], sig, max_batch)
@@ -582,7 +602,7 @@ def read_records(path, job):
         return [], set(), {}
     except OSError as e:
         raise MindspecError(f"cannot read output {path}: {e.strerror}") from None
-    done, errors, keep = _scan(data, path, job)
+    done, errors, _, keep = _scan(data, path, job)
     return [json.loads(line) for line in data[:keep].split(b"\n") if line.strip()], done, errors
 
 

@@ -258,6 +258,11 @@ def launch(argv, input_path, output_path, job, dp, tp=1, nodes=1, node_rank=0):
     rows = _rows(_read_lines(input_path), input_path)  # a bad input stops here, before any replica starts
     check_parts(output_path, dp)
     out = Output(output_path, job, input_path, wait=nodes > 1)  # checked, and locked from here on (one machine)
+    try:
+        out.check_asked(rows, input_path)
+    except MindspecError:
+        out.close()
+        raise
     if nodes > 1:
         out.close()  # several machines share the output: each locks it only to check it and to merge
     ok = False

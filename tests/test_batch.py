@@ -867,3 +867,26 @@ def test_two_nodes_of_a_data_parallel_job_share_one_output(setup, first_run, tmp
     recs, dp1 = records(out), by_id(first_run[2])
     assert [r["id"] for r in recs] == IDS and all(r.get("token_ids") == dp1[r["id"]].get("token_ids") for r in recs)
     assert not list(tmp_path.glob("out.jsonl.part*"))
+
+
+def test_a_line_edited_since_its_result_is_refused_not_given_the_old_result(tmp_path, capsys, monkeypatch):
+    """Found trying it carelessly: results are matched to lines by id (a line without one is its line
+    number), so a prompt inserted at the top of an input shifted every line onto the result of the line
+    before it — exit 0, "2 skipped", the new prompt never run. Each result now keeps a hash of its
+    line's request as written; a resume refuses a line whose request changed, before anything runs."""
+    inp, out = tmp_path / "in.jsonl", tmp_path / "o.jsonl"
+    inp.write_text('{"prompt_ids": [1]}\n{"prompt_ids": [2], "temperature": 0.5}\n')
+    ran = driver(monkeypatch)
+    assert _batch(str(inp), out) == 0 and ran == [1, 2]
+    assert all(isinstance(r["request"], str) for r in records(out))
+    # the same lines (keys in another order, an appended line): resumed, only the new line runs
+    inp.write_text('{"prompt_ids": [1]}\n{"temperature": 0.5, "prompt_ids": [2]}\n{"prompt_ids": [3]}\n')
+    assert _batch(str(inp), out) == 0 and ran == [1, 2, 3]
+    before = out.read_bytes()
+    inp.write_text('{"prompt_ids": [9]}\n{"prompt_ids": [1]}\n{"prompt_ids": [2], "temperature": 0.5}\n')
+    with pytest.raises(MindspecError, match=rf"in.jsonl:1: this line \(id 1\) changed since {out} got its result"):
+        _batch(str(inp), out)
+    assert out.read_bytes() == before and ran == [1, 2, 3]
+    # a result written before results kept their request is taken as it is
+    out.write_bytes(_rec(1, B.job_id(DEFAULTS), **OK))
+    assert _batch(str(inp), out) == 0 and ran == [1, 2, 3, 1, 2]
