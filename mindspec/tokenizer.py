@@ -74,12 +74,12 @@ class Tokenizer:
         more characters than its stored form (byte-level pre-tokenizing, nothing dropped or merged beyond
         it: no normalizer, no special token that swallows whitespace, no fused unknowns), else 4 (a
         normalizer composes 3 code points into 1 at most)."""
-        spec = json.loads(self._tok.to_str())
-        pre = spec.get("pre_tokenizer") or {}
+        tok = self._tok  # (its parts' own state: the whole tokenizer's JSON would be 100x slower to write)
+        pre = json.loads(tok.pre_tokenizer.__getstate__()) if tok.pre_tokenizer is not None else {}
         parts = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
-        tight = (spec.get("normalizer") is None and any(p.get("type") == "ByteLevel" for p in parts)
-                 and not (spec.get("model") or {}).get("fuse_unk")
-                 and not any(a.get("lstrip") or a.get("rstrip") for a in spec.get("added_tokens") or []))
+        tight = (tok.normalizer is None and any(p.get("type") == "ByteLevel" for p in parts)
+                 and not getattr(tok.model, "fuse_unk", False)
+                 and not any(a.lstrip or a.rstrip for a in tok.get_added_tokens_decoder().values()))
         return 1 if tight else 4
 
     def encode(self, text, limit=None):
