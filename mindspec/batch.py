@@ -160,8 +160,8 @@ def _torn(tail):
 
 def _scan(data, path, job):
     """(ids with a result, {id: error messages}, {id: its result's request hash}, bytes to keep) of an
-    output file's content. Refuses a
-    file holding anything but this job's records; duplicates are fine (the first result wins)."""
+    output file's content. Refuses a file holding anything but this job's records; duplicates are fine
+    (the first result wins)."""
     lines = data.split(b"\n")
     tail = lines.pop()  # b"" when the file ends with a newline
     if tail and _ours(tail) is not None:  # a whole record whose newline was lost (an editor, $(cat ...)): kept
