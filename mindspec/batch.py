@@ -232,11 +232,13 @@ class Output:
 
     def _open(self):
         flags = os.O_RDWR | os.O_APPEND | os.O_CLOEXEC  # never O_TRUNC: a foreign file stays untouched
+        # O_EXCL refuses any symlink: a link to a file not yet made is followed, as a shell's `>` does
+        self.real = os.path.realpath(self.path)
         try:
             try:
-                self.fd, self.created = os.open(self.path, flags | os.O_CREAT | os.O_EXCL, 0o666), True
+                self.fd, self.created = os.open(self.real, flags | os.O_CREAT | os.O_EXCL, 0o666), True
             except FileExistsError:
-                self.fd = os.open(self.path, flags)
+                self.fd = os.open(self.real, flags)
         except OSError as e:
             raise MindspecError(f"cannot write output {self.path}: {e.strerror}") from None
 
@@ -317,7 +319,7 @@ class Output:
             return
         if failed and self.created and not self.wrote:
             try:
-                os.unlink(self.path)
+                os.unlink(self.real)  # what this run created, not a link to it
             except OSError:
                 pass
         os.close(self.fd)

@@ -890,3 +890,21 @@ def test_a_line_edited_since_its_result_is_refused_not_given_the_old_result(tmp_
     # a result written before results kept their request is taken as it is
     out.write_bytes(_rec(1, B.job_id(DEFAULTS), **OK))
     assert _batch(str(inp), out) == 0 and ran == [1, 2, 3, 1, 2]
+
+
+def test_an_output_that_is_a_symlink_to_a_file_not_yet_made_is_made_there(tmp_path, capsys, monkeypatch):
+    """Found trying it carelessly: `--output results.jsonl`, a symlink to a file on another disk not yet
+    written (as a shell's `>` would create it), stopped with "No such file or directory" (the exclusive
+    create refuses any symlink). The file it points to is now made, and a resume goes through it too."""
+    inp, real = _input(tmp_path / "in.jsonl", 2), tmp_path / "disk" / "o.jsonl"
+    real.parent.mkdir()
+    link = tmp_path / "o.jsonl"
+    link.symlink_to(real)
+    ran = driver(monkeypatch)
+    assert _batch(inp, link) == 0 and ran == [1, 2]
+    assert link.is_symlink() and [r["id"] for r in records(real)] == [1, 2]
+    assert _batch(inp, link) == 0 and ran == [1, 2]  # resumed through the link: nothing left
+    nowhere = tmp_path / "nowhere.jsonl"
+    nowhere.symlink_to(tmp_path / "no-such-dir" / "o.jsonl")
+    with pytest.raises(MindspecError, match=r"cannot write output .*nowhere.jsonl: No such file or directory"):
+        _batch(inp, nowhere)
