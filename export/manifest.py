@@ -7,7 +7,7 @@ import hashlib
 import json
 import os
 
-from mindspec.errors import MindspecError
+from mindspec.errors import MindspecError, read_json
 
 FORMAT, VERSION = "mindspec-draft", 3  # 2: batched, a static [B, KV, S, D] cache; 3: cpu on GroupQueryAttention
 PROFILES = ("cpu", "ascend")  # builder.py: the graph's interface and how DraftSession runs it
@@ -70,8 +70,7 @@ def read_manifest(onnx_path):
             raise MindspecError(f"not an ONNX file: {onnx_path}")
         raise MindspecError(f"not a mindspec draft (no manifest {mpath}): export it with `mindspec export`")
     try:
-        with open(mpath, encoding="utf-8") as f:
-            m = json.load(f)
+        m = read_json(mpath)
     except (OSError, ValueError) as e:
         raise MindspecError(f"garbled draft manifest {mpath} ({e})") from None
     old = m.get("version") if isinstance(m, dict) and m.get("format") == FORMAT else None

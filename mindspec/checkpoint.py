@@ -5,16 +5,19 @@ we memory-map it: a rank that only needs a shard of a matrix reads only those ro
 """
 import hashlib
 import json
+import math
 import os
+import stat
 import struct
 
 import numpy as np
 
 from .config import load_config
-from .errors import MindspecError
+from .errors import MindspecError, is_int, parse_json, read_json
 
 _DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I64": np.int64,
            "I32": np.int32, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+FLOATS = ("F32", "F16", "F64", "BF16")  # what a weight may be stored as (an I32 one ran as its bit patterns)
 
 
 def _np_dtype(name, path):
@@ -30,22 +33,20 @@ class SafetensorsFile:
     def __init__(self, path):
         self.path = path
         try:
+            if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO would block the open for ever
+                raise MindspecError(f"not a valid safetensors file: {path} is not a regular file")
             size = os.path.getsize(path)
             with open(path, "rb") as f:
                 (n,) = struct.unpack("<Q", f.read(8))
                 if n <= 0 or 8 + n > size:
                     raise ValueError("header length out of range")
                 self.header_bytes = f.read(n)
-            header = json.loads(self.header_bytes)
+            header = parse_json(self.header_bytes)
             if not isinstance(header, dict):
                 raise ValueError("header is not a JSON object")
             header.pop("__metadata__", None)
             self._data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n) if size > 8 + n else None
-            for name, info in header.items():
-                b, e = info["data_offsets"]
-                want = int(np.prod(info["shape"], dtype=np.int64)) * np.dtype(_np_dtype(info["dtype"], path)).itemsize
-                if e - b != want or e > size - 8 - n:
-                    raise ValueError(f"tensor {name} has inconsistent offsets")
+            _check_layout(header, size - 8 - n, path)
         except MindspecError:
             raise
         except (OSError, ValueError, KeyError, TypeError, AttributeError, struct.error) as e:
@@ -64,6 +65,29 @@ class SafetensorsFile:
         return arr.astype(np.float32) if np.dtype(dt).kind == "f" or info["dtype"] == "BF16" else np.array(arr)
 
 
+def _check_layout(header, data_bytes, path):
+    """Each tensor's shape and offsets, in Python integers (numpy's int64 product of [64, 2**58 + 1] wraps
+    to 64), inside the data and overlapping no other tensor (one would read another's bytes), as the
+    safetensors library checks."""
+    spans = []
+    for name, info in header.items():
+        shape, offsets = info["shape"], info["data_offsets"]
+        if not (isinstance(shape, list) and all(is_int(x) and x >= 0 for x in shape)):
+            raise ValueError(f"tensor {name} has a bad shape {shape!r}")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(is_int(x) for x in offsets)
+                and 0 <= offsets[0] <= offsets[1] <= data_bytes):
+            raise ValueError(f"tensor {name} has bad data_offsets {offsets!r}")
+        b, e = offsets
+        if e - b != math.prod(shape) * np.dtype(_np_dtype(info["dtype"], path)).itemsize:
+            raise ValueError(f"tensor {name} has inconsistent offsets")
+        spans.append((b, e, name))
+    end, last = 0, None
+    for b, e, name in sorted(s for s in spans if s[0] < s[1]):  # (empty tensors overlap nothing)
+        if b < end:
+            raise ValueError(f"tensors {last} and {name} overlap")
+        end, last = e, name
+
+
 class Checkpoint:
     """A Hugging Face Llama checkpoint directory: config + weights (one file or sharded with an index)."""
 
@@ -75,10 +99,12 @@ class Checkpoint:
         self._files = {}
         if os.path.exists(index):
             try:
-                with open(index, encoding="utf-8") as f:
-                    self._where = dict(json.load(f)["weight_map"])
+                self._where = dict(read_json(index)["weight_map"])
                 if not all(isinstance(v, str) for v in self._where.values()):
                     raise ValueError("weight_map values must be shard file names")
+                for v in self._where.values():  # a shard outside the model's directory is not its weights
+                    if not v or os.path.basename(v) != v or v in (".", ".."):
+                        raise ValueError(f"shard name {v!r} is not a file name in the model's directory")
             except (OSError, ValueError, KeyError, TypeError) as e:
                 raise MindspecError(f"bad safetensors index {index} ({e})") from None
         elif os.path.exists(single):
@@ -97,6 +123,11 @@ class Checkpoint:
 
     def _check_names(self):
         cfg = self.config
+        have = 1 + max((int(n.split(".")[2]) for n in self._where if n.startswith("model.layers.")
+                        and n.split(".")[2].isdigit()), default=-1)
+        if cfg.num_hidden_layers > have:  # before listing the names a billion layers would have
+            raise MindspecError(f"checkpoint {self.dir} has weights of {have} layers; config.json's "
+                                f"num_hidden_layers is {cfg.num_hidden_layers}")
         need = ["model.embed_tokens.weight", "model.norm.weight"]
         for i in range(cfg.num_hidden_layers):
             need += [f"model.layers.{i}.{n}.weight" for n in LAYER_WEIGHTS]
@@ -118,6 +149,9 @@ class Checkpoint:
         sf = self._open(self._where[name])
         if name not in sf.header:
             raise MindspecError(f"{self.dir}: the index maps {name} to {self._where[name]}, which does not hold it")
+        if sf.header[name]["dtype"] not in FLOATS:
+            raise MindspecError(f"{self.dir}: tensor {name} is {sf.header[name]['dtype']}: weights must be floats "
+                                f"({', '.join(FLOATS)})")
         return name, sf
 
     def get(self, name):

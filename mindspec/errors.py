@@ -1,4 +1,5 @@
 """User-facing errors: the CLI prints them on one line and exits 2 (the server maps them to 4xx)."""
+import json
 import numbers
 
 
@@ -22,3 +23,18 @@ def is_int(v):
 def is_number(v):
     """Whether a user's value counts as a real number in the checks (numpy's too; not true/false)."""
     return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
+def read_json(path):
+    """json.load of a file (UTF-8). A document nested deeper than Python's stack is a ValueError like any
+    other bad JSON (json raises RecursionError): callers catch (OSError, ValueError) for one-line errors."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    return parse_json(text)
+
+
+def parse_json(text):
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("nested deeper than Python's stack") from None

@@ -40,9 +40,10 @@ class Pipeline:
         self.ckpt = Checkpoint(target)
         self.cfg = self.ckpt.config
         self.tokenizer = Tokenizer(target)
-        if self.tokenizer.vocab_size > self.cfg.vocab_size:
-            raise MindspecError(f"tokenizer has {self.tokenizer.vocab_size} tokens but the model's vocab_size "
-                                f"is {self.cfg.vocab_size}")
+        top, token = self.tokenizer.highest()
+        if top >= self.cfg.vocab_size:
+            raise MindspecError(f"tokenizer.json has token id {top} ({token!r}), outside the model's vocabulary "
+                                f"[0, {self.cfg.vocab_size})")
         self.eos = frozenset(self.cfg.eos_token_ids) | frozenset(self.tokenizer.eos_token_ids)
         self.target = self.proposer = self.engine = None
         self._turn, self._holder = threading.Lock(), None  # run(): one call at a time, threads take turns

@@ -8,7 +8,7 @@ import hashlib
 import json
 import os
 
-from .errors import MindspecError
+from .errors import MindspecError, read_json
 
 
 def _token_str(v):
@@ -33,8 +33,7 @@ class Tokenizer:
         cfg_path = os.path.join(model_dir, "tokenizer_config.json")
         if os.path.exists(cfg_path):
             try:
-                with open(cfg_path, encoding="utf-8") as f:
-                    cfg = json.load(f)
+                cfg = read_json(cfg_path)
             except (OSError, ValueError) as e:
                 raise MindspecError(f"tokenizer_config.json is not valid JSON: {cfg_path} ({e})") from None
             if not isinstance(cfg, dict):
@@ -62,6 +61,10 @@ class Tokenizer:
     @property
     def vocab_size(self):
         return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def highest(self):
+        """(id, token) of the vocabulary's highest id (ids need not be dense: a count says nothing of it)."""
+        return max(((i, t) for t, i in self._tok.get_vocab(with_added_tokens=True).items()), default=(-1, None))
 
     @functools.cached_property
     def _longest(self):

@@ -1,5 +1,7 @@
 """Checkpoint reading: sharded safetensors with an index, bf16 weights, shape checks."""
 import json
+import os
+import pathlib
 import shutil
 
 import ml_dtypes
@@ -97,3 +99,83 @@ def test_odd_safetensors_files_are_one_line_errors(tmp_path):
     (tmp_path / "h" / "model.safetensors").write_bytes(len(h).to_bytes(8, "little") + h)
     with pytest.raises(MindspecError, match="not a valid safetensors file: .*header is not a JSON object"):
         Checkpoint(d2)
+
+
+def _edit_header(src, dst, edit):
+    """A copy of checkpoint src at dst whose safetensors header went through edit(header dict)."""
+    shutil.copytree(src, dst)
+    path = dst / "model.safetensors"
+    data = path.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    edit(header)
+    h = json.dumps(header).encode()
+    path.write_bytes(len(h).to_bytes(8, "little") + h + data[8 + n:])
+    return str(dst)
+
+
+def _set(name, key, value):
+    return lambda h: h[name].__setitem__(key, value(h) if callable(value) else value)
+
+
+@pytest.mark.parametrize("edit,words", [
+    # the hostile-file review's: each was a traceback, or (the last three) ran on wrong weights, exit 0
+    (_set("model.norm.weight", "shape", [-8, -8]), "tensor model.norm.weight has a bad shape"),
+    (_set("model.norm.weight", "shape", "64"), "tensor model.norm.weight has a bad shape"),
+    (_set("model.norm.weight", "shape", [64, 2 ** 58 + 1]), "model.norm.weight has inconsistent offsets"),
+    (_set("model.norm.weight", "data_offsets", lambda h: [float(x) for x in h["model.norm.weight"]["data_offsets"]]),
+     "tensor model.norm.weight has bad data_offsets"),
+    (_set("model.norm.weight", "data_offsets", lambda h: [-256, 0]), "tensor model.norm.weight has bad data_offsets"),
+    (_set("model.embed_tokens.weight", "dtype", "I32"), "model.embed_tokens.weight is I32: weights must be floats"),
+    (_set("lm_head.weight", "data_offsets", lambda h: h["model.embed_tokens.weight"]["data_offsets"]),
+     "overlap"),
+])
+def test_hostile_safetensors_headers_are_one_line_errors(tmp_path, tiny_target, edit, words):
+    d = _edit_header(pathlib.Path(tiny_target[0]), tmp_path / "c", edit)
+    with pytest.raises(MindspecError, match=words):
+        ck = Checkpoint(d)
+        for name in ck._where:
+            ck.get(name)
+
+
+def test_hostile_config_and_index_files_are_one_line_errors(tmp_path, tiny_target):
+    """The hostile-file review's: a billion layers built a list of 9e9 names (killed by the OOM killer),
+    an rms_norm_eps beyond float32 ran as inf (token 0 forever, exit 0), a config nested past Python's
+    stack or a directory named config.json were tracebacks, a shard that is a FIFO hung the load, and an
+    index could name shards outside the model's directory."""
+    def copy(name, **change):
+        d = tmp_path / name
+        shutil.copytree(tiny_target[0], d)
+        if change:
+            cfg = json.loads((d / "config.json").read_text())
+            (d / "config.json").write_text(json.dumps(dict(cfg, **change)))
+        return d
+
+    with pytest.raises(MindspecError, match="has weights of 2 layers; config.json's num_hidden_layers is 1000000000"):
+        Checkpoint(str(copy("layers", num_hidden_layers=10 ** 9)))
+    with pytest.raises(MindspecError, match=r"rms_norm_eps must be a number > 0, got 1e\+39: beyond float32's range"):
+        Checkpoint(str(copy("eps", rms_norm_eps=1e39)))
+    d = copy("nested")
+    (d / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(MindspecError, match=r"config.json is not valid JSON: .*\(nested deeper than Python.s stack\)"):
+        Checkpoint(str(d))
+    d = copy("dir")
+    (d / "config.json").unlink()
+    (d / "config.json").mkdir()
+    with pytest.raises(MindspecError, match="cannot read config.json: .*Is a directory"):
+        Checkpoint(str(d))
+    s, _ = make_tiny_checkpoint(tmp_path / "fifo", shard_bytes=60_000)
+    shard = sorted((tmp_path / "fifo").glob("model-*.safetensors"))[0]
+    shard.unlink()
+    os.mkfifo(shard)
+    with pytest.raises(MindspecError, match="is not a regular file"):
+        ck = Checkpoint(s)
+        for name in ck._where:
+            ck.get(name)
+    s, _ = make_tiny_checkpoint(tmp_path / "out", shard_bytes=60_000)
+    index = tmp_path / "out" / "model.safetensors.index.json"
+    m = json.loads(index.read_text())
+    m["weight_map"] = {k: "../out/" + v for k, v in m["weight_map"].items()}
+    index.write_text(json.dumps(m))
+    with pytest.raises(MindspecError, match=r"shard name '\.\./out/model-00001-of-.*' is not a file name"):
+        Checkpoint(s)

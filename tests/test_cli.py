@@ -91,6 +91,13 @@ def test_bad_checkpoints(pair):
         json.loads((p / "config.json").read_text()), rope_scaling={"rope_type": "llama3", "factor": 8.0}))))],
         "rope_scaling")
 
+    def high_id(p):  # (the hostile-file review: MindSpore's Gather traceback on the first prompt with "a")
+        tok = json.loads((p / "tokenizer.json").read_text())
+        tok["model"]["vocab"]["a"] = 5000
+        (p / "tokenizer.json").write_text(json.dumps(tok))
+    _expect_error(["generate", "aaa", "--draft", draft, "--target", _bad(d, "highid", high_id)],
+                  "tokenizer.json has token id 5000 ('a'), outside the model's vocabulary [0, 320)")
+
 
 def test_a_bad_checkpoint_or_draft_is_refused_before_mindspore_loads(pair):
     """MindSpore takes ~3 s to import: a checkpoint, tokenizer or draft that cannot work is refused first
