@@ -82,10 +82,13 @@ def read_manifest(onnx_path):
     bad = [k for k in INT_KEYS if not isinstance(m.get(k), int) or isinstance(m.get(k), bool) or m[k] < 0]
     m.setdefault("dtype", "float32")  # exports before the dtype field were float32
     m.setdefault("profile", "cpu")  # and before the profile field, cpu
-    if bad or not isinstance(m.get("onnx_sha256"), str) or m.get("quantize") not in (None, "int8", "q8", "q4") \
-            or m["dtype"] not in ("float32", "float16") or m["profile"] not in PROFILES:
-        what = bad[0] if bad else "onnx_sha256/quantize/dtype/profile"
-        raise MindspecError(f"garbled draft manifest {mpath} (bad or missing {what})")
+    bad += [k for k, ok in (("onnx_sha256", isinstance(m.get("onnx_sha256"), str)),
+                            ("source", isinstance(m.get("source"), str)),  # (plan reads its config)
+                            ("quantize", m.get("quantize") in (None, "int8", "q8", "q4")),
+                            ("dtype", m["dtype"] in ("float32", "float16")), ("profile", m["profile"] in PROFILES))
+            if not ok]
+    if bad:
+        raise MindspecError(f"garbled draft manifest {mpath} (bad or missing {bad[0]})")
     if os.path.getsize(onnx_path) != m["onnx_bytes"] or _sha256(onnx_path) != m["onnx_sha256"]:
         if not _is_onnx(onnx_path):
             raise MindspecError(f"not an ONNX file: {onnx_path}")

@@ -70,6 +70,21 @@ MAX_T = 128  # most tokens a row feeds in one call of the cpu profile (its atten
 T_BUCKETS = (1, PREFILL_CHUNK)  # ascend profile: tokens per row and call (a draft step, a prefill chunk)
 
 
+def _check_interface(session, m, onnx_path):
+    """The manifest's profile, cache dtype and vocabulary against the graph's inputs and outputs: a
+    hand-edited manifest keeps the graph's checksum, and onnxruntime's error came only on the first call."""
+    ins = {i.name: i for i in session.get_inputs()}
+    graph = {"profile": "ascend" if "slots" in ins else "cpu",
+             "dtype": {"tensor(float)": "float32", "tensor(float16)": "float16"}.get(ins["past_key_0"].type),
+             "vocab_size": session.get_outputs()[0].shape[-1]}
+    says = {"profile": f"the {m['profile']} profile (its graph's inputs are the {graph['profile']} profile's)",
+            "dtype": f"a {m['dtype']} cache (its graph's is {graph['dtype']})",
+            "vocab_size": f"a vocabulary of {m['vocab_size']} (its graph's logits have {graph['vocab_size']})"}
+    for key, words in says.items():
+        if m[key] != graph[key]:
+            raise MindspecError(f"draft {onnx_path}: its manifest says {words}; re-export the draft")
+
+
 def batch_buckets(max_batch):
     """Rows per call of the ascend profile: the powers of two below max_batch, and max_batch."""
     return tuple(b for b in BATCH_BUCKETS if b < max_batch) + (max_batch,)
@@ -105,6 +120,7 @@ class DraftSession:
         if len(cache) != L or shape[1] != KV or shape[3] != D:  # a hand-edited manifest (its checksum: the graph's)
             raise MindspecError(f"draft {onnx_path}: its manifest ({L} layers, {KV} KV heads of {D}) does not describe "
                                 f"its graph ({len(cache)} layers, {shape[1]} KV heads of {shape[3]})")
+        _check_interface(self.session, m, onnx_path)
         self.vocab_size = m["vocab_size"]
         self.pos = np.zeros(self.max_batch, np.int64)                                    # [R] cached length
         self.device_kv = BoundCache(self.session, m, self.max_batch, self.max_seq, threads) if bound else None

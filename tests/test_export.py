@@ -352,6 +352,7 @@ def _refused(path, words):
         DraftSession(path)
     msg = str(e.value)
     assert "\n" not in msg and words in msg, msg
+    return msg
 
 
 def test_manifest_refusals(tmp_path, fp32_draft, q8_draft):
@@ -379,6 +380,15 @@ def test_manifest_refusals(tmp_path, fp32_draft, q8_draft):
         "onnx_sha256"], num_layers=5, head_dim=8)))  # was onnxruntime's RuntimeError on the first call
     _refused(str(bare), "its manifest (5 layers, 2 KV heads of 8) does not describe its graph "
                         "(2 layers, 2 KV heads of 16)")
+    # the hostile-file review's: each was onnxruntime's RuntimeError traceback on the first draft call
+    good = json.load(open(fp32_draft + ".json"))
+    for change, words in ((dict(dtype="float16"), "a float16 cache (its graph's is float32)"),
+                          (dict(profile="ascend"), "the ascend profile (its graph's inputs are the cpu profile's)"),
+                          (dict(vocab_size=300), "a vocabulary of 300 (its graph's logits have 320)")):
+        (tmp_path / "bare.onnx.json").write_text(json.dumps(dict(good, **change)))
+        _refused(str(bare), f"draft {bare}: its manifest says {words}; re-export the draft")
+    (tmp_path / "bare.onnx.json").write_text(json.dumps(dict(good, source=None)))  # (plan's TypeError)
+    assert str(bare) + ".json (bad or missing source)" in _refused(str(bare), "garbled draft manifest")
 
 
 def test_old_format_refused(tmp_path, fp32_draft):
