@@ -61,6 +61,9 @@ def export_draft(model_dir, out_path, quantize=None, layers=None, max_seq=None, 
                                dtype, profile), out_path)
     except OSError as e:
         raise MindspecError(f"cannot write the draft to {out_path}: {e.strerror or e}") from None
+    except MemoryError:  # (RoPE tables for a config's 10**15 positions)
+        raise MindspecError(f"not enough memory to build the draft for {max_seq} positions: give a smaller "
+                            f"--max-seq") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -112,6 +112,9 @@ class Checkpoint:
         else:
             raise MindspecError(f"no model.safetensors (or index) in {model_dir}")
         self._check_names()
+        for name in weight_names(self.config):  # from the headers, before anything is sized by the config
+            read, sf = self._shard(name)
+            self._check_shape(name, tuple(sf.header[read]["shape"]))
 
     def _open(self, fname):
         if fname not in self._files:
@@ -148,12 +151,15 @@ class Checkpoint:
                                 f"({', '.join(FLOATS)})")
         return name, sf
 
+    def _check_shape(self, name, shape):
+        want = expected_shape(self.config, name)
+        if want is not None and shape != want:
+            raise MindspecError(f"{self.dir}: tensor {name} has shape {shape}, config says {want}")
+
     def get(self, name):
         name, sf = self._shard(name)
         arr = sf.get(name)
-        want = expected_shape(self.config, name)
-        if want is not None and tuple(arr.shape) != want:
-            raise MindspecError(f"{self.dir}: tensor {name} has shape {tuple(arr.shape)}, config says {want}")
+        self._check_shape(name, tuple(arr.shape))
         return arr
 
     def get_slice(self, name, axis, start, stop):
@@ -161,9 +167,8 @@ class Checkpoint:
         reading only those bytes of the memory-mapped file: a tensor-parallel rank's shard."""
         name, sf = self._shard(name)
         info = sf.header[name]
-        shape, want = tuple(info["shape"]), expected_shape(self.config, name)
-        if want is not None and shape != want:
-            raise MindspecError(f"{self.dir}: tensor {name} has shape {shape}, config says {want}")
+        shape = tuple(info["shape"])
+        self._check_shape(name, shape)
         if len(shape) != 2 or axis not in (0, 1) or not 0 <= start <= stop <= shape[axis]:
             raise ValueError(f"bad slice {name}{list(shape)} axis {axis} [{start}:{stop}]")
         dt = _np_dtype(info["dtype"], sf.path)

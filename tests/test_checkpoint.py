@@ -87,10 +87,8 @@ def test_odd_safetensors_files_are_one_line_errors(tmp_path):
     shards = sorted(set(index["weight_map"].values()))
     wrong = next(f for f in shards if f != index["weight_map"]["model.norm.weight"])
     index_path.write_text(json.dumps({"weight_map": dict(index["weight_map"], **{"model.norm.weight": wrong})}))
-    ck = Checkpoint(d)
-    for get in (lambda: ck.get("model.norm.weight"), lambda: ck.get_slice("model.norm.weight", 0, 0, 1)):
-        with pytest.raises(MindspecError, match=f"index maps model.norm.weight to {wrong}, which does not hold it"):
-            get()
+    with pytest.raises(MindspecError, match=f"index maps model.norm.weight to {wrong}, which does not hold it"):
+        Checkpoint(d)  # (found when the headers are checked, before any weight is read)
     index_path.write_text(json.dumps({"weight_map": "model.safetensors"}))
     with pytest.raises(MindspecError, match="bad safetensors index"):
         Checkpoint(d)
@@ -179,3 +177,20 @@ def test_hostile_config_and_index_files_are_one_line_errors(tmp_path, tiny_targe
     index.write_text(json.dumps(m))
     with pytest.raises(MindspecError, match=r"shard name '\.\./out/model-00001-of-.*' is not a file name"):
         Checkpoint(s)
+
+
+@pytest.mark.parametrize("change", [dict(hidden_size=2 ** 40), dict(head_dim=2 ** 30)])
+def test_a_config_is_checked_against_the_weights_before_anything_is_sized_by_it(tmp_path, tiny_target, change):
+    """The hostile-file review's: export built RoPE tables of 1-16 TiB from such a config (numpy's
+    MemoryError traceback) before reading a weight."""
+    from export import export_draft
+    d = tmp_path / "c"
+    shutil.copytree(tiny_target[0], d)
+    (d / "config.json").write_text(json.dumps(dict(json.loads((d / "config.json").read_text()), **change)))
+    with pytest.raises(MindspecError, match="has shape .*, config says"):
+        export_draft(str(d), str(tmp_path / "d.onnx"))
+    (d / "config.json").write_text(json.dumps(dict(json.loads((d / "config.json").read_text()),
+                                                   hidden_size=64, head_dim=16, max_position_embeddings=10 ** 15)))
+    with pytest.raises(MindspecError, match="not enough memory to build the draft for 1000000000000000 positions: "
+                                            "give a smaller --max-seq"):
+        export_draft(str(d), str(tmp_path / "d.onnx"))
