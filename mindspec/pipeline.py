@@ -1,6 +1,7 @@
 """`mindspec.load(...)` -> Pipeline: target + draft + tokenizer, and thin drivers over the one engine:
 generate (one request), generate_many (many, continuously batched) and run (what serve and batch
 use)."""
+import contextlib
 import inspect
 import os
 import threading
@@ -18,6 +19,7 @@ from .device import check_device_env, detect_device
 from .spec import BATCH_BUCKETS, K_BUCKETS, PLAN_DTYPE, TOP_LOGPROBS, SpecConfig, cache_positions, resolve_dtype
 from .tokenizer import Tokenizer
 from .tp import share
+from . import signals
 
 __all__ = ["Pipeline", "Result", "load"]
 
@@ -267,7 +269,7 @@ class Pipeline:
         raised) leaves the engine empty."""
         if self._holder == threading.get_ident():
             raise MindspecError("generate was called from inside its own callback: call it after this one returns")
-        with self._turn:
+        with self._turn, self._stops():
             self._holder = threading.get_ident()
             try:
                 self._run(reqs, on_event, max_batch)
@@ -278,6 +280,16 @@ class Pipeline:
             finally:
                 self._holder = None
         return reqs
+
+    @staticmethod
+    def _stops():
+        """A library call's Ctrl-C (the main thread's, where no command holds the signals): recorded and
+        raised as KeyboardInterrupt between steps, and MindSpore's own SIGINT handler, which a graph run
+        sets and which sends the process SIGTERM, undone when the call ends (a script died on Ctrl-C,
+        even in a time.sleep after its last generation). A second signal raises at once."""
+        def at_once():
+            raise KeyboardInterrupt
+        return contextlib.nullcontext() if signals.active() else signals.Signals(True, at_once)
 
     def _run(self, reqs, on_event, max_batch):
         self.prepare(reqs, max_batch)
@@ -292,6 +304,7 @@ class Pipeline:
                     on_event(r, text)
                 if r.done:
                     pending.discard(r)
+            signals.check()
         for r in reqs:
             r.stats.compile_s = self.target.compile_s - compile_s
 

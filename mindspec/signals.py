@@ -49,6 +49,11 @@ class Signals:
             _active = None
 
 
+def active():
+    """Whether a Signals is in force (a command's, or a library call's)."""
+    return _active is not None
+
+
 def check():
     """Raise KeyboardInterrupt if a signal was recorded (nothing when no Signals is in force)."""
     if _active is not None:

@@ -274,3 +274,54 @@ def test_a_call_its_callback_interrupts_leaves_the_pipeline_clean(pipe):
     with pytest.raises(MindspecError, match="from inside its own callback"):
         pipe.generate(prompt_ids=[5, 6], max_new_tokens=3, on_text=lambda t: pipe.generate(prompt_ids=[5]))
     assert pipe.generate(prompt_ids=[5, 6, 7], max_new_tokens=12).token_ids == want
+
+
+CTRL_C_SCRIPT = """
+import sys, time, mindspec
+pipe = mindspec.load(target=sys.argv[1], draft=sys.argv[2], k=4, max_seq=128)
+want = pipe.generate(prompt_ids=[5, 6, 7], max_new_tokens=12).token_ids
+print("ready", flush=True)
+try:
+    while True:
+        pipe.generate(prompt_ids=[5, 6, 7], max_new_tokens=100)
+except KeyboardInterrupt:
+    print("caught while generating", flush=True)
+print("same" if pipe.generate(prompt_ids=[5, 6, 7], max_new_tokens=12).token_ids == want else "differs", flush=True)
+try:
+    time.sleep(60)
+except KeyboardInterrupt:
+    print("caught while idle", flush=True)
+"""
+
+
+def test_ctrl_c_in_a_library_script_raises_keyboard_interrupt(tiny_target, noisy_draft):
+    """Found trying the library as a user: once a script had run a generation, Ctrl-C killed the process
+    (MindSpore's own SIGINT handler, set on every graph run, sends the process SIGTERM): exit -15, no
+    KeyboardInterrupt, whether the script was generating or sleeping."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    p = subprocess.Popen([sys.executable, "-c", CTRL_C_SCRIPT, tiny_target[0], noisy_draft], text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as a terminal's
+    lines = []
+
+    def until(word):
+        while (line := p.stdout.readline().strip()) != word:
+            assert line, (lines, p.stderr.read()[-3000:])  # (EOF: the process ended)
+            lines.append(line)
+        lines.append(line)
+
+    try:
+        until("ready")
+        time.sleep(0.5)  # inside a generation, most likely inside a graph run
+        p.send_signal(signal.SIGINT)
+        until("same")
+        time.sleep(0.2)  # in time.sleep, after the graph runs
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=120)
+    finally:
+        p.kill()
+    assert lines + out.splitlines() == ["ready", "caught while generating", "same", "caught while idle"], err[-3000:]
+    assert p.returncode == 0, err[-3000:]
