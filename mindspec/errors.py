@@ -16,8 +16,9 @@ def summary(e):
 
 
 def is_int(v):
-    """Whether a user's value counts as an integer in the checks (JSON's true/false are not)."""
-    return isinstance(v, int) and not isinstance(v, bool)
+    """Whether a user's value counts as an integer in the checks (numpy's too; JSON's true/false are
+    not). Callers keep int(v)."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
 def is_number(v):

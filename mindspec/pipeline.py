@@ -18,6 +18,7 @@ from .sequence import Request, Result
 from .device import check_device_env, detect_device
 from .spec import BATCH_BUCKETS, K_BUCKETS, PLAN_DTYPE, TOP_LOGPROBS, SpecConfig, cache_positions, resolve_dtype
 from .tokenizer import Tokenizer
+from .graphs.tp import in_msrun
 from .tp import share
 from . import signals
 
@@ -32,12 +33,18 @@ class Pipeline:
             raise MindspecError(f"max_seq must be an integer >= 1 or None (sized for each call), got {max_seq!r}")
         if not (is_int(tp) and tp >= 1):
             raise MindspecError(f"tp must be an integer >= 1, got {tp!r}")
+        if tp > 1 and not in_msrun():  # (it loaded and ran on one device)
+            raise MindspecError(f"tp={tp} needs one process per rank, started by msrun: run `mindspec generate`, "
+                                f"`serve` or `batch` with --tp {tp}")
+        if not isinstance(prefix_cache, (bool, np.bool_)):
+            raise MindspecError(f"prefix_cache must be True or False, got {prefix_cache!r}")
+        max_seq = None if max_seq is None else int(max_seq)
         if device_mem is not None and not (is_number(device_mem) and 0 < device_mem < float("inf")):
             raise MindspecError(f"device_mem must be a number of bytes, got {device_mem!r}")
         check_device_env()  # (before MindSpore's import, which aborts on a bad one)
         self.device = detect_device(device)  # target and draft: "CPU" or "Ascend"
         self.dtype = resolve_dtype(dtype, self.device)  # the target's; refused before any weight loads
-        self.spec = SpecConfig(k, tuple(buckets), tuple(batch_buckets), max_batch)
+        self.spec = SpecConfig(k, buckets, batch_buckets, max_batch)
         self._batch_buckets = tuple(batch_buckets)
         self.ckpt = Checkpoint(target)
         self.cfg = self.ckpt.config
@@ -47,9 +54,9 @@ class Pipeline:
             raise MindspecError(f"tokenizer.json has token id {top} ({token!r}), outside the model's vocabulary "
                                 f"[0, {self.cfg.vocab_size})")
         self.eos = frozenset(self.cfg.eos_token_ids) | frozenset(self.tokenizer.eos_token_ids)
-        self.target = self.proposer = self.engine = None
+        self.target = self.proposer = self.engine = self.manifest = self.draft_path = None
         self._turn, self._holder = threading.Lock(), None  # run(): one call at a time, threads take turns
-        self.prefix_cache = prefix_cache  # a new request reuses the K/V of a prefix a finished one left (engine.py)
+        self.prefix_cache = bool(prefix_cache)  # a new request reuses the K/V of a prefix a finished one left (engine.py)
         self.set_draft(draft)
         self.fixed_max_seq = max_seq
         self.device_mem, self.tp = device_mem, tp  # bytes per device: refuse what cannot fit
@@ -102,12 +109,20 @@ class Pipeline:
         return m
 
     def set_draft(self, path):
-        """Swap the draft (None: target-only), keeping the compiled target. Not while requests run."""
+        """Swap the draft (None: target-only), keeping the compiled target. Not while requests run; a
+        draft refused changes nothing."""
+        if self.engine is not None and self.engine.has_work:  # (the running rows' engine would be dropped)
+            raise MindspecError("cannot change the draft while requests are running")
         path = _path("draft", path) if path else None
+        was = self.manifest, self.draft_path
         self.manifest = self._check_draft(path) if path else None
         self.draft_path = path
-        if self.target is not None:
-            self._engine()
+        try:
+            if self.target is not None:
+                self._engine()
+        except BaseException:
+            self.manifest, self.draft_path = was
+            raise
 
     def _engine(self):
         """The draft session and the engine over the current target. The dynamic-K costs depend on the
@@ -171,6 +186,9 @@ class Pipeline:
         if (prompt is None) == (prompt_ids is None):
             raise MindspecError("give exactly one of a prompt or prompt ids")
         if prompt_ids is not None:
+            if chat:  # (was ignored)
+                raise MindspecError("chat=True wraps a text prompt in the chat template: it does not apply to "
+                                    "prompt_ids")
             if isinstance(prompt_ids, (str, bytes, dict, set)) or not hasattr(prompt_ids, "__iter__"):
                 raise MindspecError("prompt_ids must be a list of integer token ids")
             prompt_ids = list(prompt_ids)  # (a generator is read once)
@@ -206,12 +224,12 @@ class Pipeline:
         params = SamplingParams(temperature, top_k, top_p, repetition_penalty, draft_temperature, seed)
         if draft_min_conf is not None and not (is_number(draft_min_conf) and 0 < draft_min_conf < 1):
             raise MindspecError(f"draft_min_conf must be between 0 and 1, got {draft_min_conf!r}")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        if not is_int(max_new_tokens) or max_new_tokens < 1:
             raise MindspecError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
-                                     or not 0 <= logprobs <= TOP_LOGPROBS):
+        if logprobs is not None and not (is_int(logprobs) and 0 <= logprobs <= TOP_LOGPROBS):
             raise MindspecError(f"logprobs must be an integer in [0, {TOP_LOGPROBS}] (alternatives per token), "
                                 f"got {logprobs!r}")
+        max_new_tokens, logprobs = int(max_new_tokens), None if logprobs is None else int(logprobs)
         limit = self.max_positions
         ids = self.encode(prompt, prompt_ids, chat, limit)
         if len(ids) + 1 > limit:
@@ -269,6 +287,13 @@ class Pipeline:
         raised) leaves the engine empty."""
         if self._holder == threading.get_ident():
             raise MindspecError("generate was called from inside its own callback: call it after this one returns")
+        if not (is_int(max_batch) and max_batch >= 1):  # (0 waited for ever)
+            raise MindspecError(f"max_batch must be an integer >= 1, got {max_batch!r}")
+        if not all(isinstance(r, Request) for r in reqs):
+            raise MindspecError("run takes Requests (made by Pipeline.request)")
+        if len({id(r) for r in reqs}) < len(reqs):  # (its second turn never came: a spin)
+            raise MindspecError("the same request is given twice: make one per generation")
+        max_batch = int(max_batch)
         with self._turn, self._stops():
             self._holder = threading.get_ident()
             try:
@@ -315,35 +340,40 @@ class Pipeline:
         decodes with the target alone through the same graphs (the baseline). `draft_min_conf` stops
         drafting before a token the draft itself gives less than that probability (off by default: it
         measured slower for the default self-draft, see README)."""
-        r = self.request(prompt, prompt_ids, max_new_tokens, **kw)
+        if on_text is not None and not callable(on_text):
+            raise MindspecError(f"on_text must be a callable (it gets each new piece of text), got {on_text!r}")
+        r = self._request(kw, prompt=prompt, prompt_ids=prompt_ids, max_new_tokens=max_new_tokens)
         self.run([r], (lambda _, text: text and on_text(text)) if on_text else None)
         if r.error is not None:
             raise r.error
         return r.result()
 
+    def _request(self, kw, **named):
+        """request(**named, **kw), an unknown keyword refused by name (not as request()'s TypeError)."""
+        unknown = sorted(set(kw) - set(inspect.signature(self.request).parameters), key=str)
+        if unknown:
+            raise MindspecError(f"unknown keyword {unknown[0]!r}")
+        return self.request(**named, **kw)
+
     def generate_many(self, requests, max_batch=None):
         """requests: a list of dicts of generate's keywords. Results in input order, up to max_batch
         (default: the pipeline's) running at once. A bad entry raises MindspecError naming it before
         anything runs; a request that fails while running has finish_reason "error"."""
-        if max_batch is not None and (type(max_batch) is not int or max_batch < 1):
+        if max_batch is not None and not (is_int(max_batch) and max_batch >= 1):
             raise MindspecError(f"max_batch must be an integer >= 1, got {max_batch!r}")
         if requests is None or isinstance(requests, (str, bytes, dict)) or not hasattr(requests, "__iter__"):
             raise MindspecError("requests must be a list of dicts of generate's keywords, "
                                 f"got {type(requests).__name__}")
         requests = list(requests)  # (a generator is read once)
-        keywords = set(inspect.signature(self.request).parameters)
         reqs = []
         for i, kw in enumerate(requests):
             if not isinstance(kw, dict):
                 raise MindspecError(f"requests[{i}] must be a dict of generate's keywords, got {type(kw).__name__}")
-            unknown = sorted(set(kw) - keywords, key=str)
             try:
-                if unknown:
-                    raise MindspecError(f"unknown keyword {unknown[0]!r}")
-                reqs.append(self.request(**kw))
+                reqs.append(self._request(kw))
             except MindspecError as e:
                 raise MindspecError(f"requests[{i}]: {e}") from None
-        self.run(reqs, max_batch=max_batch or self.spec.max_batch)
+        self.run(reqs, max_batch=int(max_batch or self.spec.max_batch))
         return [r.result() for r in reqs]
 
 
@@ -358,6 +388,9 @@ def load(target=None, draft=None, k="auto", **kw):
     """Load a target checkpoint dir and an ONNX draft (None: target-only). With no target, the
     embedded default pair (SmolLM2-135M-Instruct and its 8-bit self-draft) is used; draft=False
     then loads the default target alone."""
+    unknown = sorted(set(kw) - set(inspect.signature(Pipeline).parameters), key=str)
+    if unknown:  # (before the default pair is made)
+        raise MindspecError(f"unknown keyword {unknown[0]!r}")
     if target is None:
         from .default import default_pair
         target, default_draft = default_pair()

@@ -46,6 +46,16 @@ def resolve_dtype(dtype, device):
     return dtype
 
 
+def _ints(what, values):
+    """values (an iterable of integers >= 1, as compiled shapes are given) as a tuple."""
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise MindspecError(f"{what} must be integers >= 1, got {values!r}")
+    values = tuple(values)
+    if not all(is_int(b) and b >= 1 for b in values):
+        raise MindspecError(f"{what} must be integers >= 1, got {values!r}")
+    return values
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     """k: a K bucket (fixed K) or "auto" (dynamic K per step). k_buckets / batch_buckets: the compiled
@@ -56,13 +66,15 @@ class SpecConfig:
     max_batch: int = 1
 
     def __post_init__(self):
-        ks = tuple(sorted(set(self.k_buckets)))
-        if not ks or not all(is_int(b) and b >= 1 for b in ks):
+        ks = tuple(sorted({int(b) for b in _ints("K buckets", self.k_buckets)}))
+        if not ks:
             raise MindspecError(f"K buckets must be integers >= 1, got {self.k_buckets!r}")
         if not (is_int(self.max_batch) and self.max_batch >= 1):
             raise MindspecError(f"max_batch must be an integer >= 1, got {self.max_batch!r}")
-        self.check_k(self.k, ks)
-        bs = sorted({b for b in self.batch_buckets if is_int(b) and 1 <= b < self.max_batch} | {self.max_batch})
+        object.__setattr__(self, "max_batch", int(self.max_batch))
+        object.__setattr__(self, "k", self.check_k(self.k, ks))
+        bs = sorted({int(b) for b in _ints("batch buckets", self.batch_buckets) if b < self.max_batch}
+                    | {self.max_batch})
         object.__setattr__(self, "k_buckets", tuple(sorted(set(ks) | ({self.k} - {"auto"}))))
         object.__setattr__(self, "batch_buckets", tuple(bs))
 
@@ -73,14 +85,14 @@ class SpecConfig:
             return k
         if not is_int(k) or not 1 <= k <= max(buckets):
             raise MindspecError(f"-k must be between 1 and the largest K bucket {max(buckets)} (or auto), got {k!r}")
-        return k
+        return int(k)
 
     def k_for_request(self, k):
         """A request's own k (None: the pipeline's) checked against the compiled buckets."""
         k = self.k if k is None else k
         if k != "auto" and (not is_int(k) or k not in self.k_buckets):
             raise MindspecError(f"k={k!r} is not a compiled bucket {list(self.k_buckets)} (or \"auto\")")
-        return k
+        return k if k == "auto" else int(k)
 
     def batch_bucket(self, n):
         """The smallest compiled batch size that holds n rows."""

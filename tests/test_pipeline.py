@@ -325,3 +325,52 @@ def test_ctrl_c_in_a_library_script_raises_keyboard_interrupt(tiny_target, noisy
         p.kill()
     assert lines + out.splitlines() == ["ready", "caught while generating", "same", "caught while idle"], err[-3000:]
     assert p.returncode == 0, err[-3000:]
+
+
+def test_careless_library_calls_are_one_line_errors_and_change_nothing(pipe, tiny_target, noisy_draft, tmp_path):
+    """Found by a careless user of the library: each of these hung, ran something else than asked, or
+    failed from deep inside."""
+    from mindspec.errors import MindspecError
+    want = pipe.generate(prompt_ids=[5, 6, 7], max_new_tokens=12)
+    assert want.stats["drafted"] > 0
+    # set_draft from a callback swapped the engine under the running request: spun at 100% CPU for ever
+    with pytest.raises(MindspecError, match="cannot change the draft while requests are running"):
+        pipe.generate(prompt_ids=[5, 6], max_new_tokens=20, on_text=lambda t: pipe.set_draft(None))
+    # a refused draft left the pipeline naming it and running target-only
+    short = str(tmp_path / "d64.onnx")
+    export_draft(tiny_target[0], short, max_seq=64)
+    with pytest.raises(MindspecError, match="more than the 64 positions the draft was exported for"):
+        pipe.set_draft(short)
+    assert pipe.draft_path == noisy_draft
+    again = pipe.generate(prompt_ids=[5, 6, 7], max_new_tokens=12)
+    assert again.token_ids == want.token_ids and again.stats["drafted"] == want.stats["drafted"]
+    # chat=True beside prompt_ids was ignored (the CLI refuses --chat with --prompt-ids)
+    with pytest.raises(MindspecError, match="chat=True wraps a text prompt in the chat template"):
+        pipe.generate(prompt_ids=[5, 6], chat=True)
+    with pytest.raises(MindspecError, match=r"requests\[0\]: chat=True wraps a text prompt"):
+        pipe.generate_many([{"prompt_ids": [5, 6], "chat": True}])
+    # run(): max_batch 0 and one request given twice hung; a string was an AttributeError
+    r = pipe.request(prompt_ids=[5, 6], max_new_tokens=3)
+    for args, words in ((([r], None, 0)), "max_batch must be an integer >= 1, got 0"), \
+            (([r, r],), "the same request is given twice"), ((["hello"],), "run takes Requests"):
+        with pytest.raises(MindspecError, match=words):
+            pipe.run(*args)
+    # a callback that is not callable failed after the prompt ran; an unknown keyword named request()
+    with pytest.raises(MindspecError, match="on_text must be a callable"):
+        pipe.generate(prompt_ids=[5], on_text=5)
+    with pytest.raises(MindspecError, match="unknown keyword 'foo'"):
+        pipe.generate(prompt_ids=[5], foo=1)
+    # numpy integers: refused with messages that read "must be an integer ..., got 3"
+    got = pipe.generate(prompt_ids=[5, 6, 7], max_new_tokens=np.int64(12), k=np.int64(4), logprobs=np.int64(2))
+    assert got.token_ids == want.token_ids and type(got.stats["drafted"]) is int
+    assert [x.token_ids for x in pipe.generate_many([{"prompt_ids": [5, 6, 7], "max_new_tokens": 12}] * 2,
+                                                    max_batch=np.int64(2))] == [want.token_ids] * 2
+    assert pipe.generate(prompt_ids=[5, 6, 7], max_new_tokens=12).token_ids == want.token_ids
+    # load: tp=2 ran on one device; prefix_cache="no" kept caching; buckets=4 was a TypeError
+    for kw, words in ((dict(tp=2), "tp=2 needs one process per rank"),
+                      (dict(prefix_cache="no"), "prefix_cache must be True or False, got 'no'"),
+                      (dict(buckets=4), "K buckets must be integers >= 1, got 4"),
+                      (dict(batch_buckets=4), "batch buckets must be integers >= 1, got 4"),
+                      (dict(foo=1), "unknown keyword 'foo'")):
+        with pytest.raises(MindspecError, match=words):
+            mindspec.load(target=tiny_target[0], draft=noisy_draft, **kw)
