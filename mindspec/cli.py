@@ -375,6 +375,9 @@ def _exit_code(fn):
         return fail(e)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # the reader of stdout left (`| head`): quiet, as a shell's writer that SIGPIPE ended
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (Python flushes stdout again at exit)
+        return 128 + signal.SIGPIPE
 
 
 def _dp_launcher(args):

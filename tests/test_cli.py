@@ -61,6 +61,18 @@ def test_generate_streams_text_and_summarises_on_stderr(pair):
     assert "accepted at draft position" in err and "K=2:" in err  # the --stats table
 
 
+@pytest.mark.parametrize("extra", [[], ["--json", "--logprobs", "2"]])
+def test_generate_into_a_pipe_that_closed_ends_quietly(pair, extra):
+    """Found piping it into `head -c 10`: a BrokenPipeError traceback, exit 1. Now quiet, with the
+    status a shell gives a writer that SIGPIPE ended (141)."""
+    target, draft, _ = pair
+    p = subprocess.Popen([sys.executable, "-m", "mindspec", "generate", "hi", "--target", target, "--draft", draft,
+                          "--max-new-tokens", "8", *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p.stdout.close()  # the reader has gone before the first token
+    err = p.communicate(timeout=300)[1]
+    assert p.returncode == 141 and "Traceback" not in err and "Error" not in err, (p.returncode, err)
+
+
 def _bad(d, name, breaker):
     path = d / name
     if not path.exists():
