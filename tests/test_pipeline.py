@@ -361,11 +361,12 @@ def test_careless_library_calls_are_one_line_errors_and_change_nothing(pipe, tin
     with pytest.raises(MindspecError, match="unknown keyword 'foo'"):
         pipe.generate(prompt_ids=[5], foo=1)
     # numpy integers: refused with messages that read "must be an integer ..., got 3"
-    got = pipe.generate(prompt_ids=[5, 6, 7], max_new_tokens=np.int64(12), k=np.int64(4), logprobs=np.int64(2))
+    got = pipe.generate(prompt_ids=[5, 6, 7], max_new_tokens=np.int64(12), k=np.int64(4))
     assert got.token_ids == want.token_ids and type(got.stats["drafted"]) is int
-    assert [x.token_ids for x in pipe.generate_many([{"prompt_ids": [5, 6, 7], "max_new_tokens": 12}] * 2,
-                                                    max_batch=np.int64(2))] == [want.token_ids] * 2
-    assert pipe.generate(prompt_ids=[5, 6, 7], max_new_tokens=12).token_ids == want.token_ids
+    r = pipe.request(prompt_ids=[5], logprobs=np.int64(2), max_new_tokens=np.uint8(3))
+    assert (r.logprobs, r.max_new_tokens) == (2, 3) and type(r.logprobs) is type(r.max_new_tokens) is int
+    assert [x.token_ids for x in pipe.generate_many([{"prompt_ids": [5, 6, 7], "max_new_tokens": 12}],
+                                                    max_batch=np.int64(1))] == [want.token_ids]
     # load: tp=2 ran on one device; prefix_cache="no" kept caching; buckets=4 was a TypeError
     for kw, words in ((dict(tp=2), "tp=2 needs one process per rank"),
                       (dict(prefix_cache="no"), "prefix_cache must be True or False, got 'no'"),
