@@ -49,10 +49,10 @@ def _reader_class():
         """GGUFReader that refuses to read past the file's end: an array's length is read from the file
         and its elements read one by one, so a 49-byte file claiming 2**40 elements looped on empty reads
         until memory ran out."""
-        def _get(self, offset, dtype, count=1, override_order=None):
+        def _get(self, offset, dtype, count=1, *args, **kw):  # (gguf's own reader, the one place it reads)
             if offset + int(count) * np.dtype(dtype).itemsize > len(self.data):
                 raise ValueError(f"data ends before offset {offset} + {count} values")
-            return super()._get(offset, dtype, count, override_order)
+            return super()._get(offset, dtype, count, *args, **kw)
     return Reader
 
 
