@@ -5,7 +5,8 @@ then aborts at exit: `Fatal Python error: PyThreadState_Get`), is swallowed by i
 process runs on: a server that was told to stop went on to serve), or aborts a compile with an error
 dump and rank_0/om/analyze_fail.ir. (MindSpore's own SIGINT handler, set on every graph run, sends the
 process SIGTERM.) Safe points: `check()` — the batch job's between records and steps, the server's
-between turns, and before each graph compile (graphs.runner). A second signal stops at once (`hard_stop`)."""
+between turns, a library call's between engine steps (Pipeline.run), and before each graph compile
+(graphs.runner). A second signal stops at once (`hard_stop`)."""
 import signal
 import threading
 
