@@ -233,6 +233,7 @@ def convert_gguf(gguf_path, out_dir):
     cfg["tie_word_embeddings"] = "lm_head.weight" not in tensors
     parent = os.path.dirname(os.path.abspath(out_dir))
     try:  # a scratch directory of its own beside OUT (a fixed OUT.partial was deleted, even a user's)
+        os.makedirs(parent, exist_ok=True)
         tmp = tempfile.mkdtemp(prefix=os.path.basename(os.path.normpath(out_dir)) + ".partial-", dir=parent)
     except OSError as e:
         raise MindspecError(f"cannot write {out_dir}: {e.strerror or e}") from None

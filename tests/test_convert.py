@@ -268,3 +268,6 @@ def test_a_conversion_leaves_other_directories_beside_out_alone(converted, tmp_p
     assert convert_gguf(gguf, str(tmp_path / "keep")) == str(tmp_path / "keep")
     assert (tmp_path / "keep.partial" / "notes.txt").read_text() == "mine"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["keep", "keep.partial"]
+    # (and OUT's parent is made, as the default pair's conversion into a new $MINDSPEC_HOME needs)
+    assert convert_gguf(gguf, str(tmp_path / "new" / "dirs" / "m")) == str(tmp_path / "new" / "dirs" / "m")
+    assert Checkpoint(str(tmp_path / "new" / "dirs" / "m")).config.hidden_size == 64
