@@ -114,7 +114,9 @@ class Checkpoint:
         self._check_names()
         for name in weight_names(self.config):  # from the headers, before anything is sized by the config
             read, sf = self._shard(name)
-            self._check_shape(name, tuple(sf.header[read]["shape"]))
+            shape, want = tuple(sf.header[read]["shape"]), expected_shape(self.config, name)
+            if shape != want:
+                raise MindspecError(f"{self.dir}: tensor {name} has shape {shape}, config says {want}")
 
     def _open(self, fname):
         if fname not in self._files:
@@ -151,16 +153,10 @@ class Checkpoint:
                                 f"({', '.join(FLOATS)})")
         return name, sf
 
-    def _check_shape(self, name, shape):
-        want = expected_shape(self.config, name)
-        if want is not None and shape != want:
-            raise MindspecError(f"{self.dir}: tensor {name} has shape {shape}, config says {want}")
-
     def get(self, name):
+        """A weight as float32 (its shape and dtype were checked when the checkpoint was opened)."""
         name, sf = self._shard(name)
-        arr = sf.get(name)
-        self._check_shape(name, tuple(arr.shape))
-        return arr
+        return sf.get(name)
 
     def get_slice(self, name, axis, start, stop):
         """Rows (axis 0) or columns (axis 1) start:stop of a 2-D tensor, equal to get(name) sliced,
@@ -168,7 +164,6 @@ class Checkpoint:
         name, sf = self._shard(name)
         info = sf.header[name]
         shape = tuple(info["shape"])
-        self._check_shape(name, shape)
         if len(shape) != 2 or axis not in (0, 1) or not 0 <= start <= stop <= shape[axis]:
             raise ValueError(f"bad slice {name}{list(shape)} axis {axis} [{start}:{stop}]")
         dt = _np_dtype(info["dtype"], sf.path)

@@ -34,8 +34,9 @@ def read_json(path):
     return parse_json(text)
 
 
-def parse_json(text):
+def parse_json(text, **kw):
+    """json.loads(text, **kw), nesting deeper than Python's stack a ValueError."""
     try:
-        return json.loads(text)
+        return json.loads(text, **kw)
     except RecursionError:
         raise ValueError("nested deeper than Python's stack") from None

@@ -12,7 +12,7 @@ import os
 import random
 import sys
 
-from .errors import MindspecError, is_int
+from .errors import MindspecError, is_int, parse_json
 
 SEED_ENV = "MINDSPEC_SEED_BASE"  # set by the tensor-parallel launcher: every rank draws the same seeds
 _seeds = None
@@ -58,9 +58,7 @@ def loads(data):
     """A request's JSON (a body or a batch line); ValueError (a message fit for the user) when it is not
     JSON, RequestError for a key given twice."""
     try:
-        return json.loads(data, object_pairs_hook=_object)
-    except RecursionError:
-        raise ValueError("nested deeper than Python's stack") from None
+        return parse_json(data, object_pairs_hook=_object)
     except ValueError as e:
         if "integer string conversion" in str(e):  # int()'s limit, in words that are not about Python
             raise ValueError(f"a number of more than {sys.get_int_max_str_digits()} digits") from None
