@@ -350,17 +350,13 @@ class Pipeline:
 
     def _request(self, kw, **named):
         """request(**named, **kw), an unknown keyword refused by name (not as request()'s TypeError)."""
-        unknown = sorted(set(kw) - set(inspect.signature(self.request).parameters), key=str)
-        if unknown:
-            raise MindspecError(f"unknown keyword {unknown[0]!r}")
+        _known(kw, self.request)
         return self.request(**named, **kw)
 
     def generate_many(self, requests, max_batch=None):
         """requests: a list of dicts of generate's keywords. Results in input order, up to max_batch
         (default: the pipeline's) running at once. A bad entry raises MindspecError naming it before
         anything runs; a request that fails while running has finish_reason "error"."""
-        if max_batch is not None and not (is_int(max_batch) and max_batch >= 1):
-            raise MindspecError(f"max_batch must be an integer >= 1, got {max_batch!r}")
         if requests is None or isinstance(requests, (str, bytes, dict)) or not hasattr(requests, "__iter__"):
             raise MindspecError("requests must be a list of dicts of generate's keywords, "
                                 f"got {type(requests).__name__}")
@@ -373,8 +369,15 @@ class Pipeline:
                 reqs.append(self._request(kw))
             except MindspecError as e:
                 raise MindspecError(f"requests[{i}]: {e}") from None
-        self.run(reqs, max_batch=int(max_batch or self.spec.max_batch))
+        self.run(reqs, max_batch=self.spec.max_batch if max_batch is None else max_batch)
         return [r.result() for r in reqs]
+
+
+def _known(kw, fn):
+    """Refuse a keyword fn does not take, by name (not as a TypeError from inside)."""
+    unknown = sorted(set(kw) - set(inspect.signature(fn).parameters), key=str)
+    if unknown:
+        raise MindspecError(f"unknown keyword {unknown[0]!r}")
 
 
 def _path(what, p):
@@ -388,9 +391,7 @@ def load(target=None, draft=None, k="auto", **kw):
     """Load a target checkpoint dir and an ONNX draft (None: target-only). With no target, the
     embedded default pair (SmolLM2-135M-Instruct and its 8-bit self-draft) is used; draft=False
     then loads the default target alone."""
-    unknown = sorted(set(kw) - set(inspect.signature(Pipeline).parameters), key=str)
-    if unknown:  # (before the default pair is made)
-        raise MindspecError(f"unknown keyword {unknown[0]!r}")
+    _known(kw, Pipeline)  # (before the default pair is made)
     if target is None:
         from .default import default_pair
         target, default_draft = default_pair()

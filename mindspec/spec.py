@@ -47,13 +47,13 @@ def resolve_dtype(dtype, device):
 
 
 def _ints(what, values):
-    """values (an iterable of integers >= 1, as compiled shapes are given) as a tuple."""
+    """values (an iterable of integers >= 1, as compiled shapes are given) as a tuple of ints."""
     if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
         raise MindspecError(f"{what} must be integers >= 1, got {values!r}")
     values = tuple(values)
     if not all(is_int(b) and b >= 1 for b in values):
         raise MindspecError(f"{what} must be integers >= 1, got {values!r}")
-    return values
+    return tuple(int(b) for b in values)
 
 
 @dataclass(frozen=True)
@@ -66,15 +66,14 @@ class SpecConfig:
     max_batch: int = 1
 
     def __post_init__(self):
-        ks = tuple(sorted({int(b) for b in _ints("K buckets", self.k_buckets)}))
+        ks = tuple(sorted(set(_ints("K buckets", self.k_buckets))))
         if not ks:
             raise MindspecError(f"K buckets must be integers >= 1, got {self.k_buckets!r}")
         if not (is_int(self.max_batch) and self.max_batch >= 1):
             raise MindspecError(f"max_batch must be an integer >= 1, got {self.max_batch!r}")
         object.__setattr__(self, "max_batch", int(self.max_batch))
         object.__setattr__(self, "k", self.check_k(self.k, ks))
-        bs = sorted({int(b) for b in _ints("batch buckets", self.batch_buckets) if b < self.max_batch}
-                    | {self.max_batch})
+        bs = sorted({b for b in _ints("batch buckets", self.batch_buckets) if b < self.max_batch} | {self.max_batch})
         object.__setattr__(self, "k_buckets", tuple(sorted(set(ks) | ({self.k} - {"auto"}))))
         object.__setattr__(self, "batch_buckets", tuple(bs))
 
