@@ -71,9 +71,16 @@ T_BUCKETS = (1, PREFILL_CHUNK)  # ascend profile: tokens per row and call (a dra
 
 
 def _check_interface(session, m, onnx_path):
-    """The manifest's profile, cache dtype and vocabulary against the graph's inputs and outputs: a
-    hand-edited manifest keeps the graph's checksum, and onnxruntime's error came only on the first call."""
+    """The manifest's layers, KV heads, head size, profile, cache dtype and vocabulary against the graph's
+    inputs and outputs: a hand-edited manifest keeps the graph's checksum, and onnxruntime's error came
+    only on the first call."""
     ins = {i.name: i for i in session.get_inputs()}
+    L, KV, D = m["num_layers"], m["num_key_value_heads"], m["head_dim"]
+    layers = sum(n.startswith("past_key_") for n in ins)
+    shape = ins["past_key_0"].shape if "past_key_0" in ins else [None] * 4  # [B, KV, S, D]
+    if layers != L or shape[1] != KV or shape[3] != D:
+        raise MindspecError(f"draft {onnx_path}: its manifest ({L} layers, {KV} KV heads of {D}) does not describe "
+                            f"its graph ({layers} layers, {shape[1]} KV heads of {shape[3]})")
     graph = {"profile": "ascend" if "slots" in ins else "cpu",
              "dtype": {"tensor(float)": "float32", "tensor(float16)": "float16"}.get(ins["past_key_0"].type),
              "vocab_size": session.get_outputs()[0].shape[-1]}
@@ -114,13 +121,8 @@ class DraftSession:
         bound = m["profile"] == "ascend"  # the cache on the session's device, written by the graph
         S = self.max_seq if bound else self.max_seq + 1  # + 1: see the host buffers below
         self.session = start_session(onnx_path, make_session_options(threads, {"S": S}), providers(device, graph=bound))
-        L, KV, D = m["num_layers"], m["num_key_value_heads"], m["head_dim"]
-        cache = {i.name: i.shape for i in self.session.get_inputs() if i.name.startswith("past_key_")}
-        shape = cache.get("past_key_0") or [None] * 4  # [B, KV, S, D]
-        if len(cache) != L or shape[1] != KV or shape[3] != D:  # a hand-edited manifest (its checksum: the graph's)
-            raise MindspecError(f"draft {onnx_path}: its manifest ({L} layers, {KV} KV heads of {D}) does not describe "
-                                f"its graph ({len(cache)} layers, {shape[1]} KV heads of {shape[3]})")
         _check_interface(self.session, m, onnx_path)
+        L, KV, D = m["num_layers"], m["num_key_value_heads"], m["head_dim"]
         self.vocab_size = m["vocab_size"]
         self.pos = np.zeros(self.max_batch, np.int64)                                    # [R] cached length
         self.device_kv = BoundCache(self.session, m, self.max_batch, self.max_seq, threads) if bound else None
