@@ -177,10 +177,12 @@ def cmd_generate(a):
         raise MindspecError("--logprobs needs --json (the logprobs are written in its object)")
     if a.chat and a.prompt_ids is not None:
         raise MindspecError("--chat wraps a text prompt in the chat template: it does not apply to --prompt-ids")
+    from .request import run
     pipe = load_pipeline(a)
     stream = None if a.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
-    res = pipe.generate(prompt=a.prompt, prompt_ids=a.prompt_ids, chat=a.chat, on_text=stream, logprobs=a.logprobs,
-                        **dict(sampling_kwargs(a), seed=_seed(a)))
+    # the path of a server's request: an explicit --max-new-tokens beyond what fits is refused, not cut
+    _, res = run(pipe, dict(sampling_kwargs(a), seed=_seed(a), prompt=a.prompt, prompt_ids=a.prompt_ids, chat=a.chat,
+                            logprobs=a.logprobs, limit_field=a.limit_field), stream)
     s = res.stats
     if a.json:
         out = {"text": res.text, "token_ids": res.token_ids, "finish_reason": res.finish_reason, "stats": s}
@@ -297,7 +299,7 @@ def parser():
     c.add_argument("--out", required=True)
     c.set_defaults(func=cmd_convert)
     g = sub.add_parser("generate", help="generate text with a target + draft pair")
-    g.add_argument("prompt", nargs="?", default=None)
+    g.add_argument("prompt", nargs="?", default=None, help="the prompt; - reads it from stdin")
     g.add_argument("--prompt-ids", type=_ids, default=None, help="comma-separated token ids instead of text")
     add_model_args(g)
     add_sampling_args(g)
@@ -426,6 +428,16 @@ def _given(argv):
     return set(vars(p.parse_args(argv)))
 
 
+def _stdin_prompt(args):
+    """generate's prompt "-": the text on stdin, its final newline dropped (as a shell's $(...) drops it)."""
+    if args.tp > 1 or args.nodes > 1:  # (msrun's ranks do not share the user's stdin)
+        raise MindspecError("the prompt on stdin (-) cannot reach tensor-parallel ranks: give it as an argument")
+    try:
+        return sys.stdin.buffer.read().decode("utf-8").removesuffix("\n")
+    except UnicodeDecodeError:
+        raise MindspecError("the prompt on stdin is not UTF-8 text") from None
+
+
 def parse(argv):
     """The command's arguments: argparse's, then serve's --config file under the flags given, and checks
     that span flags (raises MindspecError)."""
@@ -438,6 +450,12 @@ def parse(argv):
         apply(args, args.config, _given(argv))
     if getattr(args, "temperature", None) is not None:
         check_sampling_args(args)
+    if getattr(args, "no_speculate", False) and args.k != "auto":
+        raise MindspecError(f"-k {args.k} sets the draft tokens of a step: it does not apply with --no-speculate")
+    if args.cmd == "generate":
+        args.limit_field = "--max-new-tokens" if "max_new_tokens" in _given(argv) else None  # (else cut to fit)
+        if args.prompt == "-":
+            args.prompt = _stdin_prompt(args)
     if args.cmd in MODEL_COMMANDS + ("bench", "doctor"):  # the commands that import MindSpore
         check_device_env()
     if getattr(args, "nodes", None) is not None:  # before any path (a --dp launcher ran replicas 6, 7 of 2)

@@ -47,3 +47,13 @@ def _draft_version(draft):
     except (OSError, ValueError):
         return None
     return m.get("version") if isinstance(m, dict) else None
+
+
+def main():
+    """tools/setup.sh's last step: make the default pair; a failure is one line and exit 2."""
+    try:
+        print("default pair:", *default_pair())
+    except MindspecError as e:
+        print(f"mindspec: error: {e}", file=sys.stderr)
+        return 2
+    return 0

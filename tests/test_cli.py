@@ -123,6 +123,22 @@ def test_a_bad_checkpoint_or_draft_is_refused_before_mindspore_loads(pair):
         assert p.returncode == 0 and p.stdout.splitlines()[-1] == "False", (kw, p.stdout, p.stderr[-2000:])
 
 
+def test_generate_reads_the_prompt_from_stdin_given_as_dash(pair):
+    """`mindspec generate -` reads the prompt from stdin (it was the one-character prompt "-"), its final
+    newline dropped as a shell's $(...) does; text that is not UTF-8 is one line, exit 2."""
+    target, draft, _ = pair
+    gen = [sys.executable, "-m", "mindspec", "generate", "-", "--target", target, "--draft", draft, "--max-seq", "4"]
+    for data, needle in ((b"hello\n", "prompt is 5 tokens; it does not fit max_seq 4"),  # byte tokens: 5, not 1
+                         (b"\xff\xfe", "the prompt on stdin is not UTF-8 text"),
+                         (b"", "the prompt is empty")):
+        p = subprocess.run(gen, input=data, capture_output=True, timeout=300)
+        err = p.stderr.decode()
+        assert p.returncode == 2 and err.splitlines() == [f"mindspec: error: {needle}"], (data, p.returncode, err)
+    p = subprocess.run(gen[:-2] + ["--tp", "2"], input=b"hi", capture_output=True, timeout=300)
+    assert p.returncode == 2 and p.stderr.decode().splitlines() == [
+        "mindspec: error: the prompt on stdin (-) cannot reach tensor-parallel ranks: give it as an argument"]
+
+
 def test_bad_drafts(pair, tmp_path):
     target, draft, d = pair
     gen = ["generate", "--prompt-ids", "5,6", "--target", target, "--draft"]
@@ -156,6 +172,11 @@ def test_bad_requests(pair):
     _expect_error(gen + ["--prompt-ids", "5", "--logprobs", "2"], "--logprobs needs --json")  # were dropped
     _expect_error(gen + ["--prompt-ids", "5", "--chat"], "it does not apply to --prompt-ids")  # was ignored
     _expect_error(gen + ["--prompt-ids", "5", "--node-rank", "1"], "--node-rank must be in 0..0")  # was ignored
+    _expect_error(gen + ["--prompt-ids", "5", "--no-speculate", "-k", "4"],  # was accepted, and never ran
+                  "-k 4 sets the draft tokens of a step: it does not apply with --no-speculate")
+    # asked for explicitly, more than fits is refused, as by serve and batch (it was cut: fewer tokens, exit 0)
+    _expect_error(gen + ["--prompt-ids", "5,6,7", "--max-seq", "64", "--max-new-tokens", "62"],
+                  "--max-new-tokens=62 does not fit: the 3-token prompt leaves 61 of the 64 positions")
     code, _, err = run(*gen, "--prompt-ids", "5", "--max-seq", "0")  # was "unset"; -4 failed after loading
     assert code == 2 and "--max-seq: must be an integer >= 1, got '0'" in err
     code, _, err = run(*gen, "--prompt-ids", "5", env={"MINDSPEC_HOME": target + "/config.json"})  # a file
@@ -309,6 +330,7 @@ def test_serve_and_batch_defaults_draw_no_seed_under_msrun_or_dp(monkeypatch):
     (["generate", "Hi", "--max-seq", "-5"],
      "mindspec generate: error: argument --max-seq: must be an integer >= 1, got '-5' (see mindspec generate --help)"),
     (["batch", "--input", "i", "--output", "o", "--max-batch", "0"], "--max-batch: must be an integer >= 1"),
+    (["serve", "--no-speculate", "-k", "2"], "-k 2 sets the draft tokens of a step: it does not apply with --no-spec"),
     # a value like a negative number but not one was read as a flag: "expected one argument"
     (["plan", "--params", "7e9", "--layers", "32", "--kv-heads", "8", "--head-dim", "128", "--device-mem", "-1GB"],
      "mindspec: error: bad size '-1GB' for --device-mem"),

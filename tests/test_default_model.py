@@ -100,3 +100,15 @@ def test_default_pair_reexports_an_old_draft(tmp_path, monkeypatch):
         calls.clear()
         assert default_pair() == (str(target), str(target / "draft-q8.onnx"))
         assert calls == ([str(target / "draft-q8.onnx")] if exported else [])
+
+
+def test_the_set_up_step_making_the_default_pair_fails_in_one_line(tmp_path, monkeypatch, capsys):
+    """tools/setup.sh makes the default pair with mindspec.default.main: a failure (here MINDSPEC_HOME is a
+    file) is one line and exit 2 (it was a traceback from the script's `python -c`)."""
+    from mindspec.default import main
+    (tmp_path / "home").write_text("")
+    monkeypatch.setenv("MINDSPEC_HOME", str(tmp_path / "home"))
+    assert main() == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"mindspec: error: MINDSPEC_HOME {tmp_path / 'home'} cannot be a directory: File exists"]
+    assert "main()" in open("tools/setup.sh").read()

