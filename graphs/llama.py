@@ -26,6 +26,7 @@ import mindspore as ms
 from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
 from .fuse import fused_weights, rope_rows
+from .prims import halves, heads, iota
 from .sampling import NEG, TOPK_CAP, greedy_accept, process, sample, seen_mask, speculative_accept, token_logprobs
 from .tp import shard_plan, tp_rank, tp_size
 
@@ -134,7 +135,7 @@ class LlamaDecoder(nn.Cell):
         -> normed hidden states [B*T, d]. Writes the T positions' K/V into each row's slot."""
         B, T = ids.shape
         S = self.key_pos.shape[0]
-        qpos = pos.reshape(B, 1) + ops.arange(T, dtype=ms.int32).reshape(1, T)  # [B, T]
+        qpos = pos.reshape(B, 1) + iota(T).reshape(1, T)  # [B, T]
         cos = ops.gather(self.cos, qpos.reshape(-1), 0).reshape(B, T, self.N)  # [B, T, N]
         sin = ops.gather(self.sin, qpos.reshape(-1), 0).reshape(B, T, self.N)
         mask = ops.select(self.key_pos.reshape(1, 1, S) <= qpos.reshape(B, T, 1),
@@ -148,15 +149,15 @@ class LlamaDecoder(nn.Cell):
             w_qkv, w_o, w_gu, w_down = self.w[4 * i:4 * i + 4]
             qkv = ops.dense(self.norm(x), w_qkv, self.b[i]) if self.qkv_bias else ops.dense(self.norm(x), w_qkv)
             if self.rot_rows:  # rotate_half(a) came out of the matmul
-                a, a_rot = ops.split(qkv, self.N, -1)  # [B*T, N] each
+                a, a_rot = halves(qkv, 1)  # [B*T, N] each
             else:
                 a = qkv  # [B*T, N]
-                x1, x2 = ops.split(a.reshape(B * T, self.H + 2 * self.KV, self.D), self.D // 2, -1)
+                x1, x2 = halves(a.reshape(B * T, self.H + 2 * self.KV, self.D), 2)
                 a_rot = ops.concat((-x2, x1), -1).reshape(B * T, self.N)  # rotate_half per head
             # RoPE as x*cos + rotate_half(x)*sin (v: cos 1, sin 0)
             a = a.reshape(B, T, self.N) * cos + a_rot.reshape(B, T, self.N) * sin
             a = a.reshape(B, T, self.H + 2 * self.KV, self.D).transpose(0, 2, 1, 3)
-            q, k, v = ops.split(a, (self.H, self.KV, self.KV), 1)  # [B, H|KV|KV, T, D]
+            q, k, v = heads(a, self.H, self.KV)  # [B, H|KV|KV, T, D]
             kc = ops.gather(ops.scatter_update(self.k_cache[i], idx, k), rows, 0)  # [B, KV, S, D]
             vc = ops.gather(ops.scatter_update(self.v_cache[i], idx, v), rows, 0)
             # GQA without copying the cache per head: the G query heads of a KV head become extra rows
@@ -164,7 +165,7 @@ class LlamaDecoder(nn.Cell):
             o = ops.matmul(self.narrow(ops.softmax(s, -1)), vc)  # [B, KV, G*T, D]
             o = o.reshape(B, self.H, T, self.D).transpose(0, 2, 1, 3).reshape(B * T, self.H * self.D)
             x = x + self.reduce(ops.dense(o, w_o))
-            g, u = ops.split(ops.dense(self.norm(x), w_gu), w_down.shape[1], -1)  # [B*T, I] each
+            g, u = halves(ops.dense(self.norm(x), w_gu), 1)  # [B*T, I] each
             x = x + self.reduce(ops.dense(ops.silu(g) * u, w_down))
         return self.norm(x)
 
@@ -228,7 +229,7 @@ class SampleStep(nn.Cell):
         if T == 1:
             committed = nxt.reshape(B, 1)
         else:  # [B, T]: the drafts, next at index n (past it: unused)
-            at = ops.arange(T, dtype=ms.int32).reshape(1, T)
+            at = iota(T).reshape(1, T)
             committed = ops.select(at == n.reshape(B, 1), ops.broadcast_to(nxt.reshape(B, 1), (B, T)),
                                    ops.concat((drafts, ids[:, :1]), 1))
         return (n, nxt) + token_logprobs(logits, committed) + (exact,)
@@ -248,7 +249,7 @@ class Prefill(nn.Cell):
     def construct(self, ids, slots, pos, last, u, temperature, top_k, top_p, penalty, seen):
         B, C = ids.shape
         V = seen.shape[1]
-        rows = ops.arange(B, dtype=ms.int32) * C + last  # [B]: each row's last real token
+        rows = iota(B) * C + last  # [B]: each row's last real token
         logits = self.decoder.head_logits(ops.gather(self.decoder(ids, slots, pos), rows, 0)).reshape(B, 1, V)
         p, exact = process(logits, temperature, top_k, top_p, penalty, (seen > 0).reshape(B, 1, V), self.cap)
         nxt = sample(p.reshape(B, V), u)

@@ -19,6 +19,8 @@ from mindspore import Tensor, ops
 
 from mindspec.spec import TOP_LOGPROBS
 
+from .prims import iota
+
 NEG = -1e9  # finite "minus infinity": exp() underflows to exactly 0 in float32
 BIG = 3e38  # "+infinity" for min-reductions
 TOPK_CAP = 2048  # topk costs ~6 ms at 1024-2048 on 5 x 49152 (2 CPU cores), a full sort ~55 ms
@@ -139,7 +141,7 @@ def seen_mask(seen, drafts, V):
 def valid_prefix(flags, n_valid):
     """flags [B, K] int32 (1: accepted), n_valid [B] -> accepted prefix length [B], at most n_valid."""
     K = flags.shape[1]
-    within = (ops.arange(K, dtype=ms.int32).reshape(1, K) < n_valid.reshape(-1, 1)).astype(ms.int32)
+    within = (iota(K).reshape(1, K) < n_valid.reshape(-1, 1)).astype(ms.int32)
     return ops.cumprod(flags * within, 1).sum(1).astype(ms.int32)
 
 
@@ -164,7 +166,7 @@ def speculative_accept(p, q, drafts, n_valid, u_acc, u_smp):
     px = ops.gather_elements(p, 2, pick).reshape(B, K1)[:, :K]  # [B, K] p_i(x_i)
     qx = ops.gather_elements(q, 2, drafts.reshape(B, K, 1)).reshape(B, K)  # [B, K] q_i(x_i)
     n = valid_prefix((u_acc * qx < px).astype(ms.int32), n_valid)  # [B]
-    rows = ops.arange(B, dtype=ms.int32)
+    rows = iota(B)
     pn = ops.gather(p.reshape(B * K1, V), rows * K1 + n, 0)  # [B, V]: p at the first rejection, or after n_valid
     qn = ops.gather(q.reshape(B * K, V), rows * K + ops.minimum(n, K - 1), 0) \
         * (n < n_valid).astype(ms.float32).reshape(B, 1)  # [B, V]: q there; 0 when every valid draft was kept
