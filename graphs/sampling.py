@@ -19,7 +19,7 @@ from mindspore import Tensor, ops
 
 from mindspec.spec import TOP_LOGPROBS
 
-from .prims import iota
+from .prims import argmax, full_like, iota, largest, one_hot
 
 NEG = -1e9  # finite "minus infinity": exp() underflows to exactly 0 in float32
 BIG = 3e38  # "+infinity" for min-reductions
@@ -36,13 +36,13 @@ def _cut(s, x, top_k, top_p):
     k = ops.minimum(k, V)  # [B, 1, 1]
     kk = ops.broadcast_to(ops.minimum(k, C) - 1, s.shape[:-1] + (1,))  # [B, T, 1]
     kth = ops.gather_elements(s, 2, kk)  # [B, T, 1] the k-th largest
-    kth = ops.select(ops.broadcast_to(k >= V, kth.shape), ops.full_like(kth, -BIG), kth)
+    kth = ops.select(ops.broadcast_to(k >= V, kth.shape), full_like(kth, -BIG), kth)
     m = s[..., :1]
     z = (ops.exp(x - m) * (x >= kth).astype(ms.float32)).sum(-1, keepdims=True)  # mass after top-k
     ps = ops.exp(s - m) * (s >= kth).astype(ms.float32) / z  # [B, T, C] probabilities, descending
     incl = ops.cumsum(ps, -1)
     before = incl - ps  # mass of the tokens ranked before each one: kept when < top_p
-    cut_p = ops.select(before < top_p, s, ops.full_like(s, BIG)).min(-1, keepdims=True)
+    cut_p = ops.select(before < top_p, s, full_like(s, BIG)).min(-1, keepdims=True)
     cut_p = ops.minimum(cut_p, m)  # the most likely token always stays, however small top_p
     cut = ops.select(ops.broadcast_to(top_p < 1, kth.shape), ops.maximum(cut_p, kth), kth)
     # exact: the k-th largest is a candidate, or top-k is off and the candidates hold the top-p set (a k
@@ -61,7 +61,7 @@ def _bisect(x, weight, target):
         mid = (lo + hi) * 0.5
         ok = (weight * (x >= mid).astype(ms.float32)).sum(-1, keepdims=True) >= target
         lo, hi = ops.select(ok, mid, lo), ops.select(ok, hi, mid)
-    return ops.select(x < hi, x, ops.full_like(x, -BIG)).max(-1, keepdims=True)
+    return ops.select(x < hi, x, full_like(x, -BIG)).max(-1, keepdims=True)
 
 
 def _exact_cut(x, top_k, top_p):
@@ -71,7 +71,7 @@ def _exact_cut(x, top_k, top_p):
     k = top_k + (top_k <= 0).astype(ms.int32) * V  # 0 (off) -> V
     k = ops.broadcast_to(ops.minimum(k, V), x.shape[:-1] + (1,)).astype(ms.float32)  # [B, T, 1]
     kth = _bisect(x, ops.ones_like(x), k)
-    kth = ops.select(k >= V, ops.full_like(kth, -BIG), kth)
+    kth = ops.select(k >= V, full_like(kth, -BIG), kth)
     m = x.max(-1, keepdims=True)
     p = ops.exp(x - m) * (x >= kth).astype(ms.float32)
     p = p / p.sum(-1, keepdims=True)  # [B, T, V] probabilities after top-k
@@ -87,8 +87,8 @@ def _truncate(x, top_k, top_p, cap):
     if cap is None:
         cut, exact = _exact_cut(x, top_k, top_p), Tensor(True)
     else:  # a vocabulary within the cap: every token is a candidate, always exact
-        cut, exact = _cut(ops.topk(x, min(cap, V), -1, True, True)[0], x, top_k, top_p)
-    return ops.select(x >= cut, x, ops.full_like(x, NEG)), exact
+        cut, exact = _cut(largest(x, min(cap, V))[0], x, top_k, top_p)
+    return ops.select(x >= cut, x, full_like(x, NEG)), exact
 
 
 def process(x, temperature, top_k, top_p, penalty, seen, cap):
@@ -100,7 +100,7 @@ def process(x, temperature, top_k, top_p, penalty, seen, cap):
     temperature, penalty = temperature.reshape(B, 1, 1), penalty.reshape(B, 1, 1)
     x = ops.select(seen, ops.select(x > 0, x / penalty, x * penalty), x)
     hot = (temperature > 0).astype(ms.float32)  # [B, 1, 1]: 1 sampling, 0 greedy
-    greedy = ops.one_hot(ops.argmax(x, -1), x.shape[-1], Tensor(1.0, ms.float32), Tensor(0.0, ms.float32))
+    greedy = one_hot(argmax(x), x.shape[-1])
     # greedy rows divide by 1; not (temperature + 1 - hot): 1 + 1e-8 rounds to 1 in float32, a division by 0
     x, exact = _truncate(x / (temperature * hot + (1.0 - hot)), top_k.reshape(B, 1, 1), top_p.reshape(B, 1, 1), cap)
     return ops.softmax(x, -1) * hot + greedy * (1.0 - hot), exact
@@ -115,7 +115,7 @@ def token_logprobs(logits, tokens):
     m = logits.max(-1, keepdims=True)
     lse = m + ops.log(ops.exp(logits - m).sum(-1, keepdims=True))  # [B, T, 1]
     lp = ops.gather_elements(logits, 2, tokens.reshape(B, T, 1)).reshape(B, T) - lse.reshape(B, T)
-    top, idx = ops.topk(logits, min(TOP_LOGPROBS, V), -1, True, True)
+    top, idx = largest(logits, min(TOP_LOGPROBS, V))
     return lp, top - lse, idx.astype(ms.int32)
 
 
@@ -133,7 +133,7 @@ def seen_mask(seen, drafts, V):
     """seen [B, V] float32 (1: committed token), drafts [B, K] -> [B, K+1, V] bool: at position i the
     committed tokens and drafts[:, :i] count as seen (what the repetition penalty looks at)."""
     B = drafts.shape[0]
-    d = ops.cumsum(ops.one_hot(drafts, V, Tensor(1.0, ms.float32), Tensor(0.0, ms.float32)), 1)  # [B, K, V]
+    d = ops.cumsum(one_hot(drafts, V), 1)  # [B, K, V]
     d = ops.concat((ops.zeros((B, 1, V), ms.float32), d), 1)  # [B, K+1, V]
     return (d + seen.reshape(B, 1, V)) > 0
 
