@@ -429,7 +429,7 @@ def _given(argv):
 
 
 def _stdin_prompt(args):
-    """generate's prompt "-": the text on stdin, its final newline dropped (as a shell's $(...) drops it)."""
+    """generate's prompt "-": the text on stdin, one final newline dropped (the one echo or an editor adds)."""
     if args.tp > 1 or args.nodes > 1:  # (msrun's ranks do not share the user's stdin)
         raise MindspecError("the prompt on stdin (-) cannot reach tensor-parallel ranks: give it as an argument")
     try:
