@@ -51,9 +51,9 @@ def _draft_version(draft):
 
 def main():
     """tools/setup.sh's last step: make the default pair; a failure is one line and exit 2."""
+    from .tp import fail
     try:
         print("default pair:", *default_pair())
     except MindspecError as e:
-        print(f"mindspec: error: {e}", file=sys.stderr)
-        return 2
+        return fail(e)  # the command line's one-line error
     return 0
