@@ -3,7 +3,8 @@
 add(request) queues a request; step() admits waiting requests into free slots, runs one prompt
 chunk of every prefilling request in one call (so a long prompt never stalls the running rows for
 more than a chunk, and requests arriving together prefill together), then one draft + one verify
-call over every running row; abort(id) ends a request at the next step. The front ends (generate,
+call over every running row — unless a prompt ended in that chunk: its first token streams at once,
+and its row joins the next step's decode, not one later; abort(id) ends a request at the next step. The front ends (generate,
 serve, batch) only add, read and abort requests: this is the one loop they share.
 
 Rows: the active requests in order; row i uses row i of the draft's cache (rows stay contiguous: a
@@ -48,6 +49,7 @@ class Engine:
     def _empty(self):
         """No request, every slot free, nothing cached."""
         self.waiting, self.rows = deque(), []
+        self._joining = False  # the last step ended at first tokens (see step)
         self.free_slots = list(range(self.target.max_batch))  # least recently freed first
         self.cached = {}  # free slot -> the tokens its K/V positions hold
         self.parked = {}  # spare draft row -> the tokens its cache holds (a prefix: see proposer.cached)
@@ -67,18 +69,29 @@ class Engine:
                 r.cancelled = True
 
     def step(self):
-        """One engine step. Returns [(request, text)] for every request that committed tokens or ended
-        (text: what can be streamed now; request.done tells whether it ended)."""
+        """One engine step: waiting requests are admitted and every prefilling row reads a prompt chunk;
+        unless that gave a row its first token, the draft catches up and one draft + verify call runs over
+        the running rows. A first token ends the step at once, so that it streams without waiting for a
+        decode, and its row joins the very next one. Returns [(request, text)] for every request that
+        committed tokens or ended (text: what can be streamed now; request.done tells whether it ended)."""
         events = {}
         try:
             self._reap(events)
-            self._admit()
-            pre = [r for r in self.rows if r.state == PREFILL]
-            if pre:
-                self._guard(pre, events, lambda: self._prefill_chunk(pre, events))
-            running = [r for r in self.rows if r.state == RUNNING]
-            if running:
-                self._guard(running, events, lambda: self._decode(running, events))
+            if self._joining:  # the last step ended at first tokens: their rows join this step's decode
+                self._joining = False
+            else:
+                self._admit()
+                pre = [r for r in self.rows if r.state == PREFILL]
+                if pre:
+                    self._guard(pre, events, lambda: self._prefill_chunk(pre, events))
+                self._joining = any(r in events for r in pre)
+            if not self._joining:
+                pre = [r for r in self.rows if r.state == PREFILL]
+                if pre:
+                    self._guard(pre, events, lambda: self._catch_up(pre))
+                running = [r for r in self.rows if r.state == RUNNING]
+                if running:
+                    self._guard(running, events, lambda: self._decode(running, events))
             self._release()
         except Exception as e:  # noqa: BLE001 - bookkeeping between the calls failed: see _restart
             self._restart(e, events)
@@ -194,13 +207,9 @@ class Engine:
     # ---- the work of a step
 
     def _prefill_chunk(self, pre, events):
-        """The next prompt chunk of each prefilling row, in one call, and the draft's catch-up from its
-        own position up to where the target stood before this call (at most DRAFT_CATCHUP tokens a row);
-        a row whose prompt ends here gets its first token, and runs once the draft holds its prompt too —
-        a step later, so that the first token streams without waiting for the draft's catch-up of the
-        last chunk (the step's time is counted in each row's prefill_s)."""
+        """The next prompt chunk of each prefilling row, in one call; a row whose prompt ends here gets its
+        first token (the call's time is counted in each row's prefill_s)."""
         t0 = time.perf_counter()
-        may_draft = self._may_draft()
         fed = [r for r in pre if r.pos < len(r.prompt_ids)]  # rows whose target still has prompt to read
         chunks = [r.prompt_ids[r.pos:r.pos + PREFILL_CHUNK] for r in fed]
         if fed:
@@ -208,6 +217,20 @@ class Engine:
             out = self.target.prefill([r.slot for r in fed], [r.pos for r in fed], chunks,
                                       self._sampling(fed, 0, prefill=True), logprobs=want_lp)
             toks, lps = out if want_lp else (out, None)
+        for i, (r, chunk) in enumerate(zip(fed, chunks)):
+            r.pos += len(chunk)
+            if r.pos == len(r.prompt_ids):  # the last chunk: its token is the first one generated
+                r.stats.target_calls += 1
+                lp = [lps.at(i, 0, r.logprobs)] if r.logprobs is not None else None
+                events[r] = events.get(r, "") + r.commit([int(toks[i])], lp)
+        for r in pre:
+            r.stats.prefill_s += time.perf_counter() - t0
+
+    def _catch_up(self, pre):
+        """The draft's catch-up on the prompts of prefilling rows, from its own position up to the target's (at
+        most DRAFT_CATCHUP tokens a row); a row whose target and draft both hold its prompt starts running."""
+        t0 = time.perf_counter()
+        may_draft = self._may_draft()
         if self.proposer is not None:
             catch, aligned = {}, set()
             for r in (r for r in pre if r.speculate and may_draft(r)):
@@ -219,15 +242,8 @@ class Engine:
                 if stop > d:
                     catch[r.row] = r.prompt_ids[d:stop]
             self.proposer.prefill(catch, aligned)
-        dt = time.perf_counter() - t0
-        for i, (r, chunk) in enumerate(zip(fed, chunks)):
-            r.pos += len(chunk)
-            if r.pos == len(r.prompt_ids):  # the last chunk: its token is the first one generated
-                r.stats.target_calls += 1
-                lp = [lps.at(i, 0, r.logprobs)] if r.logprobs is not None else None
-                events[r] = events.get(r, "") + r.commit([int(toks[i])], lp)
         for r in pre:
-            r.stats.prefill_s += dt
+            r.stats.prefill_s += time.perf_counter() - t0
             drafted_up = not r.speculate or self.proposer is None or self.proposer.cached(r.row) >= r.pos \
                 or not may_draft(r)
             if r.state == PREFILL and r.pos == len(r.prompt_ids) and drafted_up:
