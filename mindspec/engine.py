@@ -3,8 +3,9 @@
 add(request) queues a request; step() admits waiting requests into free slots, runs one prompt
 chunk of every prefilling request in one call (so a long prompt never stalls the running rows for
 more than a chunk, and requests arriving together prefill together), then one draft + one verify
-call over every running row — unless a prompt ended in that chunk: its first token streams at once,
-and its row joins the next step's decode, not one later; abort(id) ends a request at the next step. The front ends (generate,
+call over every running row — unless a prompt ended in that chunk (and the step before decoded): its
+first token streams at once, and its row joins the next step's decode; abort(id) ends a request at the
+next step. The front ends (generate,
 serve, batch) only add, read and abort requests: this is the one loop they share.
 
 Rows: the active requests in order; row i uses row i of the draft's cache (rows stay contiguous: a
@@ -49,7 +50,7 @@ class Engine:
     def _empty(self):
         """No request, every slot free, nothing cached."""
         self.waiting, self.rows = deque(), []
-        self._joining = False  # the last step ended at first tokens (see step)
+        self._ended_early = False  # the last step ended at first tokens, before its decode (see step)
         self.free_slots = list(range(self.target.max_batch))  # least recently freed first
         self.cached = {}  # free slot -> the tokens its K/V positions hold
         self.parked = {}  # spare draft row -> the tokens its cache holds (a prefix: see proposer.cached)
@@ -69,23 +70,21 @@ class Engine:
                 r.cancelled = True
 
     def step(self):
-        """One engine step: waiting requests are admitted and every prefilling row reads a prompt chunk;
-        unless that gave a row its first token, the draft catches up and one draft + verify call runs over
-        the running rows. A first token ends the step at once, so that it streams without waiting for a
-        decode, and its row joins the very next one. Returns [(request, text)] for every request that
-        committed tokens or ended (text: what can be streamed now; request.done tells whether it ended)."""
+        """One engine step: waiting requests are admitted and every prefilling row reads a prompt chunk, then
+        the draft catches up and one draft + verify call runs over the running rows. A step whose chunks gave
+        first tokens ends before the decode, so that they stream at once, unless the step before ended so
+        too: a new row joins the next decode, and a decode waits for at most one prompt call. Returns
+        [(request, text)] for every request that committed tokens or ended (text: what can be streamed now;
+        request.done tells whether it ended)."""
         events = {}
         try:
             self._reap(events)
-            if self._joining:  # the last step ended at first tokens: their rows join this step's decode
-                self._joining = False
-            else:
-                self._admit()
-                pre = [r for r in self.rows if r.state == PREFILL]
-                if pre:
-                    self._guard(pre, events, lambda: self._prefill_chunk(pre, events))
-                self._joining = any(r in events for r in pre)
-            if not self._joining:
+            self._admit()
+            pre = [r for r in self.rows if r.state == PREFILL]
+            if pre:
+                self._guard(pre, events, lambda: self._prefill_chunk(pre, events))
+            self._ended_early = any(r in events for r in pre) and not self._ended_early
+            if not self._ended_early:
                 pre = [r for r in self.rows if r.state == PREFILL]
                 if pre:
                     self._guard(pre, events, lambda: self._catch_up(pre))

@@ -174,9 +174,9 @@ class App:
         """Count engine steps failing in a row (rank 0's worker). A step fails when a request ended in it
         with an error (the engine ends the rows of a target or draft call that raised), even if other rows
         went on; it succeeds when none did and a request ended normally or got tokens from a draft + verify
-        call (beyond its first token, which the prefill gives). Other steps (a prompt chunk, aborts) change
-        nothing: were a first token ever to come in a step of its own, a fault in the decode call alone
-        would still count although every prefill works."""
+        call (beyond its first token, which the prefill gives). Other steps (a prompt chunk, aborts, first
+        tokens in a step of their own) change nothing, so a fault in the decode call alone still counts
+        although every prefill works."""
         failed, last = self.engine_state
         errors = [r.error for r, _ in events if r.finish_reason == "error"]
         if errors:

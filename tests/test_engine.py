@@ -287,6 +287,24 @@ def test_a_new_row_joins_the_next_decode(pipe, alone, monkeypatch):
     assert [n for n, _ in seen] == [want for _, want in seen]
 
 
+def test_a_request_arriving_as_rows_join_decodes_in_that_step(pipe, alone):
+    """A step ends early at first tokens only if the step before did not: a request that arrives then is
+    prefilled and decodes in the step its predecessors join (found through the server: at 8 clients such
+    requests waited out a whole decode, 5.9 rows a decode call)."""
+    eng = pipe.engine
+    pipe.prepare([], max_batch=4)
+    a, b = (pipe.request(prompt_ids=PROMPTS[i], max_new_tokens=MAX_NEW[i], k=4) for i in (0, 1))
+    eng.add(a)
+    eng.step()
+    assert a.output == alone[0][:1]  # the first token alone
+    eng.add(b)
+    eng.step()
+    assert len(a.output) > 1 and len(b.output) > 1  # both decoded
+    while eng.has_work:
+        eng.step()
+    assert [a.output, b.output] == alone[:2]
+
+
 def test_a_failing_step_ends_its_rows_and_the_engine_goes_on(pipe, alone, monkeypatch):
     calls = {"n": 0}
     real = pipe.target.step
