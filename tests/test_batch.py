@@ -310,6 +310,16 @@ def test_tensor_parallel_batch_equals_tp1(setup, first_run, pipe, tmp_path):
     assert recs["s"]["token_ids"] == ref.token_ids and recs["s"]["stats"]["drafted"] > 0
 
 
+def test_a_line_edited_since_its_result_stops_a_tensor_parallel_job_with_one_line(setup, first_run, tmp_path):
+    """Under --tp 2 only rank 0 reads the output: its refusal of an edited line (see
+    test_a_line_edited_since_its_result_is_refused_not_given_the_old_result) ends the whole job with
+    that one line and exit 2, the output untouched, the other rank not left waiting."""
+    out, inp = tmp_path / "out.jsonl", tmp_path / "in.jsonl"
+    out.write_bytes(first_run[2].read_bytes())
+    inp.write_text(json.dumps({"id": "a", "prompt_ids": [5, 6, 7, 9], "max_new_tokens": 10}) + "\n")
+    _expect_usage_error(setup, out, "in.jsonl:1: this line (id \"a\") changed since", inp=inp, extra=["--tp", "2"])
+
+
 def test_duplicate_ids_stop_the_job_before_it_starts(setup, tmp_path):
     inp = tmp_path / "dup.jsonl"
     inp.write_text(json.dumps({"id": 2, "prompt": "first"}) + "\n" + json.dumps({"prompt": "second"}) + "\n")
