@@ -92,6 +92,19 @@ def _check_interface(session, m, onnx_path):
             raise MindspecError(f"draft {onnx_path}: its manifest says {words}; re-export the draft")
 
 
+def _check_positions(onnx_path, m):
+    """The manifest's max_seq against the graph's RoPE tables (the cpu profile's hold one position more: a
+    row sitting out of a call writes at max_seq): the graph's checksum does not cover the manifest, and
+    onnxruntime's error came only once a row passed the tables."""
+    import onnx
+    model = onnx.load_model(onnx_path, load_external_data=False)  # (0.3 s for the default draft's 267 MB)
+    P = next((i.dims[0] for i in model.graph.initializer if i.name == "rope_cos"), None)
+    room = None if P is None else P - (m["profile"] == "cpu")
+    if room is not None and m["max_seq"] > room:
+        raise MindspecError(f"draft {onnx_path}: its manifest says max_seq {m['max_seq']}, its graph's position "
+                            f"tables hold {room}; re-export the draft")
+
+
 def batch_buckets(max_batch):
     """Rows per call of the ascend profile: the powers of two below max_batch, and max_batch."""
     return tuple(b for b in BATCH_BUCKETS if b < max_batch) + (max_batch,)
@@ -122,6 +135,7 @@ class DraftSession:
         S = self.max_seq if bound else self.max_seq + 1  # + 1: see the host buffers below
         self.session = start_session(onnx_path, make_session_options(threads, {"S": S}), providers(device, graph=bound))
         _check_interface(self.session, m, onnx_path)
+        _check_positions(onnx_path, m)
         L, KV, D = m["num_layers"], m["num_key_value_heads"], m["head_dim"]
         self.vocab_size = m["vocab_size"]
         self.pos = np.zeros(self.max_batch, np.int64)                                    # [R] cached length

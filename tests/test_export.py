@@ -387,6 +387,10 @@ def test_manifest_refusals(tmp_path, fp32_draft, q8_draft):
                           (dict(vocab_size=300), "a vocabulary of 300 (its graph's logits have 320)")):
         (tmp_path / "bare.onnx.json").write_text(json.dumps(dict(good, **change)))
         _refused(str(bare), f"draft {bare}: its manifest says {words}; re-export the draft")
+    # more positions than the graph's RoPE tables hold: GroupQueryAttention's traceback once a row got there
+    (tmp_path / "bare.onnx.json").write_text(json.dumps(dict(good, max_seq=good["max_seq"] + 1)))
+    _refused(str(bare), f"draft {bare}: its manifest says max_seq {good['max_seq'] + 1}, its graph's position "
+                        f"tables hold {good['max_seq']}; re-export the draft")
     (tmp_path / "bare.onnx.json").write_text(json.dumps(dict(good, source=None)))  # (plan's TypeError)
     assert str(bare) + ".json (bad or missing source)" in _refused(str(bare), "garbled draft manifest")
 

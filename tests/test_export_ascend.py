@@ -85,6 +85,10 @@ def test_profile_in_manifest_and_refusals(tiny_target, ascend_draft, tmp_path):
     (tmp_path / "b.onnx.json").write_text(json.dumps(bad))
     with pytest.raises(MindspecError, match="bad or missing .*profile"):
         read_manifest(str(tmp_path / "b.onnx"))
+    (tmp_path / "b.onnx.json").write_text(json.dumps(dict(bad, profile="ascend", max_seq=m["max_seq"] + 1)))
+    with pytest.raises(MindspecError, match=f"max_seq {m['max_seq'] + 1}, its graph's position tables hold "
+                                            f"{m['max_seq']}; re-export"):
+        DraftSession(str(tmp_path / "b.onnx"))
     graph = providers("Ascend", graph=True)[0][1]
     assert graph["enable_cann_graph"] is True and graph["dump_om_model"] is False
     assert providers("Ascend")[0][1]["enable_cann_graph"] is False  # the cpu profile keeps kernel mode
