@@ -5,8 +5,8 @@ chunk of every prefilling request in one call (so a long prompt never stalls the
 more than a chunk, and requests arriving together prefill together), then one draft + one verify
 call over every running row — unless a prompt ended in that chunk (and the step before decoded): its
 first token streams at once, and its row joins the next step's decode; abort(id) ends a request at the
-next step. The front ends (generate,
-serve, batch) only add, read and abort requests: this is the one loop they share.
+next step. The front ends (generate, serve, batch) only add, read and abort requests: this is the one
+loop they share.
 
 Rows: the active requests in order; row i uses row i of the draft's cache (rows stay contiguous: a
 leaving row is replaced by the last one) and its own target cache slot. Ragged acceptance is just
