@@ -27,7 +27,7 @@ from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
 from .fuse import fused_weights, rope_rows
 from .prims import halves, heads, iota
-from .sampling import NEG, TOPK_CAP, greedy_accept, process, sample, seen_mask, speculative_accept, token_logprobs
+from .sampling import NEG, TOPK_CAP, greedy_accept, process, sample, seen_mask, speculative_accept, token_logprobs, wide
 from .tp import shard_plan, tp_rank, tp_size
 
 
@@ -93,7 +93,7 @@ class LlamaDecoder(nn.Cell):
 
     def norm(self, x):  # x [B*T, d]; the RMSNorm weight is folded into the next matmul
         x = self.f32(x)
-        return self.narrow(x * ops.rsqrt(ops.mean(x * x, -1, keep_dims=True) + self.eps))
+        return self.narrow(x * wide(ops.rsqrt(ops.mean(x * x, -1, keep_dims=True) + self.eps), x))
 
     def embed_tokens(self, ids):
         """ids [B*T] -> [B*T, d]. Vocab-parallel: each rank looks up its own range, zeros elsewhere."""
@@ -140,7 +140,9 @@ class LlamaDecoder(nn.Cell):
         sin = ops.gather(self.sin, qpos.reshape(-1), 0).reshape(B, T, self.N)
         mask = ops.select(self.key_pos.reshape(1, 1, S) <= qpos.reshape(B, T, 1),
                           ops.zeros((B, T, S), ms.float32), ops.fill(ms.float32, (B, T, S), NEG))  # [B, T, S]
-        mask = ops.tile(mask.reshape(B, 1, T, S), (1, 1, self.G, 1))  # [B, 1, G*T, S]: rows grouped per KV head
+        # [B, KV, G*T, S]: rows grouped per KV head, a copy per KV head made once (not broadcast in every
+        # layer's Add: see sampling.wide)
+        mask = ops.tile(mask.reshape(B, 1, T, S), (1, self.KV, self.G, 1))
         base = (slots.reshape(B, 1, 1) * self.KV + self.head_index.reshape(1, self.KV, 1)) * S  # [B, KV, 1]
         idx = base + qpos.reshape(B, 1, T)  # [B, KV, T]: the cache row of cache[slot[b], h, qpos[b, t]]
         rows = base + self.key_pos.reshape(1, 1, S)  # [B, KV, S]: the rows' whole slots

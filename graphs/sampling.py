@@ -27,6 +27,14 @@ TOPK_CAP = 2048  # topk costs ~6 ms at 1024-2048 on 5 x 49152 (2 CPU cores), a f
 BISECT_STEPS = 64  # halvings of the logit range: adjacent float32 values for any realistic range
 
 
+def wide(a, x):
+    """a (e.g. [B, T, 1]) broadcast to x's shape, for an elementwise op with x. On CPU a broadcasting
+    elementwise kernel keeps a workspace of its own, ~4x its output, for the life of the graph: in the
+    decoder's layers and the bisection's unrolled steps that adds up (elsewhere the copy costs more time
+    than the memory is worth)."""
+    return ops.broadcast_to(a, x.shape)
+
+
 def _cut(s, x, top_k, top_p):
     """Truncation threshold from s [B, T, C], the C largest logits of x [B, T, V] (descending);
     top_k [B, 1, 1] int32 (0: off), top_p [B, 1, 1]. Returns (cut [B, T, 1]: keep x >= cut,
@@ -59,9 +67,9 @@ def _bisect(x, weight, target):
     hi = x.max(-1, keepdims=True) + 1.0  # none at or above it
     for _ in range(BISECT_STEPS):
         mid = (lo + hi) * 0.5
-        ok = (weight * (x >= mid).astype(ms.float32)).sum(-1, keepdims=True) >= target
+        ok = (weight * (x >= wide(mid, x)).astype(ms.float32)).sum(-1, keepdims=True) >= target
         lo, hi = ops.select(ok, mid, lo), ops.select(ok, hi, mid)
-    return ops.select(x < hi, x, full_like(x, -BIG)).max(-1, keepdims=True)
+    return ops.select(x < wide(hi, x), x, full_like(x, -BIG)).max(-1, keepdims=True)
 
 
 def _exact_cut(x, top_k, top_p):
@@ -133,9 +141,7 @@ def seen_mask(seen, drafts, V):
     """seen [B, V] float32 (1: committed token), drafts [B, K] -> [B, K+1, V] bool: at position i the
     committed tokens and drafts[:, :i] count as seen (what the repetition penalty looks at)."""
     B = drafts.shape[0]
-    d = ops.cumsum(one_hot(drafts, V), 1)  # [B, K, V]
-    d = ops.concat((ops.zeros((B, 1, V), ms.float32), d), 1)  # [B, K+1, V]
-    return (d + seen.reshape(B, 1, V)) > 0
+    return ops.cumsum(ops.concat((seen.reshape(B, 1, V), one_hot(drafts, V)), 1), 1) > 0  # [B, K+1, V]
 
 
 def valid_prefix(flags, n_valid):
