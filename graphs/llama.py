@@ -3,13 +3,16 @@
 One K and one V Parameter per layer, [slots, KV, S, D] stored flat as [slots*KV*S, D] rows: each
 running request owns a slot. A call feeds ids [B, T], each row at its own position pos[b] of its own
 slot slots[b]; K/V are written with ScatterUpdate by row index, in place, and each row's attention
-gathers the rows of its own slot (a copy of B slots, what the attention reads anyway). On CPU
+gathers the rows of its own slot (a copy of B slots, what the attention reads anyway), only its first
+W positions: `keys` [W] (0..W-1, an input so that its length picks the graph) is the call's attention
+window (spec.attention_windows), past every real row's last position. Masked positions weigh exactly
+0, so a window changes no bit of the result, only what the gathers copy and the attention reads. On CPU
 scatter_nd_update on the 4-d cache copied the whole cache every call, and a full batch reading the
 cache in place did not help: a one-row verify with 8 slots of 512 positions cost 126 ms against 89
-with one slot; now 95. Attention runs over the row's whole static cache with a per-row position mask
+with one slot; now 95. Attention runs over the window with a per-row position mask
 (key_pos <= query_pos), so rollback is free: stale positions past a row's position are masked and
 later overwritten. Positions and slots are Tensors, never Python ints (an int recompiles per value),
-so one graph per (B, T) serves every mix of rows in any order. Padding rows write into a reserved
+so one graph per (B, T, W) serves every mix of rows in any order. Padding rows write into a reserved
 tail of positions that no real row ever attends to.
 
 On CPU the cost of a small model is dominated by per-kernel dispatch (~20 us a kernel, measured),
@@ -73,7 +76,7 @@ class LlamaDecoder(nn.Cell):
         self.v_cache = ParameterTuple([_param(np.zeros(shape, host), f"v_cache.{i}", dtype) for i in range(self.L)])
         cos, sin = rope_rows(cfg, max_seq, self.H, self.KV)
         self.cos, self.sin = Tensor(cos, dtype), Tensor(sin, dtype)  # [S, N]
-        self.key_pos = Tensor(np.arange(max_seq, dtype=np.int32))  # [S]
+        self.S = max_seq  # positions per slot (the cache rows' stride)
         self.qk_t = ops.BatchMatMul(transpose_b=True)  # q @ k^T without materialising k^T
         self.head_index = Tensor(np.arange(self.KV, dtype=np.int32))
         if self.tp > 1:
@@ -130,22 +133,23 @@ class LlamaDecoder(nn.Cell):
         r = ops.argmax(pair[:, :, 0], 0).reshape(1, R)  # first rank holding the max = first index
         return ops.gather_elements(pair[:, :, 1], 0, r).reshape(R).astype(ms.int32)
 
-    def construct(self, ids, slots, pos):
-        """ids [B, T] int32 fed at positions pos[b].. of cache slot slots[b] (slots [B], pos [B] int32)
-        -> normed hidden states [B*T, d]. Writes the T positions' K/V into each row's slot."""
+    def construct(self, ids, slots, pos, keys):
+        """ids [B, T] int32 fed at positions pos[b].. of cache slot slots[b] (slots [B], pos [B] int32),
+        attending over keys [W] (positions 0..W-1 of each slot) -> normed hidden states [B*T, d]. Writes
+        the T positions' K/V into each row's slot."""
         B, T = ids.shape
-        S = self.key_pos.shape[0]
+        S, W = self.S, keys.shape[0]
         qpos = pos.reshape(B, 1) + iota(T).reshape(1, T)  # [B, T]
         cos = ops.gather(self.cos, qpos.reshape(-1), 0).reshape(B, T, self.N)  # [B, T, N]
         sin = ops.gather(self.sin, qpos.reshape(-1), 0).reshape(B, T, self.N)
-        mask = ops.select(self.key_pos.reshape(1, 1, S) <= qpos.reshape(B, T, 1),
-                          ops.zeros((B, T, S), ms.float32), ops.fill(ms.float32, (B, T, S), NEG))  # [B, T, S]
-        # [B, KV, G*T, S]: rows grouped per KV head, a copy per KV head made once (not broadcast in every
+        mask = ops.select(keys.reshape(1, 1, W) <= qpos.reshape(B, T, 1),
+                          ops.zeros((B, T, W), ms.float32), ops.fill(ms.float32, (B, T, W), NEG))  # [B, T, W]
+        # [B, KV, G*T, W]: rows grouped per KV head, a copy per KV head made once (not broadcast in every
         # layer's Add: see sampling.wide)
-        mask = ops.tile(mask.reshape(B, 1, T, S), (1, self.KV, self.G, 1))
+        mask = ops.tile(mask.reshape(B, 1, T, W), (1, self.KV, self.G, 1))
         base = (slots.reshape(B, 1, 1) * self.KV + self.head_index.reshape(1, self.KV, 1)) * S  # [B, KV, 1]
         idx = base + qpos.reshape(B, 1, T)  # [B, KV, T]: the cache row of cache[slot[b], h, qpos[b, t]]
-        rows = base + self.key_pos.reshape(1, 1, S)  # [B, KV, S]: the rows' whole slots
+        rows = base + keys.reshape(1, 1, W)  # [B, KV, W]: the window of the rows' slots
         x = self.embed_tokens(ids.reshape(-1))  # [B*T, d]
         for i in range(self.L):
             w_qkv, w_o, w_gu, w_down = self.w[4 * i:4 * i + 4]
@@ -160,10 +164,10 @@ class LlamaDecoder(nn.Cell):
             a = a.reshape(B, T, self.N) * cos + a_rot.reshape(B, T, self.N) * sin
             a = a.reshape(B, T, self.H + 2 * self.KV, self.D).transpose(0, 2, 1, 3)
             q, k, v = heads(a, self.H, self.KV)  # [B, H|KV|KV, T, D]
-            kc = ops.gather(ops.scatter_update(self.k_cache[i], idx, k), rows, 0)  # [B, KV, S, D]
+            kc = ops.gather(ops.scatter_update(self.k_cache[i], idx, k), rows, 0)  # [B, KV, W, D]
             vc = ops.gather(ops.scatter_update(self.v_cache[i], idx, v), rows, 0)
             # GQA without copying the cache per head: the G query heads of a KV head become extra rows
-            s = self.f32(self.qk_t(q.reshape(B, self.KV, self.G * T, self.D), kc)) + mask  # [B, KV, G*T, S]
+            s = self.f32(self.qk_t(q.reshape(B, self.KV, self.G * T, self.D), kc)) + mask  # [B, KV, G*T, W]
             o = ops.matmul(self.narrow(ops.softmax(s, -1)), vc)  # [B, KV, G*T, D]
             o = o.reshape(B, self.H, T, self.D).transpose(0, 2, 1, 3).reshape(B * T, self.H * self.D)
             x = x + self.reduce(ops.dense(o, w_o))
@@ -173,30 +177,30 @@ class LlamaDecoder(nn.Cell):
 
 
 class Logits(nn.Cell):
-    """ids [B, T], slots [B], pos [B] -> logits [B, T, V] float32 (tests, numerical checks)."""
+    """ids [B, T], slots [B], pos [B], keys [W] -> logits [B, T, V] float32 (tests, numerical checks)."""
 
     def __init__(self, decoder):
         super().__init__()
         self.decoder = decoder
 
-    def construct(self, ids, slots, pos):
+    def construct(self, ids, slots, pos, keys):
         B, T = ids.shape
-        return self.decoder.head_logits(self.decoder(ids, slots, pos)).reshape(B, T, -1)
+        return self.decoder.head_logits(self.decoder(ids, slots, pos, keys)).reshape(B, T, -1)
 
 
 class GreedyStep(nn.Cell):
     """One greedy engine step for a (B, K) bucket: ids [B, K+1] = each row's last committed token and
     K drafts, fed at pos [B] of cache slots [B]; n_valid [B] caps each row's acceptance (padding rows
-    and rows with fewer drafts). Returns n_accepted [B] and next [B] (recovered or bonus token).
+    and rows with fewer drafts); keys [W] the attention window (LlamaDecoder). Returns n_accepted [B] and next [B] (recovered or bonus token).
     K = 0 is a plain decode step."""
 
     def __init__(self, decoder):
         super().__init__()
         self.decoder = decoder
 
-    def construct(self, ids, slots, pos, n_valid):
+    def construct(self, ids, slots, pos, n_valid, keys):
         B, T = ids.shape
-        g = self.decoder.head_argmax(self.decoder(ids, slots, pos)).reshape(B, T)  # [B, K+1]
+        g = self.decoder.head_argmax(self.decoder(ids, slots, pos, keys)).reshape(B, T)  # [B, K+1]
         if T == 1:
             return ops.zeros((B,), ms.int32), g[:, 0]
         return greedy_accept(g, ids, n_valid)
@@ -207,8 +211,8 @@ class SampleStep(nn.Cell):
     K = 0; greedy rows are rows whose temperature is 0). ids, slots, pos, n_valid as GreedyStep;
     q [B, K, V] the processed draft distributions the drafts were sampled from (K = 0: [B, 1, V],
     unused); u_acc [B, K] (K = 0: [B, 1], unused) and u_smp [B, K+1] uniforms in [0, 1);
-    temperature, top_k (int32), top_p, penalty [B]; seen [B, V] float32 (1: token committed).
-    Returns n_accepted [B], next [B], the logprobs of the tokens the step commits (lp [B, K+1]: the
+    temperature, top_k (int32), top_p, penalty [B]; seen [B, V] float32 (1: token committed); keys
+    [W] as GreedyStep. Returns n_accepted [B], next [B], the logprobs of the tokens the step commits (lp [B, K+1]: the
     accepted drafts, then next at index n_accepted; top_lp, top_id [B, K+1, TOP_LOGPROBS]: see
     token_logprobs) and exact (0-d bool: the top-k candidates held every row's kept set; when not,
     run the cell with cap None, the exact bisection, on the same inputs)."""
@@ -217,10 +221,10 @@ class SampleStep(nn.Cell):
         super().__init__()
         self.decoder, self.cap = decoder, cap
 
-    def construct(self, ids, slots, pos, n_valid, q, u_acc, u_smp, temperature, top_k, top_p, penalty, seen):
+    def construct(self, ids, slots, pos, n_valid, q, u_acc, u_smp, temperature, top_k, top_p, penalty, seen, keys):
         B, T = ids.shape
         V = seen.shape[1]
-        logits = self.decoder.head_logits(self.decoder(ids, slots, pos)).reshape(B, T, V)
+        logits = self.decoder.head_logits(self.decoder(ids, slots, pos, keys)).reshape(B, T, V)
         drafts = ids[:, 1:]  # [B, K]
         seen_all = seen_mask(seen, drafts, V) if T > 1 else (seen > 0).reshape(B, 1, V)
         p, exact = process(logits, temperature, top_k, top_p, penalty, seen_all, self.cap)  # [B, K+1, V]
@@ -241,18 +245,18 @@ class Prefill(nn.Cell):
     """A prompt chunk for each of B rows: ids [B, C] at pos [B] of slots [B] (padding after a row's
     real tokens lands in stale positions: masked, later overwritten); each row's next token is sampled
     after its index last [B] with u [B] and the row's sampling parameters (as SampleStep; temperature
-    0 = greedy). Only those B positions go through the LM head. Returns next [B] int32, its logprobs
+    0 = greedy); keys [W] as GreedyStep. Only those B positions go through the LM head. Returns next [B] int32, its logprobs
     (lp [B, 1], top_lp and top_id [B, 1, TOP_LOGPROBS]) and exact (as SampleStep)."""
 
     def __init__(self, decoder, cap=TOPK_CAP):
         super().__init__()
         self.decoder, self.cap = decoder, cap
 
-    def construct(self, ids, slots, pos, last, u, temperature, top_k, top_p, penalty, seen):
+    def construct(self, ids, slots, pos, last, u, temperature, top_k, top_p, penalty, seen, keys):
         B, C = ids.shape
         V = seen.shape[1]
         rows = iota(B) * C + last  # [B]: each row's last real token
-        logits = self.decoder.head_logits(ops.gather(self.decoder(ids, slots, pos), rows, 0)).reshape(B, 1, V)
+        logits = self.decoder.head_logits(ops.gather(self.decoder(ids, slots, pos, keys), rows, 0)).reshape(B, 1, V)
         p, exact = process(logits, temperature, top_k, top_p, penalty, (seen > 0).reshape(B, 1, V), self.cap)
         nxt = sample(p.reshape(B, V), u)
         return (nxt,) + token_logprobs(logits, nxt.reshape(B, 1)) + (exact,)

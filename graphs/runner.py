@@ -16,7 +16,7 @@ from mindspore import Tensor
 from mindspec import signals
 from mindspec.errors import MindspecError
 from mindspec.device import detect_device, device_id
-from mindspec.spec import PREFILL_CHUNK, cache_positions, round_up
+from mindspec.spec import PREFILL_CHUNK, attention_windows, cache_positions, round_up
 from .fuse import rot_rows_for
 from .llama import GreedyStep, LlamaDecoder, Logits, Prefill, SampleStep
 from .sampling import TOPK_CAP
@@ -137,8 +137,10 @@ class TargetModel:
         # smallest bucket with no valid draft: the kernels of speculation, and 0.87-0.94x the time
         # (default model, 2 cores). See _widen.
         self.rot_rows = rot_rows_for(ms.get_context("device_target"))
-        self.decoder = LlamaDecoder(self.cfg, ckpt.get, cache_positions(self.max_seq, self.k_buckets),
-                                    slots=max_batch, dtype=getattr(ms, dtype), rot_rows=self.rot_rows)
+        S = cache_positions(self.max_seq, self.k_buckets)
+        self.windows = attention_windows(S)  # a call attends over the smallest that holds its rows (_window)
+        self._keys = {W: Tensor(np.arange(W, dtype=np.int32)) for W in self.windows}
+        self.decoder = LlamaDecoder(self.cfg, ckpt.get, S, slots=max_batch, dtype=getattr(ms, dtype), rot_rows=self.rot_rows)
         # *_exact: the rare rerun when the top-k candidates did not hold a row's kept set (graphs/sampling.py);
         # compiled on first need
         self.cells = {"greedy": GreedyStep(self.decoder), "sample": SampleStep(self.decoder, TOPK_CAP),
@@ -208,6 +210,10 @@ class TargetModel:
     def _bucket(self, n):
         return next(b for b in self.batch_buckets if b >= n)
 
+    def _window(self, need):
+        """The attention window of a call whose real rows reach position need - 1."""
+        return next(w for w in self.windows if w >= need)
+
     def _pad(self, n, B, slots):
         """n real rows in a call of bucket B: (slot_of [B], each row's slot, padding rows in one slot no
         real row of the call uses; pad(a, fill) -> [B, ...], the padding rows filled). Padding rows write
@@ -229,7 +235,7 @@ class TargetModel:
         assert all(1 <= len(c) <= C for c in chunks), [len(c) for c in chunks]
         if any(p + len(c) > self.max_seq for p, c in zip(pos, chunks)):
             raise MindspecError(f"prompt would exceed the target's max_seq {self.max_seq}")
-        B = self._bucket(n)
+        B, W = self._bucket(n), self._window(max(p + len(c) for p, c in zip(pos, chunks)))
         slot_of, pad = self._pad(n, B, slots)
         ids = np.zeros((n, C), np.int32)
         for i, c in enumerate(chunks):
@@ -239,8 +245,8 @@ class TargetModel:
         args = (self._i32(pad(ids)), self._i32(slot_of), self._i32(pad(pos, self.max_seq)),
                 self._i32(pad([len(c) - 1 for c in chunks])), self._f32(pad(np.asarray(s.u_smp)[:, 0], 0.5)),
                 self._f32(pad(s.temperature)), self._i32(pad(top_k)), self._f32(pad(s.top_p, 1)),
-                self._f32(pad(s.penalty, 1)), self._seen(None if s.seen is None else pad(s.seen), B))
-        out = self._sampled("prefill", (B, C), *args, dry=dry)
+                self._f32(pad(s.penalty, 1)), self._seen(None if s.seen is None else pad(s.seen), B), self._keys[W])
+        out = self._sampled("prefill", (B, C, W), *args, dry=dry)
         if dry:
             return None
         tok = out[0].asnumpy()[:n].astype(np.int64)
@@ -262,20 +268,21 @@ class TargetModel:
         if (np.asarray(pos) + T > self.max_seq + max(self.k_buckets)).any():
             raise MindspecError(f"sequence would exceed the target's max_seq {self.max_seq}")
         slot_of, rows = self._pad(n, B, slots)
+        W = self._window(int(np.max(pos)) + T)
         head = (self._i32(rows(ids)), self._i32(slot_of), self._i32(rows(pos, self.max_seq - 1)),
                 self._i32(rows(n_valid)))
         if s is None:
             assert not logprobs, "logprobs come from the sampling graph: pass RowSampling"
-            out = self._run("greedy", (B, T), *head, dry=dry)
+            out = self._run("greedy", (B, T, W), *head, self._keys[W], dry=dry)
         else:
             V = self.cfg.vocab_size
             q = s.q if K else np.zeros((n, 1, V), np.float32)
             u_acc = s.u_acc if K else np.zeros((n, 1), np.float32)
             top_k = np.minimum(np.asarray(s.top_k, np.int64), V)  # k >= V means off; keeps int32 in range
-            out = self._sampled("sample", (B, T), *head, self._f32(rows(q)), self._f32(rows(u_acc, 0.5)),
+            out = self._sampled("sample", (B, T, W), *head, self._f32(rows(q)), self._f32(rows(u_acc, 0.5)),
                                 self._f32(rows(s.u_smp, 0.5)), self._f32(rows(s.temperature)),
                                 self._i32(rows(top_k)), self._f32(rows(s.top_p, 1)), self._f32(rows(s.penalty, 1)),
-                                self._seen(None if s.seen is None else rows(s.seen), B), dry=dry)
+                                self._seen(None if s.seen is None else rows(s.seen), B), self._keys[W], dry=dry)
         if dry:
             return None
         acc, nxt = out[0].asnumpy()[:n].astype(np.int64), out[1].asnumpy()[:n].astype(np.int64)
@@ -303,19 +310,24 @@ class TargetModel:
     def logits(self, slot, pos, ids):
         """Full logits [T, V] of ids fed at pos of slot (tests and numerical checks)."""
         T = len(ids)
-        out = self._run("logits", (1, T), self._i32(np.reshape(ids, (1, T))), self._i32([slot]), self._i32([pos]))
+        W = self._window(pos + T)
+        out = self._run("logits", (1, T, W), self._i32(np.reshape(ids, (1, T))), self._i32([slot]), self._i32([pos]),
+                        self._keys[W])
         return out.asnumpy()[0]
 
     # ---- warm-up: compile before timing, through MindSpore's compile cache when that is safe ----
 
-    def graph_names(self, batch_sizes, ks, greedy=True, sample=False):
-        """The graphs (kind, B, T) a run over these batch sizes and K values (0: plain decode) needs,
-        in a fixed order."""
+    def graph_names(self, batch_sizes, ks, greedy=True, sample=False, reach=None):
+        """The graphs (kind, B, T, W) a run over these batch sizes and K values (0: plain decode) needs,
+        in a fixed order; reach: the most positions a row of the run holds (None: the whole cache), so
+        no window larger than the one that holds it."""
+        top = self._window(min(reach + max(self.k_buckets), self.windows[-1])) if reach else self.windows[-1]
         names = []
         for B in batch_sizes:
-            names.append(("prefill", B, PREFILL_CHUNK))
-            for K in dict.fromkeys(self._decode_k(B, K) for K in ks):
-                names += [(kind, B, K + 1) for kind, on in (("greedy", greedy), ("sample", sample)) if on]
+            for W in (w for w in self.windows if w <= top):
+                names.append(("prefill", B, PREFILL_CHUNK, W))
+                for K in dict.fromkeys(self._decode_k(B, K) for K in ks):
+                    names += [(kind, B, K + 1, W) for kind, on in (("greedy", greedy), ("sample", sample)) if on]
         return names
 
     def warmup(self, names, cache_dir=None, now=None):
@@ -337,7 +349,7 @@ class TargetModel:
             pass
         self.load_error = None  # a new warm-up tries again what failed
         self.warm_names += [n for n in names if n not in self.warm_names]
-        self.pending = [(kind, B, T) for kind, B, T in names if f"{kind}{(B, T)}" not in self.compiled]
+        self.pending = [(kind, *shape) for kind, *shape in names if f"{kind}{tuple(shape)}" not in self.compiled]
         if not self.pending:
             return
         whole, cached = False, cache_dir and _COMPILES == 0 and os.path.isfile(sys.argv[0] if sys.argv else "")
@@ -367,8 +379,8 @@ class TargetModel:
         if not self.pending or self.load_error is not None:
             return False
         signals.check()  # a stop raised inside MindSpore's compiler was swallowed or dumped an error
-        kind, B, T = self.pending[0]
-        if self._cache is not None and f"{kind}{(B, T)}" in self.compiled:
+        kind, B, T, W = self.pending[0]
+        if self._cache is not None and f"{kind}{(B, T, W)}" in self.compiled:
             self._close_cache()  # compiled meanwhile without the cache, it takes no number there: the graphs
             # after it would load the files of the ones before, so they compile afresh
         cached = self._cache is not None
@@ -376,7 +388,7 @@ class TargetModel:
             os.environ.update(MS_COMPILER_CACHE_ENABLE="1", MS_COMPILER_CACHE_PATH=self._cache[0])  # read per compile
             unpin = _pin_cache_dependencies()
         try:
-            self._compile(kind, B, T - 1)
+            self._compile(kind, B, T - 1, W)
         except Exception as e:
             self.load_error = e
             self._close_cache()
@@ -401,7 +413,7 @@ class TargetModel:
         bucket below every pending graph's (every slot when none is pending)."""
         if not self.pending:
             return self.max_batch
-        low = min(B for _, B, _ in self.pending)
+        low = min(B for _, B, *_ in self.pending)
         return max([b for b in self.batch_buckets if b < low], default=0)
 
     def cache_key(self, names):
@@ -415,8 +427,8 @@ class TargetModel:
 
     def cold(self):
         """The warmed-up graphs (warmup's names) compiled but never run."""
-        return [(kind, B, T) for kind, B, T in self.warm_names
-                if f"{kind}{(B, T)}" in self.compiled and f"{kind}{(B, T)}" not in self.ran]
+        return [(kind, *shape) for kind, *shape in self.warm_names
+                if f"{kind}{tuple(shape)}" in self.compiled and f"{kind}{tuple(shape)}" not in self.ran]
 
     def cold_count(self):
         """Graphs warm-up named that have not run yet: pending (not compiled) or cold."""
@@ -429,12 +441,15 @@ class TargetModel:
         of a request. Returns whether a graph ran."""
         todo = self.cold()
         if todo:
-            kind, B, T = todo[0]
-            self._compile(kind, B, T - 1, dry=False)
+            kind, B, T, W = todo[0]
+            self._compile(kind, B, T - 1, W, dry=False)
         return bool(todo)
 
-    def _compile(self, kind, B, K, dry=True):
+    def _compile(self, kind, B, K, W, dry=True):
+        """Compile (dry) or run a graph on dummy rows that reach into window W."""
+        need = min(W, self.max_seq)  # (a step's rows end by max_seq in the windows below the whole cache)
         if kind == "prefill":
-            return self.prefill(np.arange(B), np.zeros(B, np.int64), [[0]] * B, RowSampling.greedy(B), dry=dry)
+            return self.prefill(np.arange(B), np.full(B, need - 1), [[0]] * B, RowSampling.greedy(B), dry=dry)
         s = RowSampling.greedy(B, K, self.cfg.vocab_size) if kind == "sample" else None
-        self.step(np.zeros((B, K + 1)), np.arange(B), np.zeros(B), np.zeros(B), s, dry=dry)
+        T = self._decode_k(B, K) + 1
+        self.step(np.zeros((B, K + 1)), np.arange(B), np.full(B, need - T), np.zeros(B), s, dry=dry)

@@ -258,8 +258,8 @@ class Pipeline:
         sample = every_graph or any(not r.params.plain_greedy or r.logprobs is not None for r in reqs)
         ks = [0] + [k for k in t.k_buckets if drafting and (every_graph or any(
             r.speculate and (r.k == "auto" or k <= r.k) for r in reqs))]  # a fixed K runs buckets <= K only
-        names = t.graph_names(sizes, ks, greedy, sample)
-        t.warmup(names, self.cache_dir, None if rows_now is None else sum(B <= rows_now for _, B, _ in names))
+        names = t.graph_names(sizes, ks, greedy, sample, None if every_graph else need)
+        t.warmup(names, self.cache_dir, None if rows_now is None else sum(B <= rows_now for _, B, *_ in names))
         if drafting and (every_graph or any(r.k == "auto" for r in reqs)):
             self._dynamic_for(sizes)
 

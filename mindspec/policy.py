@@ -233,7 +233,7 @@ class Costs(dict):
 def _cost_key(pipe, B):
     st = os.stat(pipe.draft_path)
     return (f"{pipe.target.fingerprint}|{os.path.abspath(pipe.draft_path)}|{st.st_size}|{st.st_mtime_ns}|"
-            f"s{pipe.target.max_seq}|b{pipe.target.max_batch}|B{B}|{pipe.device}|tp{tp_size()}")
+            f"s{pipe.target.max_seq}|w{pipe.target.windows[0]}|b{pipe.target.max_batch}|B{B}|{pipe.device}|tp{tp_size()}")
 
 
 def _costs_path():

@@ -27,6 +27,20 @@ def cache_positions(max_seq, k_buckets):
     return round_up(max_seq, PREFILL_CHUNK) + max(max(k_buckets), PREFILL_CHUNK)
 
 
+def attention_windows(positions):
+    """The attention windows of a cache slot of `positions`: 256, 1024, 4096, ... up to half the slot, and
+    the whole slot. A call whose rows all sit below a window attends over that window only (its gathers
+    and attention cost in proportion: a B=8 verify of the default model 165 ms over 128 positions, 287 ms
+    over 1024); each window is another set of graphs, so one is made only where it at least halves what
+    a call reads."""
+    small = []
+    w = 256
+    while 2 * w <= positions:
+        small.append(w)
+        w *= 4
+    return tuple(small) + (positions,)
+
+
 DTYPES = ("float32", "float16", "bfloat16")
 DEVICE_DTYPES = {"CPU": ("float32", "float16"),  # MindSpore's CPU kernels have no bfloat16 MatMul
                  "Ascend": ("float16", "bfloat16", "float32")}  # the first: the device's default

@@ -209,7 +209,7 @@ class Batch:
         args = (i32(ids), i32(np.arange(B)), i32(np.full(B, start)), i32(np.full(B, K)), f32(q),
                 f32(u[:, :K]), f32(np.repeat(u[:, K:], K + 1, 1)), f32([p.temperature for p in row]),
                 i32([p.top_k for p in row]), f32([p.top_p for p in row]), f32([p.repetition_penalty for p in row]),
-                f32(np.zeros((B, V)) if seen is None else seen))
+                f32(np.zeros((B, V)) if seen is None else seen), i32(np.arange(32)))
         n, nxt, *_, exact = self.cell(*args)
         if not exact.asnumpy():  # as TargetModel does
             self.reruns += 1

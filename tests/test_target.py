@@ -141,7 +141,7 @@ def test_rotate_half_in_the_graph_matches_the_reference(target):
     cell = Logits(LlamaDecoder(ckpt.config, ckpt.get, 64, slots=1, rot_rows=False))
     cell.set_train(False)
     i32 = lambda a: Tensor(np.asarray(a, np.int32))  # noqa: E731
-    got = cell(i32([seq]), i32([0]), i32([0])).asnumpy()[0]
+    got = cell(i32([seq]), i32([0]), i32([0]), i32(np.arange(64))).asnumpy()[0]
     assert np.abs(got - _ref(ckpt, seq)).max() < 1e-4
 
 
@@ -152,7 +152,7 @@ def test_warm_next_runs_each_graph_warm_up_only_compiled(tiny_target):
     m = TargetModel(Checkpoint(tiny_target[0]), max_seq=32, k_buckets=(1,), batch_buckets=(1,), max_batch=1)
     names = m.graph_names((1,), (0, 1))
     m.warmup(names)
-    assert m.cold() == names == [("prefill", 1, 32), ("greedy", 1, 2)] and m.cold_runs == 0
+    assert m.cold() == names == [("prefill", 1, 32, 64), ("greedy", 1, 2, 64)] and m.cold_runs == 0
     assert m.warm_next() and m.cold() == names[1:] and m.cold_runs == 1
     m.step([[5, 6]], [0], [3], [1])  # a request reaching the last cold graph first: its first run
     assert m.cold() == [] and m.cold_runs == 2 and not m.warm_next()
@@ -225,7 +225,7 @@ ckpt = Checkpoint(make_tiny_checkpoint(sys.argv[1], layers=int(sys.argv[2]), hea
 m = TargetModel(ckpt, max_seq=2048, k_buckets=(1,), batch_buckets=(8,), max_batch=8)
 before = rss()
 for _ in range(2):
-    m.prefill(list(range(8)), [0] * 8, [list(range(3, 35))] * 8, RowSampling.greedy(8))
+    m.prefill(list(range(8)), [1100] * 8, [list(range(3, 35))] * 8, RowSampling.greedy(8))  # the whole cache's window
 print(rss() - before)
 """
 
@@ -247,3 +247,41 @@ def test_a_graph_holds_no_memory_per_layer(tmp_path):
         assert p.returncode == 0, p.stderr[-3000:]
         grew[layers] = float(p.stdout.split()[-1])
     assert (grew[12] - grew[2]) / 10 < 15, grew  # MB a layer: ~70 with the broadcast, ~2.5 without
+
+
+def test_attention_windows_halve_what_a_step_reads_or_are_not_made():
+    from mindspec.spec import attention_windows
+    assert attention_windows(288) == (288,)  # a 256 window would save too little for its graphs
+    assert attention_windows(544) == (256, 544)
+    assert attention_windows(1056) == (256, 1056)
+    assert attention_windows(2080) == (256, 1024, 2080)
+
+
+def test_rows_near_the_start_attend_over_a_window_of_the_cache(tiny_target):
+    """A cache of 512 positions: calls whose rows all sit below 256 run the 256-window graphs, a call
+    with a row past it the whole cache's; both exact against the reference, the cache shared."""
+    ckpt = Checkpoint(tiny_target[0])
+    m = TargetModel(ckpt, max_seq=480, k_buckets=(2,), batch_buckets=(2,), max_batch=2)
+    assert m.windows == (256, 512)
+    seq = [int(x) for x in np.random.default_rng(11).integers(3, 300, 320)]
+    ref = _ref(ckpt, seq)
+    got = np.concatenate([m.logits(0, p, seq[p:p + 32]) for p in range(0, 320, 32)])
+    assert np.abs(got - ref).max() < 1e-4
+    assert {"logits(1, 32, 256)", "logits(1, 32, 512)"} <= m.ran
+    other = seq[:100]
+    m.logits(1, 0, other[:96])
+    for pos, W in ((300, 512), (250, 256)):  # (the later first: a step overwrites what follows pos)
+        rows = [[other[96], 5, 6], [seq[pos], 7, 8]]
+        n, nxt = m.step(rows, [1, 0], [96, pos], [2, 2])
+        for i, prefix in enumerate((other[:97], seq[:pos + 1])):
+            amax = _ref(ckpt, prefix + rows[i][1:])[len(prefix) - 1:].argmax(-1)
+            assert (int(n[i]), int(nxt[i])) == greedy_accept(amax, rows[i][1:])
+        assert f"greedy(2, 3, {W})" in m.ran
+    # warm-up names every window up to the one a run's rows reach; dummy rows run each in its own window
+    names = m.graph_names((2,), (2,))
+    assert names == [("prefill", 2, 32, 256), ("greedy", 2, 3, 256), ("prefill", 2, 32, 512), ("greedy", 2, 3, 512)]
+    assert m.graph_names((2,), (2,), reach=200) == names[:2]
+    m.warmup(names)
+    while m.warm_next():
+        pass
+    assert m.cold() == [] and {f"prefill(2, 32, {W})" for W in (256, 512)} <= m.ran

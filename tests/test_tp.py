@@ -246,7 +246,7 @@ def test_ranks_agree_on_what_a_server_start_leaves_pending(pair, reference, tmp_
     assert runs["fill"][0]["pending"] == runs["fill"][1]["pending"] == []  # a cold cache: every graph first
     assert runs["new-host"][0]["pending"] == runs["new-host"][1]["pending"] == []  # rank 1's was not whole
     assert runs["warm"][0]["pending"] == runs["warm"][1]["pending"] != []  # both whole: the same ones pending
-    assert all(B == 2 for _, B, _ in runs["warm"][0]["pending"])
+    assert all(B == 2 for _, B, *_ in runs["warm"][0]["pending"])
 
 
 def test_ranks_whose_drafts_differ_stop_with_one_error(pair):
