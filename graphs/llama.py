@@ -191,8 +191,8 @@ class Logits(nn.Cell):
 class GreedyStep(nn.Cell):
     """One greedy engine step for a (B, K) bucket: ids [B, K+1] = each row's last committed token and
     K drafts, fed at pos [B] of cache slots [B]; n_valid [B] caps each row's acceptance (padding rows
-    and rows with fewer drafts); keys [W] the attention window (LlamaDecoder). Returns n_accepted [B] and next [B] (recovered or bonus token).
-    K = 0 is a plain decode step."""
+    and rows with fewer drafts); keys [W] the attention window (LlamaDecoder). Returns n_accepted [B]
+    and next [B] (recovered or bonus token). K = 0 is a plain decode step."""
 
     def __init__(self, decoder):
         super().__init__()
@@ -212,9 +212,9 @@ class SampleStep(nn.Cell):
     q [B, K, V] the processed draft distributions the drafts were sampled from (K = 0: [B, 1, V],
     unused); u_acc [B, K] (K = 0: [B, 1], unused) and u_smp [B, K+1] uniforms in [0, 1);
     temperature, top_k (int32), top_p, penalty [B]; seen [B, V] float32 (1: token committed); keys
-    [W] as GreedyStep. Returns n_accepted [B], next [B], the logprobs of the tokens the step commits (lp [B, K+1]: the
-    accepted drafts, then next at index n_accepted; top_lp, top_id [B, K+1, TOP_LOGPROBS]: see
-    token_logprobs) and exact (0-d bool: the top-k candidates held every row's kept set; when not,
+    [W] as GreedyStep. Returns n_accepted [B], next [B], the logprobs of the tokens the step commits
+    (lp [B, K+1]: the accepted drafts, then next at index n_accepted; top_lp, top_id [B, K+1,
+    TOP_LOGPROBS]: see token_logprobs) and exact (0-d bool: the top-k candidates held every row's kept set; when not,
     run the cell with cap None, the exact bisection, on the same inputs)."""
 
     def __init__(self, decoder, cap=TOPK_CAP):
@@ -245,8 +245,8 @@ class Prefill(nn.Cell):
     """A prompt chunk for each of B rows: ids [B, C] at pos [B] of slots [B] (padding after a row's
     real tokens lands in stale positions: masked, later overwritten); each row's next token is sampled
     after its index last [B] with u [B] and the row's sampling parameters (as SampleStep; temperature
-    0 = greedy); keys [W] as GreedyStep. Only those B positions go through the LM head. Returns next [B] int32, its logprobs
-    (lp [B, 1], top_lp and top_id [B, 1, TOP_LOGPROBS]) and exact (as SampleStep)."""
+    0 = greedy); keys [W] as GreedyStep. Only those B positions go through the LM head. Returns next [B]
+    int32, its logprobs (lp [B, 1], top_lp and top_id [B, 1, TOP_LOGPROBS]) and exact (as SampleStep)."""
 
     def __init__(self, decoder, cap=TOPK_CAP):
         super().__init__()

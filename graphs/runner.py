@@ -140,7 +140,8 @@ class TargetModel:
         S = cache_positions(self.max_seq, self.k_buckets)
         self.windows = attention_windows(S)  # a call attends over the smallest that holds its rows (_window)
         self._keys = {W: Tensor(np.arange(W, dtype=np.int32)) for W in self.windows}
-        self.decoder = LlamaDecoder(self.cfg, ckpt.get, S, slots=max_batch, dtype=getattr(ms, dtype), rot_rows=self.rot_rows)
+        self.decoder = LlamaDecoder(self.cfg, ckpt.get, S, slots=max_batch, dtype=getattr(ms, dtype),
+                                    rot_rows=self.rot_rows)
         # *_exact: the rare rerun when the top-k candidates did not hold a row's kept set (graphs/sampling.py);
         # compiled on first need
         self.cells = {"greedy": GreedyStep(self.decoder), "sample": SampleStep(self.decoder, TOPK_CAP),
