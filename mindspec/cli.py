@@ -11,6 +11,7 @@ from .errors import MindspecError
 from .request import SEED_ENV
 from .device import CHOICES, DEVICE_ENV, check_device_env, check_tp, detect_device
 from .spec import DTYPES
+from .mindie_config import QUEUE_DELAY_US
 
 MODEL_COMMANDS = ("generate", "serve", "batch")  # the ones that load a model (and may run on msrun ranks)
 SERVE_MAX_SEQ = 1024  # positions per request a server holds by default (--max-seq)
@@ -211,7 +212,8 @@ def cmd_serve(a):
             return follow(app)
     serve(lambda: load_pipeline(a), serve_defaults(a), host=a.host, port=a.port, model_name=a.model_name,
           tp=a.tp > 1, max_batch=a.max_batch, max_queue=a.max_queue, max_connections=a.max_connections,
-          api_key=a.api_key, strict_model_name=a.strict_model_name, read_timeout=a.read_timeout)
+          api_key=a.api_key, strict_model_name=a.strict_model_name, read_timeout=a.read_timeout,
+          queue_delay_us=a.max_queue_delay_us)
 
 
 def serve_defaults(a):
@@ -318,6 +320,9 @@ def parser():
     add_batch_arg(s)
     s.add_argument("--max-queue", type=int_in(0), default=64,
                    help="requests that may wait for a row; beyond that a request is answered 429 at once (default 64)")
+    s.add_argument("--max-queue-delay-us", type=int_in(0, 1_000_000), default=QUEUE_DELAY_US, metavar="US",
+                   help="after a step that ended a request, how long the running rows wait for a new one to join "
+                        f"the next step (MindIE's maxQueueDelayMicroseconds; default {QUEUE_DELAY_US}; 0 = never)")
     add_tp_arg(s)
     s.add_argument("--model-name", default=None,
                    help="the model's name in requests and /v1/models (default: the target directory's name)")

@@ -7,6 +7,8 @@ line, exit 2), before anything loads."""
 import json
 import sys
 
+QUEUE_DELAY_US = 5000  # MindIE's maxQueueDelayMicroseconds default, serve's --max-queue-delay-us (serve.wait_s)
+
 def _int(lo=None, hi=None):
     def check(v):
         if isinstance(v, bool) or not isinstance(v, int) or (lo is not None and v < lo) or (hi is not None and v > hi):
@@ -56,7 +58,7 @@ KEYS = {
     "BackendConfig.ModelDeployConfig.ModelConfig[0].worldSize": ("tp", _int(1)),
     "BackendConfig.ScheduleConfig.maxBatchSize": ("max_batch", _int(1)),
     "BackendConfig.ScheduleConfig.maxIterTimes": ("max_new_tokens", _int(1)),
-    "BackendConfig.ScheduleConfig.maxQueueDelayMicroseconds": (None, _int(0)),
+    "BackendConfig.ScheduleConfig.maxQueueDelayMicroseconds": ("max_queue_delay_us", _int(0, 1_000_000)),
     "mindspec.draft": ("draft", _str),
     "mindspec.speculationGamma": ("k", _gamma),
     "mindspec.draftTemperature": ("draft_temperature", _number(0.01, 100)),

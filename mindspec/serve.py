@@ -25,6 +25,7 @@ import time
 from .errors import MindspecError, summary
 from .formats import pieces
 from .metrics import Metrics
+from .mindie_config import QUEUE_DELAY_US
 from .request import RequestError, make, parse
 from . import signals
 from .tp import share
@@ -60,8 +61,9 @@ class App:
     """What the endpoints share: the pipeline (once loaded), the request defaults, the job queue, the
     metrics."""
 
-    def __init__(self, defaults, model_name=None, tp=False, max_batch=1, max_queue=64):
+    def __init__(self, defaults, model_name=None, tp=False, max_batch=1, max_queue=64, queue_delay_us=QUEUE_DELAY_US):
         self.defaults, self.model_name, self.tp, self.max_batch = defaults, model_name, tp, max_batch
+        self.queue_delay = queue_delay_us / 1e6  # s a freed row waits for a request before the next step
         self.max_queue = max_queue  # requests waiting for a row beyond the running ones; more: 429
         self.pipe, self.started = None, int(time.time())
         self.ready, self.stopping = threading.Event(), threading.Event()
@@ -97,11 +99,11 @@ class App:
                 self.jobs.put(job)
         return jobs
 
-    def _take(self, block):
-        """The new jobs and the ids of live jobs whose client left (waits up to TICK when idle)."""
+    def _take(self, wait):
+        """The new jobs and the ids of live jobs whose client left (waiting up to `wait` s for the first)."""
         new = []
         try:
-            new.append(self.jobs.get(timeout=TICK) if block else self.jobs.get_nowait())
+            new.append(self.jobs.get(timeout=wait) if wait else self.jobs.get_nowait())
             while True:
                 new.append(self.jobs.get_nowait())
         except queue.Empty:
@@ -112,22 +114,23 @@ class App:
     def work(self):
         """The worker loop (main thread). Under tensor parallelism this is rank 0: each turn it hands the
         new requests and aborts to the other ranks (see follow), which apply them and step in lock step."""
-        eng = self.pipe.engine
+        eng, ended = self.pipe.engine, False
         while True:
             signals.check()  # SIGINT/SIGTERM end the loop here (mindspec.signals)
-            new, gone, jobs = self._take(block=not (eng.has_work or self.warming))
+            free = self.max_batch - len(eng.rows) - len(eng.waiting) - self.jobs.qsize()
+            new, gone, jobs = self._take(wait_s(eng.has_work or self.warming, ended and free > 0, self.queue_delay))
             if self.tp:
                 share((new, gone))  # also when idle: the other ranks must not wait in a collective for long
             for rid, kw in new:
                 self.live[rid] = jobs[rid]
-            self.turn(new, gone, self._events, account=True)
+            ended = self.turn(new, gone, self._events, account=True)
 
     def turn(self, new, gone, on_event, account=False):
         """Apply one turn's new requests and aborts, then run one engine step (every rank runs this).
         on_event(id, kind, value): ("error", MindspecError) or ("fail", Exception) for a request that could not
         be made, ("text", (delta, request)), ("end", request).
         account (rank 0): the step counts for /health before any client hears of it, so a client that got
-        its 500 sees the health that step left."""
+        its 500 sees the health that step left. Returns whether a request ended."""
         eng = self.pipe.engine
         for rid, kw in new:
             try:
@@ -143,7 +146,7 @@ class App:
             # idle (a whole tick with nothing, then back to back until a request comes): compile a graph warm-up
             # left, else run one it compiled for the first time, so no request pays either
             self.warming = not new and not gone and (self._load_next() or t.warm_next())
-            return
+            return False
         self.warming = False
         if eng.waiting and len(eng.rows) >= t.ready_rows():
             self._load_next()  # a request waits for a larger batch's graphs: one a step, the rows go on between
@@ -155,6 +158,7 @@ class App:
                 on_event(req.id, "text", (text, req))
             if req.done:
                 on_event(req.id, "end", req)
+        return any(req.done for req, _ in events)
 
     def _load_next(self):
         """Compile the next graph warm-up left (TargetModel.load_next). One that fails leaves the server serving
@@ -257,6 +261,17 @@ class App:
             job.put(("unavailable", None))
 
 
+def wait_s(busy, freed, delay):
+    """How long the worker waits for a request before its next turn: TICK when idle; `delay` (MindIE's
+    maxQueueDelayMicroseconds) after a step that ended a request and left a row free with nobody queued for
+    it, as rows run on: a client answered at the end of that step usually sends its next request within a
+    few ms, and joining this step instead of the next saves it a step's time and the batch a step one row
+    short; else none (the rows step at once)."""
+    if not busy:
+        return TICK
+    return delay if freed else 0
+
+
 def follow(app):
     """Ranks > 0 of a tensor-parallel server: apply each turn rank 0 shares and step the engine in lock
     step with it (the target's collectives need every rank); answer nobody. Runs until the job is stopped."""
@@ -277,12 +292,12 @@ def prepare(pipe, max_batch):
 
 
 def serve(load, defaults, host="127.0.0.1", port=1025, model_name=None, tp=False, max_batch=1, max_queue=64,
-          max_connections=None, api_key=None, strict_model_name=False, read_timeout=30):
+          max_connections=None, api_key=None, strict_model_name=False, read_timeout=30, queue_delay_us=QUEUE_DELAY_US):
     """Listen, load the pipeline and compile its graphs, or on a warm start its one-row graphs (/health and
     /v2/health/ready answer 503 meanwhile, /v2/health/live 200), then generate until SIGINT/SIGTERM."""
     from .api import Api
     from .http import HttpServer
-    app = App(defaults, model_name, tp, max_batch, max_queue)
+    app = App(defaults, model_name, tp, max_batch, max_queue, queue_delay_us)
     http = HttpServer(Api(app, api_key, strict_model_name, read_timeout).handle, host, port, max_connections,
                       keepalive=read_timeout)
     app.call = http.call

@@ -747,6 +747,27 @@ def test_a_graph_that_fails_to_compile_after_ready_leaves_the_server_serving(pip
                    "failed: out of memory); serving up to 1 at once"], err
 
 
+def test_a_freed_row_waits_the_queue_delay_for_the_next_request(pipe):
+    """MindIE's maxQueueDelayMicroseconds (--max-queue-delay-us): the worker waits a tick when idle; after a
+    turn that ended a request and left a row free it waits up to the delay for a request to join the next
+    step (a client answered then sends its next at once); otherwise the rows step without waiting. turn
+    says which turns ended a request."""
+    from mindspec.request import parse
+    from mindspec.serve import TICK, App, wait_s
+    assert [wait_s(busy, freed, 0.005) for busy, freed in ((False, False), (True, False), (True, True))] == \
+        [TICK, 0, 0.005]
+    assert wait_s(True, True, 0) == 0
+    app, ends = App({}, max_batch=2, queue_delay_us=20000), {}
+    app.pipe = pipe
+    assert app.queue_delay == 0.02
+    on_event = lambda rid, kind, val: ends.__setitem__(rid, val) if kind == "end" else None  # noqa: E731
+    ended = [app.turn([(i, parse({"prompt_ids": IDS, "max_tokens": n})) for i, n in enumerate((1, 6))], [], on_event)]
+    while len(ends) < 2:
+        ended.append(app.turn([], [], on_event))
+    assert sum(ended) == 2 and ended[-1] and ended.index(True) < len(ended) - 1  # the short one first, then the other
+    assert [ends[i].result().finish_reason for i in range(2)] == ["length"] * 2
+
+
 def test_a_repeated_prompt_is_served_from_the_prefix_cache(server, pipe):
     """A prompt no slot holds is prefilled whole; the same prompt again prefills only its last token
     (the slot its first run freed still holds the rest). Usage and /metrics say how many prompt tokens

@@ -133,6 +133,8 @@ BAD_CONFIGS = [  # (file content, the one line expected)
      "BackendConfig.ModelDeployConfig.ModelConfig[0].worldSize: must be an integer >= 1, got 0"),
     ({"BackendConfig": {"ScheduleConfig": {"maxBatchSize": 2.5}}},
      "BackendConfig.ScheduleConfig.maxBatchSize: must be"),
+    ({"BackendConfig": {"ScheduleConfig": {"maxQueueDelayMicroseconds": -1}}},
+     "BackendConfig.ScheduleConfig.maxQueueDelayMicroseconds: must be an integer >= 0 and <= 1000000, got -1"),
     ({"mindspec": {"speculationGamma": "fast"}},
      'mindspec.speculationGamma: must be an integer >= 1 and <= 8, got "fast"'),
     ("{not json", "not valid JSON"),
@@ -163,9 +165,12 @@ def test_flags_override_the_file_and_a_missing_file_is_one_line(tmp_path):
     from mindspec.cli import parse
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"ServerConfig": {"port": 2000, "ipAddress": "0.0.0.0"},
-                                "BackendConfig": {"ScheduleConfig": {"maxBatchSize": 4, "maxIterTimes": 5}}}))
+                                "BackendConfig": {"ScheduleConfig": {"maxBatchSize": 4, "maxIterTimes": 5,
+                                                                     "maxQueueDelayMicroseconds": 20000}}}))
     a = parse(["serve", "--port", "3000", "--config", str(path), "--max-batch", "2"])
-    assert (a.port, a.host, a.max_batch, a.max_new_tokens) == (3000, "0.0.0.0", 2, 5)
+    assert (a.port, a.host, a.max_batch, a.max_new_tokens, a.max_queue_delay_us) == (3000, "0.0.0.0", 2, 5, 20000)
+    assert parse(["serve", "--config", str(path), "--max-queue-delay-us", "0"]).max_queue_delay_us == 0
+    assert parse(["serve"]).max_queue_delay_us == 5000  # MindIE's default
     # a flag given before --config wins too, also when it repeats the default (it was taken as not given)
     a = parse(["serve", "--port", "1025", "--max-new-tokens", "64", "--config", str(path), "--max-batch", "8"])
     assert (a.port, a.host, a.max_batch, a.max_new_tokens) == (1025, "0.0.0.0", 8, 64)

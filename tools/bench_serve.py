@@ -11,6 +11,7 @@ the idle server has run each compiled graph once (a graph's first run is slower)
     .venv/bin/python tools/bench_serve.py [--max-new-tokens 64] [--requests 16] [--clients 1,4,8]
                                           [--max-batch 8] [--max-seq 512] [--target DIR --draft PATH]
                                           [--no-prefix-cache] [--repeat-prompts] [--no-speculate | -k K]
+                                          [--max-queue-delay-us US]
 """
 import argparse
 import json
@@ -113,6 +114,7 @@ def main():
                     help="send the bench prompts as they are, cycled (default: each request's own number first)")
     ap.add_argument("--no-speculate", action="store_true", help="the server decodes target-only (the baseline)")
     ap.add_argument("-k", help="the server's K (a bucket, or auto: the default)")
+    ap.add_argument("--max-queue-delay-us", help="the server's wait for a request after a row frees (default: its own)")
     a = ap.parse_args()
     cmd = [sys.executable, "-m", "mindspec", "serve", "--port", "0", "--max-seq", str(a.max_seq),
            "--max-batch", str(a.max_batch)]
@@ -121,6 +123,7 @@ def main():
     cmd += ["--no-prefix-cache"] if a.no_prefix_cache else []
     cmd += ["--no-speculate"] if a.no_speculate else []
     cmd += ["-k", a.k] if a.k else []
+    cmd += ["--max-queue-delay-us", a.max_queue_delay_us] if a.max_queue_delay_us else []
     srv, base, first_start = start(cmd)
     all_in = first_start + wait_warm(base)  # the larger batches' graphs compile after ready: all into the cache
     stop(srv)
