@@ -96,14 +96,15 @@ KINDS = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", 
 
 
 def _flatten(obj, path=""):
-    """{key path: value} of the leaves (ModelConfig is a list: its entries are [i])."""
+    """{key path: value} of the leaves (ModelConfig is a list: its entries are [i]); a key of KEYS is a
+    leaf whatever its value holds, so its check sees an object there."""
     entry = path.startswith(MODEL_LIST + "[") and path.endswith("]")  # ModelConfig[i]
     shape = list if path == MODEL_LIST else dict if path in OBJECTS or entry else None
     if shape is not None and not isinstance(obj, shape):
         what = "a list of objects" if shape is list else "an object"
         raise ValueError(f"{path}: must be {what} (MindIE's layout), got {KINDS.get(type(obj), 'a value')}")
     if isinstance(obj, dict) and (path in ("", "ServerConfig", "BackendConfig", "mindspec")
-                                  or path.startswith("BackendConfig.")) and path not in QUIET:
+                                  or path.startswith("BackendConfig.")) and path not in QUIET and path not in KEYS:
         out = {}
         for k, v in obj.items():
             out.update(_flatten(v, f"{path}.{k}" if path else str(k)))

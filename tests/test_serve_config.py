@@ -135,6 +135,11 @@ BAD_CONFIGS = [  # (file content, the one line expected)
      "BackendConfig.ScheduleConfig.maxBatchSize: must be"),
     ({"BackendConfig": {"ScheduleConfig": {"maxQueueDelayMicroseconds": -1}}},
      "BackendConfig.ScheduleConfig.maxQueueDelayMicroseconds: must be an integer >= 0 and <= 1000000, got -1"),
+    # an object where a value belongs was walked into as a block: its check never ran, the default was used
+    ({"BackendConfig": {"ScheduleConfig": {"maxQueueDelayMicroseconds": {}}}},
+     "BackendConfig.ScheduleConfig.maxQueueDelayMicroseconds: must be an integer >= 0 and <= 1000000, got {}"),
+    ({"BackendConfig": {"ModelDeployConfig": {"maxSeqLen": {"a": 1}}}},
+     'BackendConfig.ModelDeployConfig.maxSeqLen: must be an integer >= 2, got {"a": 1}'),
     ({"mindspec": {"speculationGamma": "fast"}},
      'mindspec.speculationGamma: must be an integer >= 1 and <= 8, got "fast"'),
     ("{not json", "not valid JSON"),
