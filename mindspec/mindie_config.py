@@ -9,6 +9,7 @@ import sys
 
 QUEUE_DELAY_US = 5000  # MindIE's maxQueueDelayMicroseconds default, serve's --max-queue-delay-us (serve.wait_s)
 
+
 def _int(lo=None, hi=None):
     def check(v):
         if isinstance(v, bool) or not isinstance(v, int) or (lo is not None and v < lo) or (hi is not None and v > hi):
