@@ -342,11 +342,12 @@ def _body(item, r):
     return body
 
 
-def generate_records(pipe, items, check=lambda: None, max_batch=1):
+def generate_records(pipe, items, check=lambda: None, max_batch=1, ready=lambda: None):
     """Run every parsed item on the loaded pipeline, up to max_batch at once (the rest join as rows
     finish); yield (item, record body) as each one finishes, in any order. The job is read first and
-    the cache sized once for its longest line. `check()` raises KeyboardInterrupt once a stop was
-    asked: it runs between engine steps, never inside MindSpore."""
+    the cache sized once for its longest line; `ready()` is called once the warm-up (compiling, and on
+    a machine's first job measuring dynamic K's costs) is done. `check()` raises KeyboardInterrupt once
+    a stop was asked: it runs between engine steps, never inside MindSpore."""
     reqs = {}
     for item in items:
         try:
@@ -356,9 +357,8 @@ def generate_records(pipe, items, check=lambda: None, max_batch=1):
     if not reqs:
         return
     check()
-    compile_s = pipe.target.compile_s if pipe.target else 0.0
-    pipe.prepare(list(reqs), max_batch)
-    next(iter(reqs)).stats.compile_s = pipe.target.compile_s - compile_s  # the job's one warm-up, counted once
+    next(iter(reqs)).stats.compile_s = pipe.prepare(list(reqs), max_batch)  # the job's one warm-up, counted once
+    ready()
     for r in reqs:
         pipe.engine.add(r)
     while pipe.engine.has_work:
@@ -379,9 +379,10 @@ class Tally:
                       for i in items}
         self.skipped = sum(s == "done" for s in self.state.values())
         self.now_done = self.now_failed = self.tokens = self.calls = self.drafted = self.accepted = 0
-        self.compile_s, self.t0, self.t1 = 0.0, None, None
+        self.t0, self.t1 = None, None
 
     def start(self):
+        """(Again once the warm-up is done: the rates are the generation's.)"""
         self.t0 = time.monotonic()
 
     def add(self, item, body):
@@ -395,16 +396,15 @@ class Tally:
             self.calls += s["target_calls"]
             self.drafted += s["drafted"]
             self.accepted += s["accepted"]
-            self.compile_s += s.get("compile_s", 0.0)
 
     def count(self, what):
         return sum(s == what for s in self.state.values())
 
     def seconds(self):
-        """Generation wall time so far, graph compilation excluded."""
+        """Generation wall time so far, from the end of the warm-up."""
         if self.t0 is None:
             return 0.0
-        return max((self.t1 or time.monotonic()) - self.t0 - self.compile_s, 0.0)
+        return max((self.t1 or time.monotonic()) - self.t0, 0.0)
 
     def rates(self):
         wall = self.seconds()
@@ -538,7 +538,7 @@ class _Job:
         try:
             for item in (i for i in items if i.err is not None):
                 self.finish(item, {"error": item.err})
-            for item, body in generate_records(pipe, todo, sig.check, max_batch):
+            for item, body in generate_records(pipe, todo, sig.check, max_batch, ready=self.tally.start):
                 self.finish(item, body)
         finally:
             self.tally.t1 = time.monotonic()

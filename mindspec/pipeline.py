@@ -246,7 +246,9 @@ class Pipeline:
         (every graph of every batch bucket with every_graph) and measure the dynamic-K costs. rows_now:
         where the compile cache holds every graph and the costs are known (measuring them runs every
         graph), load only the graphs of batches up to that many rows now, the others left to
-        target.load_next."""
+        target.load_next. Returns the seconds spent compiling (or loading from the compile cache)."""
+        before = self.target
+        compiled = before.compile_s if before else 0.0
         need = max(len(r.prompt_ids) + r.max_new_tokens for r in reqs) if reqs else 1
         positions = self.fixed_max_seq or self.spec.seq_for(need, self.max_positions)
         n = max_batch if every_graph else min(max_batch, max(len(reqs), 1))  # (no slot for rows that cannot come)
@@ -262,6 +264,7 @@ class Pipeline:
         t.warmup(names, self.cache_dir, None if rows_now is None else sum(B <= rows_now for _, B, *_ in names))
         if drafting and (every_graph or any(r.k == "auto" for r in reqs)):
             self._dynamic_for(sizes)
+        return self.target.compile_s - (compiled if self.target is before else 0.0)  # (a resize: a new target)
 
     def _dynamic_for(self, sizes):
         """The engine's DynamicK with measured costs for these batch sizes (kept across requests: its
@@ -317,7 +320,7 @@ class Pipeline:
         return contextlib.nullcontext() if signals.active() else signals.Signals(True, at_once)
 
     def _run(self, reqs, on_event, max_batch):
-        self.prepare(reqs, max_batch)
+        warm_up = self.prepare(reqs, max_batch)
         compile_s = self.target.compile_s
         todo, pending = deque(reqs), set()
         while todo or pending:
@@ -331,7 +334,7 @@ class Pipeline:
                     pending.discard(r)
             signals.check()
         for r in reqs:
-            r.stats.compile_s = self.target.compile_s - compile_s
+            r.stats.compile_s = warm_up + self.target.compile_s - compile_s  # (and graphs compiled on first need)
 
     def generate(self, prompt=None, prompt_ids=None, max_new_tokens=64, on_text=None, **kw):
         """Generate (greedy at temperature 0, else speculative sampling: the target's distribution

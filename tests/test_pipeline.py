@@ -167,6 +167,18 @@ def test_a_draft_exported_for_fewer_positions_than_the_target_cache_holds(tiny_t
     assert res.token_ids == pipe.generate(prompt_ids=[5, 6, 7], max_new_tokens=100, speculate=False).token_ids
 
 
+def test_compile_s_counts_the_warm_up_a_call_waited_for(tiny_target, noisy_draft):
+    """Found: `generate --json` always said compile_s 0 (README: compilation "is reported separately as
+    compile_s"): the counter was read after the call's warm-up, where the graphs compile."""
+    pipe = mindspec.load(target=tiny_target[0], draft=noisy_draft, k=2, buckets=(2,))  # (lean: K=2's graphs)
+    first = pipe.generate(prompt_ids=[5, 6, 7], max_new_tokens=8)
+    again = pipe.generate(prompt_ids=[5, 6, 7], max_new_tokens=8)
+    assert first.stats["compile_s"] > 0 and again.stats["compile_s"] == 0
+    assert first.token_ids == again.token_ids
+    longer = pipe.generate(prompt_ids=[5, 6, 7], max_new_tokens=300)  # a larger cache: a new target, new graphs
+    assert longer.stats["compile_s"] > 0 and longer.token_ids[:8] == first.token_ids
+
+
 def test_drafts_never_outrun_the_tokens_a_request_has_left(pipe):
     """A request of 3 new tokens at K=8 (the prefill gives the first) drafted and verified 8 where one
     could be used: wasted work, and an acceptance rate that flattered short requests."""
