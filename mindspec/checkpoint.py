@@ -224,15 +224,28 @@ def expected_shape(cfg, name):
     return shapes.get(".".join(name.split(".")[3:]))
 
 
+def umask():
+    """The process's umask (reading it means setting it)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _save(arrays, path):
+    """safetensors writes 0600: the weights as readable as the config beside them."""
+    from safetensors.numpy import save_file
+    save_file(arrays, path)
+    os.chmod(path, 0o666 & ~umask())
+
+
 def write_checkpoint(model_dir, cfg_dict, tensors, shard_bytes=None):
     """Write a HF-style directory (config.json + safetensors, sharded with an index when asked)."""
-    from safetensors.numpy import save_file
     os.makedirs(model_dir, exist_ok=True)
     with open(os.path.join(model_dir, "config.json"), "w", encoding="utf-8") as f:
         json.dump(cfg_dict, f, indent=2)
     tensors = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
     if not shard_bytes:
-        save_file(tensors, os.path.join(model_dir, "model.safetensors"))
+        _save(tensors, os.path.join(model_dir, "model.safetensors"))
         return
     shards, cur, size = [], {}, 0
     for k, v in tensors.items():
@@ -245,7 +258,7 @@ def write_checkpoint(model_dir, cfg_dict, tensors, shard_bytes=None):
     weight_map = {}
     for i, shard in enumerate(shards):
         fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, os.path.join(model_dir, fname))
+        _save(shard, os.path.join(model_dir, fname))
         weight_map.update({k: fname for k in shard})
     with open(os.path.join(model_dir, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
         json.dump({"metadata": {"total_size": sum(v.nbytes for v in tensors.values())},

@@ -12,7 +12,7 @@ import tempfile
 
 import numpy as np
 
-from .checkpoint import expected_shape, weight_names, write_checkpoint
+from .checkpoint import expected_shape, umask, weight_names, write_checkpoint
 from .config import config_from_dict
 from .errors import MindspecError
 
@@ -238,9 +238,7 @@ def convert_gguf(gguf_path, out_dir):
     except OSError as e:
         raise MindspecError(f"cannot write {out_dir}: {e.strerror or e}") from None
     try:
-        mask = os.umask(0)
-        os.umask(mask)
-        os.chmod(tmp, 0o777 & ~mask)  # (mkdtemp's is 0700) as a directory made by os.makedirs
+        os.chmod(tmp, 0o777 & ~umask())  # (mkdtemp's is 0700) as a directory made by os.makedirs
         write_checkpoint(tmp, cfg, tensors)
         tok.save(os.path.join(tmp, "tokenizer.json"))
         with open(os.path.join(tmp, "tokenizer_config.json"), "w", encoding="utf-8") as f:

@@ -108,6 +108,16 @@ def test_weights_match_originals(converted):
             np.testing.assert_array_equal(got, want, err_msg=name)
 
 
+def test_every_converted_file_has_the_umask_mode(converted):
+    """Found: model.safetensors came out 0600 (safetensors' own writer) beside 0644 files: another user of
+    a shared model directory could read its config but not its weights."""
+    out, _ = converted
+    mask = os.umask(0)
+    os.umask(mask)
+    modes = {name: os.stat(os.path.join(out, name)).st_mode & 0o777 for name in os.listdir(out)}
+    assert modes and set(modes.values()) == {0o666 & ~mask}, modes
+
+
 def test_config_and_tied_embeddings(converted):
     out, hf = converted
     cfg = load_config(out)
