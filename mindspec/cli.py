@@ -64,8 +64,8 @@ def format_stats(s):
     return "\n".join(f"{name:<{w}}  {value}" for name, value in rows)
 
 
-def add_model_args(p):
-    """The model flags of generate, serve and batch (read by load_pipeline)."""
+def add_model_args(p, max_seq="sized to the job"):
+    """The model flags of generate, serve and batch (read by load_pipeline); max_seq: the default's words."""
     p.add_argument("--target", default=None, help="target checkpoint dir (default: the embedded model)")
     p.add_argument("--draft", default=None, help="draft .onnx from `mindspec export` (default: embedded)")
     p.add_argument("-k", type=_k, default="auto",
@@ -73,7 +73,7 @@ def add_model_args(p):
     p.add_argument("--dynamic-k", dest="k", action="store_const", const="auto",
                    help="choose K each step from measured costs and acceptance (the default; same as -k auto)")
     p.add_argument("--max-seq", type=positive_int, default=None,
-                   help="fix the KV-cache length (default: sized to the job)")
+                   help=f"fix the KV-cache length (default: {max_seq})")
     p.add_argument("--no-speculate", action="store_true", help="target-only decoding (the baseline)")
     p.add_argument("--device", choices=CHOICES, default=None,
                    help="auto (default: Ascend when an NPU is visible, else CPU), cpu or ascend; target and draft")
@@ -313,7 +313,7 @@ def parser():
     g.add_argument("--stats", action="store_true", help="print a table of acceptance and timing to stderr")
     g.set_defaults(func=cmd_generate)
     s = sub.add_parser("serve", help="HTTP server speaking MindIE Service's APIs (OpenAI, TGI, /infer)")
-    add_model_args(s)
+    add_model_args(s, f"{SERVE_MAX_SEQ}: a server cannot resize its cache while requests run")
     add_sampling_args(s)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     s.add_argument("--port", type=int_in(0, 65535), default=1025, help="port (default 1025 as MindIE; 0 = pick a free one)")

@@ -234,6 +234,16 @@ def test_dynamic_k_flag():
         assert parser().parse_args(cmd + ["-k", "4", "--dynamic-k"]).k == "auto"
 
 
+def test_help_gives_each_command_its_own_max_seq_default(capsys):
+    """Found: `serve --help` said --max-seq defaults to "sized to the job", as generate's; a server holds 1024."""
+    from mindspec.cli import SERVE_MAX_SEQ, parser
+    for cmd, words in (("serve", f"(default: {SERVE_MAX_SEQ}"), ("generate", "(default: sized to the job)")):
+        with pytest.raises(SystemExit):
+            parser().parse_args([cmd, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert words in text.split("--max-seq MAX_SEQ ")[1].split(" --")[0], text
+
+
 @pytest.mark.parametrize("bad", ["0", "-2", "two"])
 def test_tp_must_be_positive(bad, capsys):
     from mindspec.cli import parser
