@@ -8,7 +8,7 @@ import signal
 import sys
 
 from .errors import MindspecError
-from .request import SEED_ENV
+from .request import SEED_ENV, stop_strings
 from .device import CHOICES, DEVICE_ENV, check_device_env, check_tp, detect_device
 from .spec import DTYPES
 from .mindie_config import QUEUE_DELAY_US
@@ -161,6 +161,7 @@ def check_sampling_args(a):
                    draft_temperature=a.draft_temperature, seed=a.seed)
     if a.draft_min_conf is not None and not 0 < a.draft_min_conf < 1:
         raise MindspecError(f"draft_min_conf must be between 0 and 1, got {a.draft_min_conf}")
+    stop_strings(a.stop)
 
 
 def _seed(a):

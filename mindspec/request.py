@@ -75,6 +75,8 @@ def stop_strings(stop):
         raise RequestError(f"stop must be a string or a list of strings, got {stop!r}")
     if len(stop) > MAX_STOPS:
         raise RequestError(f"stop: at most {MAX_STOPS} strings, got {len(stop)}", param="stop")
+    if "" in stop:  # (it would match everywhere; was dropped without a word)
+        raise RequestError("stop cannot contain an empty string", param="stop")
     return [checked_text("stop", s) for s in stop]
 
 

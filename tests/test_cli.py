@@ -340,6 +340,8 @@ def test_serve_and_batch_defaults_draw_no_seed_under_msrun_or_dp(monkeypatch):
     (["generate", "Hi", "--max-seq", "-5"],
      "mindspec generate: error: argument --max-seq: must be an integer >= 1, got '-5' (see mindspec generate --help)"),
     (["batch", "--input", "i", "--output", "o", "--max-batch", "0"], "--max-batch: must be an integer >= 1"),
+    (["serve", "--stop", "x", "--stop", ""], "stop cannot contain an empty string"),
+    (["batch", "--input", "i", "--output", "o", "--stop", ""], "stop cannot contain an empty string"),
     (["serve", "--no-speculate", "-k", "2"], "-k 2 sets the draft tokens of a step: it does not apply with --no-spec"),
     # a value like a negative number but not one was read as a flag: "expected one argument"
     (["plan", "--params", "7e9", "--layers", "32", "--kv-heads", "8", "--head-dim", "128", "--device-mem", "-1GB"],

@@ -202,7 +202,9 @@ def test_library_calls_refuse_bad_input_naming_it(pipe):
                       (dict(prompt_ids="1,2"), "prompt_ids must be a list"),
                       (dict(prompt_ids=[1.7, 2.2]), "prompt_ids must be a list"),
                       (dict(prompt_ids=[True]), "prompt_ids must be a list"),
-                      (dict(prompt_ids=[5], stop=5), "stop must be a string or a list of strings")]:
+                      (dict(prompt_ids=[5], stop=5), "stop must be a string or a list of strings"),
+                      # found: an empty stop string was dropped without a word (vLLM refuses it too)
+                      (dict(prompt_ids=[5], stop=["x", ""]), "stop cannot contain an empty string")]:
         with pytest.raises(MindspecError, match=words):
             pipe.generate(**kw)
     good = dict(prompt_ids=[5, 6], max_new_tokens=3)

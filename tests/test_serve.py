@@ -374,6 +374,8 @@ BAD = [  # (path, body or raw bytes, status, words in the message)
     ("/v1/completions", {"prompt": "a" * 3000000}, 400, "prompt is 3000000 characters; it does not fit max_seq 128"),
     ("/tokenize", {"prompt": "a" * 3000000}, 400, "prompt is 3000000 characters; it does not fit max_seq 128"),
     ("/v1/completions", {"prompt": "hi", "stop": ["x"] * 33}, 400, "stop: at most 32 strings"),
+    ("/v1/completions", {"prompt": "hi", "stop": ""}, 400, "stop cannot contain an empty string"),
+    ("/generate", {"inputs": "hi", "parameters": {"stop": ["a", ""]}}, 422, "stop cannot contain an empty string"),
     # found by a second attacker's pass: max_completion_tokens dropped unread beside max_tokens; a message's
     # tool_calls dropped (a top-level "tools" is refused); k's error named no param; a number too
     # long for Python's int() quoted sys.set_int_max_str_digits(); a nested prompt called "a list of 1
