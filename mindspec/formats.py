@@ -35,9 +35,9 @@ def pieces(req, sent, shown, final):
     return out
 
 
-def _lp_entry(pipe, i, lp, text=None):
-    text = pipe.tokenizer.decode([i]) if text is None else text
-    return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+def _lp_entry(pipe, i, lp):
+    """(bytes: the token's own, a character's first bytes included, as OpenAI gives them to rebuild it)"""
+    return {"token": pipe.tokenizer.decode([i]), "logprob": lp, "bytes": list(pipe.tokenizer.token_bytes(i))}
 
 
 def chat_logprobs(pipe, tokens):

@@ -7,8 +7,19 @@ import functools
 import hashlib
 import json
 import os
+import re
 
 from .errors import MindspecError, read_json
+
+
+def _byte_level_alphabet():
+    """GPT-2's byte-level BPE spells byte b as this character (tokenizers' ByteLevel): character -> byte."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    moved = [b for b in range(256) if b not in keep]
+    return {**{chr(b): b for b in keep}, **{chr(256 + n): b for n, b in enumerate(moved)}}
+
+
+UNBYTE = _byte_level_alphabet()
 
 
 def _token_str(v):
@@ -102,6 +113,20 @@ class Tokenizer:
 
     def token_to_id(self, token):
         return self._tok.token_to_id(token)
+
+    def token_bytes(self, i):
+        """The UTF-8 bytes token i stands for. decode([i]) gives U+FFFD for a token ending inside a
+        character; its bytes come from its spelling: byte-level BPE's alphabet, or a <0xNN> byte-fallback piece."""
+        text = self.decode([i])
+        piece = self._tok.id_to_token(int(i)) if "\ufffd" in text else None
+        if piece is None:
+            return text.encode("utf-8")
+        if (m := re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)) is not None:
+            return bytes([int(m.group(1), 16)])
+        from tokenizers import decoders
+        if isinstance(self._tok.decoder, decoders.ByteLevel) and all(c in UNBYTE for c in piece):
+            return bytes(UNBYTE[c] for c in piece)
+        return text.encode("utf-8")
 
     def apply_chat_template(self, messages, add_generation_prompt=True):
         """Render chat messages to a prompt string, the way transformers does."""

@@ -25,6 +25,31 @@ def test_byte_tokens_round_trip(tok_dir):
     assert tok.vocab_size == 3 + 256 and tok.eos_token_ids == {2} and tok.bos_token_id is None
 
 
+def test_token_bytes_are_what_each_token_stands_for(tok_dir):
+    """A token ending inside a character decodes alone to U+FFFD; OpenAI's logprobs give each token's
+    bytes so that a client can rebuild such characters (found: the bytes of U+FFFD were given)."""
+    tok = Tokenizer(str(tok_dir))
+    ids = tok.encode(TEXT)
+    assert "\ufffd" in tok.decode([ids[1]]) and b"".join(tok.token_bytes(i) for i in ids) == TEXT.encode()
+    assert tok.token_bytes(2) == b"<|im_end|>"  # a special token: its text
+
+
+def test_token_bytes_of_byte_fallback_pieces(tmp_path):
+    """SentencePiece's byte fallback (Llama-2's tokenizer.json): a character outside the vocabulary is
+    pieces <0xE4><0xB8><0x96>, each decoding alone to U+FFFD."""
+    from tokenizers import Tokenizer as HF, decoders, models, normalizers
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}, "▁hi": 259}
+    t = HF(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    t.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    t.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                   decoders.Strip(" ", 1, 0)])
+    t.save(str(tmp_path / "tokenizer.json"))
+    tok = Tokenizer(str(tmp_path))
+    ids = tok.encode("世")[-3:]
+    assert [tok.decode([i]) for i in ids] == ["\ufffd"] * 3
+    assert b"".join(tok.token_bytes(i) for i in ids) == "世".encode()
+
+
 def test_special_tokens(tok_dir):
     tok = Tokenizer(str(tok_dir))
     ids = tok.encode("<|im_start|>user\nhi<|im_end|>")
