@@ -7,6 +7,8 @@ triples whose texts concatenate to the generated text (logprob: the request's en
 import time
 import uuid
 
+from .tokenizer import stream_texts
+
 
 def openai_error(status, message, param=None):
     """OpenAI's error body (also the shape of the errors that are no API's own: transport, routing)."""
@@ -165,7 +167,9 @@ class TGI:
         if full:
             pipe = self.app.pipe
             prefill = [token(pipe, i) for i in ids] if self.decoder_input_details else []
-            d.update(prompt_tokens=len(ids), prefill=prefill, tokens=[token(pipe, i) for i in res.token_ids])
+            texts = stream_texts(pipe.tokenizer, res.token_ids)  # (as the stream's events: they add up)
+            d.update(prompt_tokens=len(ids), prefill=prefill,
+                     tokens=[token(pipe, i, t) for i, t in zip(res.token_ids, texts)])
         return d
 
     def response(self, done):

@@ -195,3 +195,13 @@ class StreamDecoder:
         text = self.tok.decode(self.ids[self._prefix:])
         self._prefix = self._read = len(self.ids)
         return text[len(prefix_text):]
+
+
+def stream_texts(tokenizer, ids):
+    """Each token's text as a stream gives it (a character goes to the token that completes it; the last
+    takes what is left): texts that add up to decode(ids), as TGI's details.tokens[].text."""
+    d = StreamDecoder(tokenizer)
+    texts = [d.push([i]) for i in ids]
+    if texts:
+        texts[-1] += d.flush()
+    return texts

@@ -131,6 +131,8 @@ def test_greedy_equals_target_only(server, pipe):
     assert tgi["generated_text"] == by_text.text
     assert tgi["details"]["prompt_tokens"] == len(pipe.encode(TEXT))
     assert tgi["details"]["generated_tokens"] == len(by_text.token_ids)
+    # each token's text as the stream gives it (tokenizer.stream_texts), so they add up to the text
+    assert "".join(t["text"] for t in tgi["details"]["tokens"] if not t["special"]) == tgi["generated_text"]
 
     c = post(base, "/v1/completions", {"model": "tiny", "prompt": IDS, "max_tokens": N})
     assert c["object"] == "text_completion" and c["choices"][0]["text"] == by_ids.text

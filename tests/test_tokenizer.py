@@ -6,7 +6,7 @@ import pytest
 
 from conftest import CHAT_TEMPLATE, write_tiny_tokenizer
 from mindspec.errors import MindspecError
-from mindspec.tokenizer import StreamDecoder, Tokenizer
+from mindspec.tokenizer import StreamDecoder, Tokenizer, stream_texts
 
 TEXT = "héllo 世界 🦙!"
 
@@ -79,6 +79,15 @@ def test_stream_decoder_random_chunks_equal_decode(tok_dir, seed):
         out.append(sd.push(ids[i:i + n]))
         i += n
     assert "".join(out) + sd.flush() == tok.decode(ids)
+
+
+def test_stream_texts_give_a_character_to_the_token_that_completes_it(tok_dir):
+    """TGI's details.tokens[].text, as its stream events: found decoded alone (U+FFFD for each of a
+    character's first bytes), so they did not add up to generated_text."""
+    tok = Tokenizer(str(tok_dir))
+    texts = stream_texts(tok, tok.encode(TEXT))
+    assert texts[:3] == ["h", "", "é"] and "".join(texts) == TEXT
+    assert stream_texts(tok, tok.encode("世")[:2]) == ["", "\ufffd"]  # cut short: the last token takes what is left
 
 
 def test_stream_decoder_flushes_incomplete_tail(tok_dir):
