@@ -112,21 +112,30 @@ class Request:
             if self._stream is not None:
                 was, self.text = len(self.text), self.text + self._stream.push([int(tok)])
                 self.ends[-1] = len(self.text)
-                found = () if early else (self.text.find(s, max(was - len(s) + 1, 0)) for s in self.stops)
-                hit = min((i for i in found if i >= 0), default=-1)
-                if hit >= 0:
-                    self.text, self._cut = self.text[:hit], True
+                if not early and self._cut_at_stop(was):
                     return self.finish("stop")
         if len(self.output) >= self.max_new_tokens:
             return self.finish("length")
         return self._delta(self._hold)
 
+    def _cut_at_stop(self, was):
+        """Cut the text before the first stop string that ends past its first `was` characters."""
+        found = (self.text.find(s, max(was - len(s) + 1, 0)) for s in self.stops)
+        hit = min((i for i in found if i >= 0), default=-1)
+        if hit >= 0:
+            self.text, self._cut = self.text[:hit], True
+        return hit >= 0
+
     def finish(self, reason):
-        """End the request (reason "stop", "length", "abort" or "error"); returns the text not yet streamed."""
+        """End the request (reason "stop", "length", "abort" or "error"); returns the text not yet streamed.
+        The text the stream decoder held (a character's first bytes, and what came before them in the
+        same token) is searched for stop strings too."""
         if self.state != FINISHED:
             self.state, self.finish_reason = FINISHED, reason
             if self._stream is not None and not self._cut:
-                self.text += self._stream.flush()
+                was, self.text = len(self.text), self.text + self._stream.flush()
+                if len(self.output) > self.min_tokens and self._cut_at_stop(was) and reason == "length":
+                    self.finish_reason = "stop"
         return self._delta(0)
 
     def _delta(self, hold):

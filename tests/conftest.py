@@ -14,15 +14,18 @@ CHAT_TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['role'
                  "{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 
-def write_tiny_tokenizer(model_dir):
-    """A byte-level BPE tokenizer (3 specials + 256 bytes, no merges), saved as tokenizer.json."""
+def write_tiny_tokenizer(model_dir, merges=()):
+    """A byte-level BPE tokenizer (3 specials + 256 bytes, and the tokens of `merges`, pairs of byte-level
+    spellings), saved as tokenizer.json."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from tokenizers.pre_tokenizers import ByteLevel
     alphabet = ByteLevel.alphabet()
     vocab = {t: i for i, t in enumerate(SPECIALS)}
     for ch in sorted(alphabet):
         vocab[ch] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    for a, b in merges:
+        vocab[a + b] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=list(merges)))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(SPECIALS)

@@ -90,6 +90,26 @@ def test_stream_texts_give_a_character_to_the_token_that_completes_it(tok_dir):
     assert stream_texts(tok, tok.encode("世")[:2]) == ["", "\ufffd"]  # cut short: the last token takes what is left
 
 
+@pytest.mark.parametrize("end", ["length", "eos", "abort"])
+def test_a_stop_string_in_the_text_a_request_ends_with_is_cut(tok_dir, end):
+    """Found (a Chinese prompt, greedy): the text held back behind a character's first bytes is released
+    when the request ends, and that release was never searched for stop strings: "\n\n# \ufffd" with
+    finish_reason length for stop=["# "], the stop string streamed too."""
+    from mindspec.sampling import SamplingParams
+    from mindspec.sequence import Request
+    write_tiny_tokenizer(tok_dir, merges=[("Ġ", "å")])  # a token of a space and 原's first byte, as SmolLM2's
+    tok = Tokenizer(str(tok_dir))
+    ids = tok.encode("\n\n# 原")[:-2]  # ..., "#", " \xe5"
+    assert tok.decode(ids[-1:]) == " \ufffd"
+    r = Request([5], SamplingParams(temperature=0.0), len(ids) + (end != "length"), stop=["# "], eos=[2],
+                tokenizer=tok)
+    shown = r.commit(ids)
+    assert r.done == (end == "length") and "#" not in shown
+    shown += r.commit([2]) if end == "eos" else r.finish("abort") if end == "abort" else ""
+    assert r.done and r.text == "\n\n" and shown == "\n\n"
+    assert r.finish_reason == {"length": "stop", "eos": "stop", "abort": "abort"}[end]
+
+
 def test_stream_decoder_flushes_incomplete_tail(tok_dir):
     tok = Tokenizer(str(tok_dir))
     ids = tok.encode("a世")[:-1]  # "a" + two of the three bytes of 世
