@@ -61,6 +61,20 @@ def test_generate_streams_text_and_summarises_on_stderr(pair):
     assert "accepted at draft position" in err and "K=2:" in err  # the --stats table
 
 
+def test_text_the_terminals_encoding_lacks_is_replaced_not_a_traceback(pair):
+    """Found under a zh_CN.GBK locale (stdout's encoding gbk): a generated emoji ended `generate` with
+    UnicodeEncodeError, exit 1, the text cut off. Such a character now prints as '?' (--json, or
+    PYTHONIOENCODING=utf-8, keep every character)."""
+    target, draft, _ = pair
+    args = ("generate", "hi", "--target", target, "--draft", draft, "--max-new-tokens", "24", "-k", "2")
+    code, out, err = run(*args, "--json")
+    text = json.loads(out)["text"]
+    assert any(not c.isascii() for c in text)  # (this model writes what gbk lacks: the case is there)
+    code, out, err = run(*args, env={"PYTHONIOENCODING": "gbk"})
+    assert code == 0 and "Traceback" not in err, err
+    assert out.rstrip("\n") == text.encode("gbk", "replace").decode("gbk")
+
+
 @pytest.mark.parametrize("extra", [[], ["--json", "--logprobs", "2"]])
 def test_generate_into_a_pipe_that_closed_ends_quietly(pair, extra):
     """Found piping it into `head -c 10`: a BrokenPipeError traceback, exit 1. Now quiet, with the
