@@ -73,11 +73,15 @@ def token(pipe, i, text=None):
 
 
 def _all_tokens(pipe, res):
-    """(id, text, logprob) triples of a whole Result (each token's text decoded alone, as vLLM's
-    text_offset counts; None logprobs when none was asked)."""
+    """(id, text, logprob) triples of a whole Result, each text as the stream gave it (so text_offset
+    counts the same whether streamed or not), within the final text; None when no logprobs were asked."""
     if res.logprobs is None:
         return None
-    return [(i, pipe.tokenizer.decode([i]), lp) for i, lp in zip(res.token_ids, res.logprobs)]
+    out, at, n = [], 0, len(res.text)
+    for i, t, lp in zip(res.token_ids, stream_texts(pipe.tokenizer, res.token_ids), res.logprobs):
+        out.append((i, res.text[min(at, n):min(at + len(t), n)], lp))
+        at += len(t)
+    return out
 
 
 class OpenAI:

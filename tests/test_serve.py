@@ -565,6 +565,10 @@ def test_logprobs_are_the_engines_own_in_every_openai_shape(server, pipe):
                                                                 "stream": True}) if e != "[DONE]"]
     streamed = [x for e in chunks if e["choices"][0]["logprobs"] for x in e["choices"][0]["logprobs"]["token_logprobs"]]
     assert streamed == pytest.approx(lp["token_logprobs"], abs=1e-5)
+    # text_offset: where each token's text starts in the answer's text, streamed or not (found: the answer
+    # counted each token decoded alone, U+FFFD for a character's first bytes, the stream the real text)
+    offsets = [x for e in chunks if e["choices"][0]["logprobs"] for x in e["choices"][0]["logprobs"]["text_offset"]]
+    assert offsets == lp["text_offset"] and lp["text_offset"][-1] <= len(c["text"])
 
     msgs = [{"role": "user", "content": "Hi"}]
     ref = pipe.generate(prompt="Hi", chat=True, max_new_tokens=N, logprobs=3)
