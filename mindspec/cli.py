@@ -437,11 +437,13 @@ def _given(argv):
 
 
 def _stdin_prompt(args):
-    """generate's prompt "-": the text on stdin, one final newline dropped (the one echo or an editor adds)."""
+    """generate's prompt "-": the text on stdin, one final newline dropped (the one echo or an editor adds;
+    CRLF too), and a byte-order mark (Windows editors write one), as batch reads its input."""
     if args.tp > 1 or args.nodes > 1:  # (msrun's ranks do not share the user's stdin)
         raise MindspecError("the prompt on stdin (-) cannot reach tensor-parallel ranks: give it as an argument")
     try:
-        return sys.stdin.buffer.read().decode("utf-8").removesuffix("\n")
+        text = sys.stdin.buffer.read().decode("utf-8").removeprefix("\ufeff")
+        return text.removesuffix("\r\n") if text.endswith("\r\n") else text.removesuffix("\n")
     except UnicodeDecodeError:
         raise MindspecError("the prompt on stdin is not UTF-8 text") from None
 

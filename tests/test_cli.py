@@ -143,6 +143,8 @@ def test_generate_reads_the_prompt_from_stdin_given_as_dash(pair):
     target, draft, _ = pair
     gen = [sys.executable, "-m", "mindspec", "generate", "-", "--target", target, "--draft", draft, "--max-seq", "4"]
     for data, needle in ((b"hello\n", "prompt is 5 tokens; it does not fit max_seq 4"),  # byte tokens: 5, not 1
+                         # a file saved by Notepad: its byte-order mark and CRLF are not the prompt's (found: 9)
+                         (b"\xef\xbb\xbfhello\r\n", "prompt is 5 tokens; it does not fit max_seq 4"),
                          (b"\xff\xfe", "the prompt on stdin is not UTF-8 text"),
                          (b"", "the prompt is empty")):
         p = subprocess.run(gen, input=data, capture_output=True, timeout=300)
