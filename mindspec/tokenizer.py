@@ -189,11 +189,19 @@ class StreamDecoder:
         return text[len(prefix_text):]
 
     def flush(self):
+        """The text held back, at the end of a generation: a character cut short (its first bytes) is
+        dropped, as vLLM and TGI do (U+FFFD cannot be undone by a client that sends the text back)."""
         if self._read == len(self.ids):
             return ""
         prefix_text = self.tok.decode(self.ids[self._prefix:self._read])
         text = self.tok.decode(self.ids[self._prefix:])
-        self._prefix = self._read = len(self.ids)
+        held, self._prefix = self.ids[self._read:], len(self.ids)
+        self._read = len(self.ids)
+        try:
+            b"".join(self.tok.token_bytes(i) for i in held).decode("utf-8")
+        except UnicodeDecodeError as e:
+            if e.reason == "unexpected end of data" and text.endswith("\ufffd"):
+                text = text[:-1]
         return text[len(prefix_text):]
 
 

@@ -87,7 +87,7 @@ def test_stream_texts_give_a_character_to_the_token_that_completes_it(tok_dir):
     tok = Tokenizer(str(tok_dir))
     texts = stream_texts(tok, tok.encode(TEXT))
     assert texts[:3] == ["h", "", "é"] and "".join(texts) == TEXT
-    assert stream_texts(tok, tok.encode("世")[:2]) == ["", "\ufffd"]  # cut short: the last token takes what is left
+    assert stream_texts(tok, tok.encode("世")[:2]) == ["", ""]  # cut short: the unfinished character dropped
 
 
 @pytest.mark.parametrize("end", ["length", "eos", "abort"])
@@ -110,14 +110,27 @@ def test_a_stop_string_in_the_text_a_request_ends_with_is_cut(tok_dir, end):
     assert r.finish_reason == {"length": "stop", "eos": "stop", "abort": "abort"}[end]
 
 
+def test_a_request_cut_inside_a_character_drops_its_first_bytes(tok_dir):
+    """max_new_tokens ending inside a character: the text ended with U+FFFD, which a client that sends the
+    answer back cannot undo; as vLLM, the unfinished character is dropped (its ids stay in token_ids). A
+    byte that can start no character stays U+FFFD."""
+    from mindspec.sampling import SamplingParams
+    from mindspec.sequence import Request
+    tok = Tokenizer(str(tok_dir))
+    lone = next(i for i in range(tok.vocab_size) if tok.token_bytes(i) == b"\x80")  # a continuation byte alone
+    for ids, want in ((tok.encode("中文")[:-1], "中"), (tok.encode("a") + [lone], "a\ufffd")):
+        r = Request([5], SamplingParams(temperature=0.0), len(ids), tokenizer=tok)
+        assert r.commit(ids) == want and r.text == want and r.finish_reason == "length"
+        assert "".join(stream_texts(tok, ids)) == want
+
+
 def test_stream_decoder_flushes_incomplete_tail(tok_dir):
     tok = Tokenizer(str(tok_dir))
     ids = tok.encode("a世")[:-1]  # "a" + two of the three bytes of 世
     sd = StreamDecoder(tok)
     assert sd.push(ids[:1]) == "a"
     assert sd.push(ids[1:]) == ""  # held back: the text ends with U+FFFD
-    tail = sd.flush()
-    assert tail and "a" + tail == tok.decode(ids)  # a generation cut mid-character still shows it
+    assert sd.flush() == ""  # a generation cut mid-character: the unfinished character is dropped, as vLLM's
     assert sd.flush() == ""
 
 
