@@ -195,8 +195,8 @@ class StreamDecoder:
             return ""
         prefix_text = self.tok.decode(self.ids[self._prefix:self._read])
         text = self.tok.decode(self.ids[self._prefix:])
-        held, self._prefix = self.ids[self._read:], len(self.ids)
-        self._read = len(self.ids)
+        held = self.ids[self._read:]
+        self._prefix = self._read = len(self.ids)
         try:
             b"".join(self.tok.token_bytes(i) for i in held).decode("utf-8")
         except UnicodeDecodeError as e:
@@ -207,7 +207,7 @@ class StreamDecoder:
 
 def stream_texts(tokenizer, ids):
     """Each token's text as a stream gives it (a character goes to the token that completes it; the last
-    takes what is left): texts that add up to decode(ids), as TGI's details.tokens[].text."""
+    takes what is left): texts that add up to the streamed text, as TGI's details.tokens[].text."""
     d = StreamDecoder(tokenizer)
     texts = [d.push([i]) for i in ids]
     if texts:
