@@ -7,8 +7,6 @@ triples whose texts concatenate to the generated text (logprob: the request's en
 import time
 import uuid
 
-from .tokenizer import stream_texts
-
 
 def openai_error(status, message, param=None):
     """OpenAI's error body (also the shape of the errors that are no API's own: transport, routing)."""
@@ -72,18 +70,6 @@ def token(pipe, i, text=None):
     return {"id": i, "text": full if text is None else text, "logprob": None, "special": special}
 
 
-def _all_tokens(pipe, res):
-    """(id, text, logprob) triples of a whole Result, each text as the stream gave it (so text_offset
-    counts the same whether streamed or not), within the final text; None when no logprobs were asked."""
-    if res.logprobs is None:
-        return None
-    out, at, n = [], 0, len(res.text)
-    for i, t, lp in zip(res.token_ids, stream_texts(pipe.tokenizer, res.token_ids), res.logprobs):
-        out.append((i, res.text[min(at, n):min(at + len(t), n)], lp))
-        at += len(t)
-    return out
-
-
 class OpenAI:
     """/v1/completions and /v1/chat/completions bodies and SSE chunks (usage in the final chunk, then
     `data: [DONE]`)."""
@@ -120,13 +106,14 @@ class OpenAI:
         return {"usage": usage, "mindspec": res.stats}
 
     def response(self, done):
-        """done: (prompt ids, Result, tokens) of each choice. With several choices, usage adds them up and
-        "mindspec" lists each one's stats."""
-        ids, results = done[0][0], [res for _, res, _ in done]
+        """done: (prompt ids, Result, tokens not streamed, every token) of each choice (tokens: the
+        streams' (id, text, logprob), so text_offset counts the same streamed or not). With several
+        choices, usage adds them up and "mindspec" lists each one's stats."""
+        ids, results = done[0][0], [res for _, res, _, _ in done]
         choices = []
-        for i, r in enumerate(results):
+        for i, (_, r, _, every) in enumerate(done):
             self.offset = 0
-            choices.append(self._choice(r.text, r.finish_reason, index=i, tokens=_all_tokens(self.app.pipe, r)))
+            choices.append(self._choice(r.text, r.finish_reason, index=i, tokens=every))
         out = dict(self.head, choices=choices, **self._tail(ids, results[0]))
         if len(results) > 1:
             n = sum(len(r.token_ids) for r in results)
@@ -166,21 +153,20 @@ class TGI:
             return "length"
         return "eos_token" if res.token_ids and res.token_ids[-1] in self.app.pipe.eos else "stop_sequence"
 
-    def _details(self, ids, res, full):
+    def _details(self, ids, res, every=None):
+        """every: each token's (id, text, logprob) as the stream gives it (the full details), or None."""
         d = {"finish_reason": self._finish(res), "generated_tokens": len(res.token_ids), "seed": self.kw.get("seed")}
-        if full:
+        if every is not None:
             pipe = self.app.pipe
             prefill = [token(pipe, i) for i in ids] if self.decoder_input_details else []
-            texts = stream_texts(pipe.tokenizer, res.token_ids)  # (as the stream's events: they add up)
-            d.update(prompt_tokens=len(ids), prefill=prefill,
-                     tokens=[token(pipe, i, t) for i, t in zip(res.token_ids, texts)])
+            d.update(prompt_tokens=len(ids), prefill=prefill, tokens=[token(pipe, i, t) for i, t, _ in every])
         return d
 
     def response(self, done):
-        ids, res, _ = done[0]
+        ids, res, _, every = done[0]
         out = {"generated_text": self.prefix + res.text}
         if self.details:
-            out["details"] = self._details(ids, res, full=not self.native)
+            out["details"] = self._details(ids, res, None if self.native else every)
         out["mindspec"] = res.stats
         return [out] if self.listed else out  # TGI's POST / answers a list of one
 
@@ -218,6 +204,6 @@ class TGI:
             timed = self._timed([(0, "", None)])
         evs = [self._event(t) for t in timed]
         evs[-1]["generated_text"] = self.prefix + res.text
-        evs[-1]["details"] = self._details(ids, res, full=False) if self.details else None
+        evs[-1]["details"] = self._details(ids, res) if self.details else None
         evs[-1]["mindspec"] = res.stats
         return evs

@@ -32,8 +32,9 @@ class _Protocol(RequestHandler):
             return resp
         text = " ".join(str(message or (getattr(exc, "message", None) or str(exc) if exc else "error")).split())
         what = "bad Content-Length header" if "Content-Length" in text else "bad request"
-        if "Transfer-Encoding" in text:  # (the parser's words quote bytes of the body)
-            text = "Transfer-Encoding must end in chunked, else the body's length is unknown: send it plain or chunked"
+        if "invalid `Transfer-Encoding`" in text or "Invalid `Transfer-Encoding` header" in text:  # (quoting bytes)
+            text = ("Transfer-Encoding must end in chunked, once (else the body's length is unknown): "
+                    "send it plain or chunked")
         sys.stderr.write(f"mindspec: {request.remote} {what}: {text}\n")
         resp = web.Response(status=status, text=_json_error(status, f"{what}: {text}"), content_type="application/json")
         resp.force_close()

@@ -85,6 +85,7 @@ class Request:
         self.added = self.started = time.perf_counter()
         self._stream = StreamDecoder(tokenizer) if tokenizer else None
         self.text, self._shown, self._cut = "", 0, False
+        self._pushed = 0  # output tokens when the last one went to the stream decoder (min_tokens at the end)
         self._hold = max((len(s) for s in self.stops), default=1) - 1  # never stream a half-seen stop string
 
     @property
@@ -111,7 +112,7 @@ class Request:
                 continue  # too early to end: kept as a token, left out of the text
             if self._stream is not None:
                 was, self.text = len(self.text), self.text + self._stream.push([int(tok)])
-                self.ends[-1] = len(self.text)
+                self.ends[-1], self._pushed = len(self.text), len(self.output)
                 if not early and self._cut_at_stop(was):
                     return self.finish("stop")
         if len(self.output) >= self.max_new_tokens:
@@ -134,7 +135,7 @@ class Request:
             self.state, self.finish_reason = FINISHED, reason
             if self._stream is not None and not self._cut:
                 was, self.text = len(self.text), self.text + self._stream.flush()
-                if len(self.output) > self.min_tokens and self._cut_at_stop(was) and reason == "length":
+                if self._pushed > self.min_tokens and self._cut_at_stop(was) and reason == "length":
                     self.finish_reason = "stop"
         return self._delta(0)
 

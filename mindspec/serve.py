@@ -43,7 +43,8 @@ PROBE = {"prompt": "Hello", "max_tokens": 2, "ignore_eos": True}  # a prefill an
 class _Job:
     """One request for the worker, created on the HTTP loop. events (an asyncio queue fed from the worker
     thread, shared by the jobs of one HTTP request, each event tagged with its job's index there):
-    ("text", (delta, [(id, text)])), then ("done", (prompt_ids, Result, [(id, text)])) or
+    ("text", (delta, [(id, text)])), then ("done", (prompt_ids, Result, [(id, text)] not yet sent, [(id, text)]
+    of every token: the non-streamed answer's)) or
     ("error", MindspecError) or ("fail", Exception) or ("unavailable", None)."""
 
     def __init__(self, rid, kw, put, events, tag, probe=False):
@@ -248,7 +249,8 @@ class App:
             print(f"mindspec: request {rid} aborted after {len(val.output)} tokens: the client went away",
                   file=sys.stderr, flush=True)
         else:
-            job.put(("done", (val.prompt_ids, res, pieces(val, job.sent, len(res.text), final=True))))
+            job.put(("done", (val.prompt_ids, res, pieces(val, job.sent, len(res.text), final=True),
+                              pieces(val, 0, len(res.text), final=True))))
 
     def stop(self):
         """Refuse new requests; the running and queued ones answer 503."""

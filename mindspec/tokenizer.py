@@ -116,10 +116,12 @@ class Tokenizer:
 
     def token_bytes(self, i):
         """The UTF-8 bytes token i stands for. decode([i]) gives U+FFFD for a token ending inside a
-        character; its bytes come from its spelling: byte-level BPE's alphabet, or a <0xNN> byte-fallback piece."""
-        text = self.decode([i])
-        piece = self._tok.id_to_token(int(i)) if "\ufffd" in text else None
-        if piece is None:
+        character, and drops a SentencePiece word's leading space; its bytes come from its spelling:
+        byte-level BPE's alphabet, a <0xNN> byte-fallback piece, "▁" for a space."""
+        text, piece = self.decode([i]), self._tok.id_to_token(int(i))
+        if piece is not None and piece.startswith("▁") and not text.startswith(" "):
+            return (" " + text).encode("utf-8")
+        if piece is None or "\ufffd" not in text:
             return text.encode("utf-8")
         if (m := re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)) is not None:
             return bytes([int(m.group(1), 16)])
@@ -193,23 +195,25 @@ class StreamDecoder:
         dropped, as vLLM and TGI do (U+FFFD cannot be undone by a client that sends the text back)."""
         if self._read == len(self.ids):
             return ""
-        prefix_text = self.tok.decode(self.ids[self._prefix:self._read])
-        text = self.tok.decode(self.ids[self._prefix:])
         held = self.ids[self._read:]
+        sizes = [len(self.tok.token_bytes(i)) for i in held]
+        tail = _unfinished(b"".join(self.tok.token_bytes(i) for i in held))
+        while tail and held and 0 < sizes[-1] <= tail:  # tokens that hold nothing but the cut character's bytes
+            tail -= sizes.pop()
+            held.pop()
+        prefix_text = self.tok.decode(self.ids[self._prefix:self._read])
+        text = self.tok.decode(self.ids[self._prefix:self._read] + held)
+        if tail and text.endswith("\ufffd"):  # the rest of it shares a token with text before it (byte-level BPE)
+            text = text[:-1]
         self._prefix = self._read = len(self.ids)
-        try:
-            b"".join(self.tok.token_bytes(i) for i in held).decode("utf-8")
-        except UnicodeDecodeError as e:
-            if e.reason == "unexpected end of data" and text.endswith("\ufffd"):
-                text = text[:-1]
         return text[len(prefix_text):]
 
 
-def stream_texts(tokenizer, ids):
-    """Each token's text as a stream gives it (a character goes to the token that completes it; the last
-    takes what is left): texts that add up to the streamed text, as TGI's details.tokens[].text."""
-    d = StreamDecoder(tokenizer)
-    texts = [d.push([i]) for i in ids]
-    if texts:
-        texts[-1] += d.flush()
-    return texts
+def _unfinished(data):
+    """How many bytes at the end of data start a UTF-8 character they do not finish (0: none)."""
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return len(data) - e.start if e.reason == "unexpected end of data" else 0
+    return 0
+

@@ -6,7 +6,8 @@ import pytest
 
 from conftest import CHAT_TEMPLATE, write_tiny_tokenizer
 from mindspec.errors import MindspecError
-from mindspec.tokenizer import StreamDecoder, Tokenizer, stream_texts
+from mindspec.formats import pieces
+from mindspec.tokenizer import StreamDecoder, Tokenizer
 
 TEXT = "héllo 世界 🦙!"
 
@@ -34,7 +35,7 @@ def test_token_bytes_are_what_each_token_stands_for(tok_dir):
     assert tok.token_bytes(2) == b"<|im_end|>"  # a special token: its text
 
 
-def test_token_bytes_of_byte_fallback_pieces(tmp_path):
+def _byte_fallback_tokenizer(path):
     """SentencePiece's byte fallback (Llama-2's tokenizer.json): a character outside the vocabulary is
     pieces <0xE4><0xB8><0x96>, each decoding alone to U+FFFD."""
     from tokenizers import Tokenizer as HF, decoders, models, normalizers
@@ -43,11 +44,16 @@ def test_token_bytes_of_byte_fallback_pieces(tmp_path):
     t.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
     t.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
                                    decoders.Strip(" ", 1, 0)])
-    t.save(str(tmp_path / "tokenizer.json"))
-    tok = Tokenizer(str(tmp_path))
+    t.save(str(path / "tokenizer.json"))
+    return Tokenizer(str(path))
+
+
+def test_token_bytes_of_byte_fallback_pieces(tmp_path):
+    tok = _byte_fallback_tokenizer(tmp_path)
     ids = tok.encode("世")[-3:]
     assert [tok.decode([i]) for i in ids] == ["\ufffd"] * 3
     assert b"".join(tok.token_bytes(i) for i in ids) == "世".encode()
+    assert tok.decode([259]) == "hi" and tok.token_bytes(259) == b" hi"  # "▁hi": a word's space is its first byte
 
 
 def test_special_tokens(tok_dir):
@@ -81,13 +87,29 @@ def test_stream_decoder_random_chunks_equal_decode(tok_dir, seed):
     assert "".join(out) + sd.flush() == tok.decode(ids)
 
 
-def test_stream_texts_give_a_character_to_the_token_that_completes_it(tok_dir):
-    """TGI's details.tokens[].text, as its stream events: found decoded alone (U+FFFD for each of a
-    character's first bytes), so they did not add up to generated_text."""
+def _texts(req):
+    """Each token's text as the server's streams and non-streamed answers give it."""
+    return [t for _, t, _ in pieces(req, 0, len(req.text), final=True)]
+
+
+def test_token_texts_give_a_character_to_the_token_that_completes_it(tok_dir):
+    """TGI's details.tokens[].text and completions' text_offset: found each token decoded alone (U+FFFD for
+    a character's first bytes), so they did not add up to the text, nor count as the stream did. They are the
+    request's own pieces: an EOS that min_tokens kept has none, a stop string is cut."""
+    from mindspec.sampling import SamplingParams
+    from mindspec.sequence import Request
     tok = Tokenizer(str(tok_dir))
-    texts = stream_texts(tok, tok.encode(TEXT))
-    assert texts[:3] == ["h", "", "é"] and "".join(texts) == TEXT
-    assert stream_texts(tok, tok.encode("世")[:2]) == ["", ""]  # cut short: the unfinished character dropped
+    r = Request([5], SamplingParams(temperature=0.0), 99, eos=[2], tokenizer=tok)
+    r.commit(tok.encode(TEXT))
+    r.finish("length")
+    assert _texts(r)[:3] == ["h", "", "é"] and "".join(_texts(r)) == TEXT
+    r = Request([5], SamplingParams(temperature=0.0), 99, eos=[2], tokenizer=tok)
+    r.min_tokens = 3
+    r.commit(tok.encode("a") + [2] + tok.encode("原b") + [2])
+    assert r.text == "a原b" and _texts(r) == ["a", "", "", "", "原", "b", ""]
+    r = Request([5], SamplingParams(temperature=0.0), 99, stop=["c"], tokenizer=tok)
+    r.commit(tok.encode("abcd"))
+    assert r.text == "ab" and _texts(r) == ["a", "b", ""]
 
 
 @pytest.mark.parametrize("end", ["length", "eos", "abort"])
@@ -110,7 +132,7 @@ def test_a_stop_string_in_the_text_a_request_ends_with_is_cut(tok_dir, end):
     assert r.finish_reason == {"length": "stop", "eos": "stop", "abort": "abort"}[end]
 
 
-def test_a_request_cut_inside_a_character_drops_its_first_bytes(tok_dir):
+def test_a_request_cut_inside_a_character_drops_its_first_bytes(tok_dir, tmp_path):
     """max_new_tokens ending inside a character: the text ended with U+FFFD, which a client that sends the
     answer back cannot undo; as vLLM, the unfinished character is dropped (its ids stay in token_ids). A
     byte that can start no character stays U+FFFD."""
@@ -121,7 +143,29 @@ def test_a_request_cut_inside_a_character_drops_its_first_bytes(tok_dir):
     for ids, want in ((tok.encode("中文")[:-1], "中"), (tok.encode("a") + [lone], "a\ufffd")):
         r = Request([5], SamplingParams(temperature=0.0), len(ids), tokenizer=tok)
         assert r.commit(ids) == want and r.text == want and r.finish_reason == "length"
-        assert "".join(stream_texts(tok, ids)) == want
+        assert "".join(_texts(r)) == want
+    # byte fallback: each byte of a character cut short was a U+FFFD of its own (found: one dropped of two)
+    tok = _byte_fallback_tokenizer(tmp_path)
+    want = tok.decode(tok.encode("hi 世"))  # (this vocabulary spells even "▁" in bytes)
+    for cut in (1, 2):
+        ids = tok.encode("hi 世界")[:-cut]
+        r = Request([5], SamplingParams(temperature=0.0), len(ids), tokenizer=tok)
+        assert r.commit(ids) == want and r.text == want and want.endswith("世")
+
+
+def test_a_stop_string_within_min_tokens_is_not_cut_at_the_end(tok_dir):
+    """min_tokens: stop strings ending within the first min_tokens tokens are not stops (vLLM's), also in
+    the text released at the end (found: cut there, and kept when the same text came out earlier)."""
+    from mindspec.sampling import SamplingParams
+    from mindspec.sequence import Request
+    write_tiny_tokenizer(tok_dir, merges=[("Ġ", "å")])
+    tok = Tokenizer(str(tok_dir))
+    for text in ("# 原", "# x"):
+        ids = tok.encode(text)[:2]  # "#", " \xe5" or "#", " "
+        r = Request([5], SamplingParams(temperature=0.0), 9, stop=["# "], eos=[2], tokenizer=tok)
+        r.min_tokens = 2
+        r.commit(ids + [2])
+        assert r.text == "# " and r.finish_reason == "stop", text
 
 
 def test_stream_decoder_flushes_incomplete_tail(tok_dir):
