@@ -249,8 +249,8 @@ class App:
             print(f"mindspec: request {rid} aborted after {len(val.output)} tokens: the client went away",
                   file=sys.stderr, flush=True)
         else:
-            job.put(("done", (val.prompt_ids, res, pieces(val, job.sent, len(res.text), final=True),
-                              pieces(val, 0, len(res.text), final=True))))
+            every = pieces(val, 0, len(res.text), final=True)
+            job.put(("done", (val.prompt_ids, res, every[job.sent:], every)))
 
     def stop(self):
         """Refuse new requests; the running and queued ones answer 503."""

@@ -196,8 +196,8 @@ class StreamDecoder:
         if self._read == len(self.ids):
             return ""
         held = self.ids[self._read:]
-        sizes = [len(self.tok.token_bytes(i)) for i in held]
-        tail = _unfinished(b"".join(self.tok.token_bytes(i) for i in held))
+        parts = [self.tok.token_bytes(i) for i in held]
+        sizes, tail = [len(p) for p in parts], _unfinished(b"".join(parts))
         while tail and held and 0 < sizes[-1] <= tail:  # tokens that hold nothing but the cut character's bytes
             tail -= sizes.pop()
             held.pop()
