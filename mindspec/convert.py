@@ -249,7 +249,9 @@ def convert_gguf(gguf_path, out_dir):
         if os.path.isdir(out_dir):
             os.rmdir(out_dir)  # empty (checked above)
         os.replace(tmp, out_dir)
-    except OSError as e:
+    except BaseException as e:  # (Ctrl-C or SIGTERM too: never a half-written OUT.partial-* left behind)
         shutil.rmtree(tmp, ignore_errors=True)
-        raise MindspecError(f"cannot write {out_dir}: {e.strerror or e}") from None
+        if isinstance(e, OSError):
+            raise MindspecError(f"cannot write {out_dir}: {e.strerror or e}") from None
+        raise
     return out_dir

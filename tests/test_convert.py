@@ -281,3 +281,20 @@ def test_a_conversion_leaves_other_directories_beside_out_alone(converted, tmp_p
     # (and OUT's parent is made, as the default pair's conversion into a new $MINDSPEC_HOME needs)
     assert convert_gguf(gguf, str(tmp_path / "new" / "dirs" / "m")) == str(tmp_path / "new" / "dirs" / "m")
     assert Checkpoint(str(tmp_path / "new" / "dirs" / "m")).config.hidden_size == 64
+
+
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, SystemExit])
+def test_an_interrupted_conversion_leaves_nothing_behind(converted, tmp_path, monkeypatch, exc):
+    """The CLI prober's: Ctrl-C or SIGTERM while `convert` wrote the weights left a 538 MB
+    OUT.partial-* directory behind (the scratch directory was removed on OSError only)."""
+    import mindspec.convert as conv
+    gguf = os.path.join(os.path.dirname(converted[0]), "tiny.gguf")
+    write = conv.write_checkpoint
+
+    def write_then_stop(*a, **kw):
+        write(*a, **kw)
+        raise exc()
+    monkeypatch.setattr(conv, "write_checkpoint", write_then_stop)
+    with pytest.raises(exc):
+        convert_gguf(gguf, str(tmp_path / "m"))
+    assert list(tmp_path.iterdir()) == []
