@@ -446,13 +446,13 @@ def _assistants(text):
 
 
 def add_parser(subparsers):
-    from .cli import positive_int
+    from .cli import path_arg, positive_int
     b = subparsers.add_parser("bench", help="benchmark target-only, fixed K, dynamic K (and HF transformers)")
-    b.add_argument("--target", default=None, help="target checkpoint dir (default: the embedded model)")
-    b.add_argument("--draft", default=None, help="draft .onnx (default: the embedded draft)")
+    b.add_argument("--target", type=path_arg, default=None, help="target checkpoint dir (default: the embedded model)")
+    b.add_argument("--draft", type=path_arg, default=None, help="draft .onnx (default: the embedded draft)")
     b.add_argument("--prompts", default="story,chat,code", help="built-in sets (story,chat,code) or FILE.jsonl")
     b.add_argument("--max-new-tokens", type=positive_int, default=128)
-    b.add_argument("--out", default="bench-out", help="directory for bench.json and bench.png")
+    b.add_argument("--out", type=path_arg, default="bench-out", help="directory for bench.json and bench.png")
     b.add_argument("--ks", type=_counts("K buckets"), default="1,2,4,8",
                    help="fixed K buckets to run (each its own verify graph; any K >= 1, e.g. 3 or 16)")
     b.add_argument("--repeat", type=positive_int, default=1, help="rounds over each prompt set")

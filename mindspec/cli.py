@@ -66,8 +66,8 @@ def format_stats(s):
 
 def add_model_args(p, max_seq="sized to the job"):
     """The model flags of generate, serve and batch (read by load_pipeline); max_seq: the default's words."""
-    p.add_argument("--target", default=None, help="target checkpoint dir (default: the embedded model)")
-    p.add_argument("--draft", default=None, help="draft .onnx from `mindspec export` (default: embedded)")
+    p.add_argument("--target", type=path_arg, default=None, help="target checkpoint dir (default: the embedded model)")
+    p.add_argument("--draft", type=path_arg, default=None, help="draft .onnx from `mindspec export` (default: embedded)")
     p.add_argument("-k", type=_k, default="auto",
                    help="draft tokens per target call: a K bucket 1..8, or auto (dynamic K, the default)")
     p.add_argument("--dynamic-k", dest="k", action="store_const", const="auto",
@@ -98,6 +98,13 @@ def int_in(lo, hi=None):
 
 
 positive_int = int_in(1)
+
+
+def path_arg(text):
+    """An argparse type: a path, never empty (an unset "$DRAFT" was read as "no draft")."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty path")
+    return text
 
 
 def add_batch_arg(p):
@@ -286,8 +293,8 @@ def parser():
     p = Parser(prog="mindspec", description="Speculative decoding: MindSpore target, ONNX draft.")
     sub = p.add_subparsers(dest="cmd", required=True)
     e = sub.add_parser("export", help="export a draft checkpoint to ONNX (+ manifest)")
-    e.add_argument("--model", required=True, help="Hugging Face Llama checkpoint directory")
-    e.add_argument("--out", required=True, help="output .onnx path (manifest written to OUT.json)")
+    e.add_argument("--model", type=path_arg, required=True, help="Hugging Face Llama checkpoint directory")
+    e.add_argument("--out", type=path_arg, required=True, help="output .onnx path (manifest written to OUT.json)")
     e.add_argument("--quantize", choices=["q8", "int8", "q4", "none"], default=None,
                    help="the draft's weights: q8 (8-bit MatMulNBits, the default pair's), int8, q4, or none (float)")
     e.add_argument("--layers", type=int, default=None, help="keep only the first N layers")
@@ -300,8 +307,8 @@ def parser():
                         "the KV cache kept on the NPU (float16, no --quantize)")
     e.set_defaults(func=cmd_export)
     c = sub.add_parser("convert", help="convert a Llama GGUF file into a Hugging Face directory")
-    c.add_argument("--gguf", required=True)
-    c.add_argument("--out", required=True)
+    c.add_argument("--gguf", type=path_arg, required=True)
+    c.add_argument("--out", type=path_arg, required=True)
     c.set_defaults(func=cmd_convert)
     g = sub.add_parser("generate", help="generate text with a target + draft pair")
     g.add_argument("prompt", nargs="?", default=None, help="the prompt; - reads it from stdin")
@@ -345,8 +352,8 @@ def parser():
                         "default: $MINDSPEC_API_KEY, else none)")
     s.set_defaults(func=cmd_serve)
     b = sub.add_parser("batch", help="offline batch job over a JSONL file (resumable)")
-    b.add_argument("--input", required=True, help="JSONL: one request per line")
-    b.add_argument("--output", required=True, help="JSONL results, appended; ids already there are skipped")
+    b.add_argument("--input", type=path_arg, required=True, help="JSONL: one request per line")
+    b.add_argument("--output", type=path_arg, required=True, help="JSONL results, appended; ids already there are skipped")
     add_model_args(b)
     add_sampling_args(b)
     b.add_argument("--chat", action="store_true", help="wrap plain \"prompt\" lines in the chat template")

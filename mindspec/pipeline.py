@@ -109,11 +109,11 @@ class Pipeline:
         return m
 
     def set_draft(self, path):
-        """Swap the draft (None: target-only), keeping the compiled target. Not while requests run; a
+        """Swap the draft (None or False: target-only), keeping the compiled target. Not while requests run; a
         draft refused changes nothing."""
         if self.engine is not None and self.engine.has_work:  # (the running rows' engine would be dropped)
             raise MindspecError("cannot change the draft while requests are running")
-        path = _path("draft", path) if path else None
+        path = None if path is None or path is False else _path("draft", path)
         was = self.manifest, self.draft_path
         self.manifest = self._check_draft(path) if path else None
         self.draft_path = path
@@ -145,8 +145,9 @@ class Pipeline:
         """(Re)build the target graphs and the draft cache for `max_seq` positions and `max_batch` rows."""
         from mindspec.graphs.runner import TargetModel
         if max_seq > self.cfg.max_position_embeddings:
-            raise MindspecError(f"{max_seq} positions exceed the model's max_position_embeddings "
-                                f"{self.cfg.max_position_embeddings}")
+            raise MindspecError(f"{max_seq} positions exceed the model's {self.cfg.max_position_embeddings} (its "
+                                + ("sliding window: mindspec attends to every position" if self.cfg.sliding_window
+                                   else "max_position_embeddings") + ")")
         positions = cache_positions(max_seq, self.spec.k_buckets)  # per slot, as allocated
         if self.device_mem:  # before any weight is loaded, in the dtypes really used (the draft's: its manifest)
             from .plan import check_fits, shape_from_config, shape_from_draft
@@ -387,6 +388,8 @@ def _path(what, p):
     """A path given as a str or a path-like object, as a str."""
     if not isinstance(p, (str, os.PathLike)):
         raise MindspecError(f"{what} must be a path (a str or os.PathLike), got {p!r}")
+    if not os.fspath(p):  # (an unset "$DRAFT" ran target-only: no draft is None, or False in load)
+        raise MindspecError(f"the {what} path is empty")
     return os.fspath(p)
 
 
@@ -399,4 +402,4 @@ def load(target=None, draft=None, k="auto", **kw):
         from .default import default_pair
         target, default_draft = default_pair()
         draft = default_draft if draft is None else draft
-    return Pipeline(target, draft or None, k=k, **kw)
+    return Pipeline(target, draft, k=k, **kw)

@@ -387,12 +387,13 @@ def add_parser(subparsers):
     """Register `plan` on an argparse subparsers object."""
     p = subparsers.add_parser("plan", help="will a target + draft fit on N devices, and will speculation pay?",
                               description="Memory and speed plan for a target (+ draft) on N devices.")
-    p.add_argument("--target", help="target checkpoint dir (instead of --params/--layers/--kv-heads/--head-dim)")
+    from .cli import path_arg
+    p.add_argument("--target", type=path_arg, help="target checkpoint dir (instead of --params/--layers/--kv-heads/--head-dim)")
     p.add_argument("--params", help="target parameters, e.g. 70e9 or 70B")
     p.add_argument("--layers", type=int)
     p.add_argument("--kv-heads", type=int)
     p.add_argument("--head-dim", type=int)
-    p.add_argument("--draft", help="draft .onnx from `mindspec export`, or a checkpoint dir")
+    p.add_argument("--draft", type=path_arg, help="draft .onnx from `mindspec export`, or a checkpoint dir")
     p.add_argument("--draft-params")
     p.add_argument("--draft-layers", type=int)
     p.add_argument("--draft-kv-heads", type=int)

@@ -125,6 +125,15 @@ def test_bad_checkpoints(pair):
                   "tokenizer.json has token id 5000 ('a'), outside the model's vocabulary [0, 320)")
 
 
+def test_an_empty_draft_path_is_refused_not_read_as_no_draft(pair):
+    """The CLI prober's: `load(target, draft="")` ran target-only; False (or --no-speculate) says that."""
+    import mindspec
+    target, _, _ = pair
+    for kw in (dict(target=target, draft=""), dict(target="")):
+        with pytest.raises(mindspec.MindspecError, match="path is empty"):
+            mindspec.load(**kw)
+
+
 def test_a_bad_checkpoint_or_draft_is_refused_before_mindspore_loads(pair):
     """MindSpore takes ~3 s to import: a checkpoint, tokenizer or draft that cannot work is refused first
     (it was imported before any check, so every such mistake cost the import)."""
@@ -365,6 +374,15 @@ def test_serve_and_batch_defaults_draw_no_seed_under_msrun_or_dp(monkeypatch):
     (["generate", "Hi", "--max-seq", "-5x"], "argument --max-seq: must be an integer >= 1, got '-5x'"),
     (["batch", "--output", "o"], "the following arguments are required: --input"),
     (["serve", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    # the CLI prober's: an empty --draft (a "$DRAFT" never set) ran target-only, -k ignored, exit 0
+    (["generate", "Hi", "--draft", "", "-k", "4"], "argument --draft: an empty path"),
+    (["serve", "--target", ""], "argument --target: an empty path"),
+    (["bench", "--draft", ""], "argument --draft: an empty path"),
+    (["plan", "--params", "7e9", "--layers", "32", "--kv-heads", "8", "--head-dim", "128", "--device-mem", "64GB",
+      "--draft", ""], "argument --draft: an empty path"),
+    (["convert", "--gguf", "x.gguf", "--out", ""], "argument --out: an empty path"),
+    (["export", "--model", "", "--out", "d.onnx"], "argument --model: an empty path"),
+    (["batch", "--input", "i", "--output", ""], "argument --output: an empty path"),
     (["no-such-command"], "mindspec: error: argument cmd: invalid choice: 'no-such-command'"),
 ])
 def test_bad_sampling_and_server_flags_are_refused_before_anything_runs(args, words):
