@@ -1,6 +1,6 @@
 """Llama-family model configuration read from a Hugging Face `config.json`."""
 import os
-from dataclasses import dataclass, field, asdict
+from dataclasses import asdict, dataclass, field, replace
 
 from .errors import MindspecError, read_json
 
@@ -24,6 +24,7 @@ class LlamaConfig:
     bos_token_id: int = None
     eos_token_ids: tuple = field(default_factory=tuple)
     qkv_bias: bool = False  # q/k/v projections with biases (Qwen2)
+    sliding_window: int = None  # Mistral's: max_position_embeddings is cut to it (up to it, full attention is the same)
 
     @property
     def q_per_kv(self):
@@ -93,6 +94,10 @@ def config_from_dict(raw, where="config.json"):
             eos_token_ids=_eos_list(raw.get("eos_token_id"), where),
             qkv_bias=arch == "Qwen2ForCausalLM",  # Qwen2 always has them (its config has no flag)
         )
+        # Qwen2's configs carry a window that applies only with use_sliding_window (refused above)
+        window = None if arch == "Qwen2ForCausalLM" or raw.get("sliding_window") is None else count("sliding_window")
+        if window is not None and window < cfg.max_position_embeddings:
+            cfg = replace(cfg, max_position_embeddings=window, sliding_window=window)
     except KeyError as e:
         raise MindspecError(f"{where}: missing key {e.args[0]!r}") from None
     except (TypeError, ValueError) as e:

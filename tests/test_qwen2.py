@@ -94,3 +94,40 @@ def test_unsupported_extras_are_refused(key, arch):
            "num_hidden_layers": 1, "num_attention_heads": 2, key: True}
     with pytest.raises(mindspec.MindspecError, match=f"{key} = true .* is not supported"):
         config_from_dict(raw)
+
+
+def test_a_mistral_sliding_window_bounds_the_positions(tmp_path):
+    """The CLI prober's: Mistral's `sliding_window` was read and ignored, so past the window mindspec
+    attended to tokens the model does not (Mistral-7B-v0.1: a window of 4096 in 32768 positions). Up to
+    the window both are the same attention; beyond it a cache is refused, by name."""
+    import json
+    import shutil
+    base = {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "vocab_size": 8, "hidden_size": 8,
+            "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2,
+            "max_position_embeddings": 4096}
+    assert config_from_dict({**base, "sliding_window": 8}).max_position_embeddings == 8
+    assert config_from_dict({**base, "sliding_window": None}).max_position_embeddings == 4096
+    assert config_from_dict({**base, "sliding_window": 9999}).max_position_embeddings == 4096
+    # Qwen2 configs carry a window that applies only with use_sliding_window
+    qwen = {**base, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}
+    assert config_from_dict({**qwen, "sliding_window": 8, "use_sliding_window": False}).max_position_embeddings == 4096
+    with pytest.raises(mindspec.MindspecError, match="sliding_window must be an integer >= 1"):
+        config_from_dict({**base, "sliding_window": "8"})
+    path, _ = make_tiny_checkpoint(tmp_path / "llama")
+    mistral = tmp_path / "mistral"
+    shutil.copytree(path, mistral)
+    raw = json.loads((mistral / "config.json").read_text())
+    (mistral / "config.json").write_text(json.dumps({**raw, **base, "vocab_size": raw["vocab_size"],
+                                                     "hidden_size": raw["hidden_size"],
+                                                     "intermediate_size": raw["intermediate_size"],
+                                                     "num_hidden_layers": raw["num_hidden_layers"],
+                                                     "num_attention_heads": raw["num_attention_heads"],
+                                                     "sliding_window": 8}))
+    with pytest.raises(mindspec.MindspecError, match="16 positions exceed the model's 8 .*sliding window"):
+        mindspec.load(target=str(mistral), draft=False, max_seq=16).generate(prompt_ids=[5, 6], max_new_tokens=2)
+    with pytest.raises(mindspec.MindspecError, match=r"--max-seq must be an integer from 1 to 8 \(the model's "):
+        export_draft(str(mistral), str(tmp_path / "d.onnx"), max_seq=16)
+    # within the window: the Llama checkpoint's own tokens
+    ids = mindspec.load(target=str(mistral), draft=False, max_seq=8).generate(prompt_ids=[5, 6], max_new_tokens=4)
+    assert ids.token_ids == mindspec.load(target=path, draft=False, max_seq=8).generate(
+        prompt_ids=[5, 6], max_new_tokens=4).token_ids
