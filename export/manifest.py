@@ -63,6 +63,8 @@ def _is_onnx(path):
 def read_manifest(onnx_path):
     """The manifest dict of an exported draft; MindspecError (one line) when it does not belong."""
     mpath = manifest_path(onnx_path)
+    if os.path.isdir(onnx_path):
+        raise MindspecError(f"draft {onnx_path} is a directory: give the .onnx file `mindspec export` wrote")
     if not os.path.isfile(onnx_path):
         raise MindspecError(f"draft model not found: {onnx_path}")
     if not os.path.isfile(mpath):
@@ -79,7 +81,7 @@ def read_manifest(onnx_path):
                             f"version reads {VERSION}): re-export it with `mindspec export`")
     if not isinstance(m, dict) or m.get("format") != FORMAT or m.get("version") != VERSION:
         raise MindspecError(f"{mpath} is not a {FORMAT} version {VERSION} manifest")
-    bad = [k for k in INT_KEYS if not isinstance(m.get(k), int) or isinstance(m.get(k), bool) or m[k] < 0]
+    bad = [k for k in INT_KEYS if not isinstance(m.get(k), int) or isinstance(m.get(k), bool) or m[k] < 1]
     m.setdefault("dtype", "float32")  # exports before the dtype field were float32
     m.setdefault("profile", "cpu")  # and before the profile field, cpu
     bad += [k for k, ok in (("onnx_sha256", isinstance(m.get("onnx_sha256"), str)),

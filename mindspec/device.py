@@ -101,11 +101,12 @@ def ascend_env(env=None, root=ASCEND_ROOT, dev="/dev", ms_arch=None, host_arch=N
 def detect_device(device=None, probe=None):
     """"CPU" or "Ascend" for --device (None: $MINDSPEC_DEVICE, else auto). `probe`: an AscendEnv
     (default: this machine's)."""
+    source = "--device" if device or not os.environ.get(DEVICE_ENV) else DEVICE_ENV
     device = str(device or os.environ.get(DEVICE_ENV) or "auto").lower()
     if device == "cpu":
         return "CPU"
     if device not in ("auto", "ascend", "npu"):
-        raise MindspecError(f"--device must be one of {', '.join(CHOICES)}, got {device!r}")
+        raise MindspecError(f"{source} must be one of {', '.join(CHOICES)}, got {device!r}")
     a = probe or ascend_env()
     if device == "auto" and not a.npus:
         return "CPU"

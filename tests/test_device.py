@@ -89,6 +89,9 @@ def test_device_flag_and_env(monkeypatch):
     assert detect_device() == "CPU"
     with pytest.raises(MindspecError, match="--device must be one of auto, cpu, ascend"):
         detect_device("gpu")
+    monkeypatch.setenv("MINDSPEC_DEVICE", "bogus")  # (the CLI prober's: it said --device, never given)
+    with pytest.raises(MindspecError, match="^MINDSPEC_DEVICE must be one of auto, cpu, ascend.*got 'bogus'$"):
+        detect_device()
     assert device_id({"DEVICE_ID": "5", "ASCEND_DEVICE_ID": "0"}) == 5  # the rank's, not the inherited one
     assert device_id({"ASCEND_DEVICE_ID": "2"}) == 2 and device_id({}) == 0
 

@@ -393,6 +393,11 @@ def test_manifest_refusals(tmp_path, fp32_draft, q8_draft):
                         f"tables hold {good['max_seq']}; re-export the draft")
     (tmp_path / "bare.onnx.json").write_text(json.dumps(dict(good, source=None)))  # (plan's TypeError)
     assert str(bare) + ".json (bad or missing source)" in _refused(str(bare), "garbled draft manifest")
+    # the CLI prober's: max_seq 0 was read, then every prompt "did not fit max_seq 0"
+    (tmp_path / "bare.onnx.json").write_text(json.dumps(dict(good, max_seq=0)))
+    assert str(bare) + ".json (bad or missing max_seq)" in _refused(str(bare), "garbled draft manifest")
+    # and a checkpoint directory given as the draft was "draft model not found"
+    _refused(str(tmp_path), f"draft {tmp_path} is a directory: give the .onnx file `mindspec export` wrote")
 
 
 def test_old_format_refused(tmp_path, fp32_draft):
