@@ -463,7 +463,7 @@ class Progress:
         t = self.tally
         n, done, failed, now = len(t.state), t.count("done"), t.count("failed"), t.now_done + t.now_failed
         left = n - done - failed
-        eta = _eta(left * (time.monotonic() - t.t0) / now) if now and left else "-"
+        eta = _eta(left * t.seconds() / now) if now and left else "-"
         return (f"mindspec batch: {done + failed}/{n} lines ({failed} failed), "
                 f"{f'{speed:.1f}' if speed is not None else '-'} tok/s, "
                 f"acceptance {f'{acc:.2f}' if acc is not None else '-'}, ETA {eta}")
@@ -533,7 +533,6 @@ class _Job:
         pipe = load() if todo else None
         self.begun = True
         sig.check()
-        self.tally.start()
         self.bar = Progress(self.tally, self.bar_ok)
         try:
             for item in (i for i in items if i.err is not None):

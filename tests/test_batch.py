@@ -480,6 +480,16 @@ def test_the_summary_times_the_generation_not_the_warm_up(tmp_path, capsys, monk
     seconds = float(re.search(r"4 tokens in ([0-9.]+) s", last(capsys.readouterr().err)).group(1))
     assert seconds < 0.3
 
+    def stopped(pipe, items, check=lambda: None, max_batch=1, ready=lambda: None):
+        time.sleep(0.6)  # Ctrl-C while compiling (the batch prober's: "0 tokens in 6.19 s")
+        raise KeyboardInterrupt
+        yield
+
+    monkeypatch.setattr(B, "generate_records", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        _batch(inp, tmp_path / "o2.jsonl")
+    assert "0 tokens in 0.00 s" in last(capsys.readouterr().err)
+
 
 def test_records_finishing_out_of_input_order_resume_by_id(tmp_path, capsys, monkeypatch):
     inp, out = _input(tmp_path / "in.jsonl", 6), tmp_path / "o.jsonl"
