@@ -155,14 +155,14 @@ class Pipeline:
             check_fits(shape_from_config(self.cfg, PLAN_DTYPE[self.dtype], rot_rows=rot_rows_for(self.device)),
                        shape_from_draft(self.draft_path) if self.draft_path else None,
                        tp=self.tp, device_mem=self.device_mem, seq_len=positions * max_batch)
-        elif self.device == "CPU":  # the host's memory is the device's: a target cache larger than all of it (swap
-            # and the draft's cache aside: a coarse bound) is refused, not tried
-            from .plan import DTYPE_BYTES, GB, kv_bytes_per_token
-            need = kv_bytes_per_token(self.cfg, DTYPE_BYTES[PLAN_DTYPE[self.dtype]]) * positions * max_batch
+        elif self.device == "CPU":  # the host's memory is the device's: rows that need more than all of it
+            # (swap and the weights aside: a coarse bound) are refused, not tried
+            from .plan import DTYPE_BYTES, GB, host_bytes_per_row
+            need = host_bytes_per_row(self.cfg, DTYPE_BYTES[PLAN_DTYPE[self.dtype]], positions, self.manifest) * max_batch
             have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
             if need > have:
-                raise MindspecError(f"a KV cache of {max_batch} rows of {max_seq} positions needs "
-                                    f"{need / GB:.1f} GB, more than this machine's {have / GB:.1f} GB: "
+                raise MindspecError(f"{max_batch} rows of {max_seq} positions need about {need / GB:.1f} GB (KV "
+                                    f"caches and graph workspace), more than this machine's {have / GB:.1f} GB: "
                                     "lower --max-batch or --max-seq")
         if max_batch != self.spec.max_batch:
             self.spec = SpecConfig(self.spec.k, self.spec.k_buckets, self._batch_buckets, max_batch)

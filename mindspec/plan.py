@@ -28,7 +28,7 @@ import re
 from dataclasses import dataclass
 
 from .errors import MindspecError
-from .spec import PLAN_DTYPE
+from .spec import PLAN_DTYPE, PREFILL_CHUNK
 
 GB = 1e9
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1, "q8": 1, "q4": 0.5}
@@ -114,6 +114,16 @@ def kv_bytes_per_token(m, dtype_bytes=None):
         dims = m.layers, m.kv_heads, m.head_dim
     b = dtype_bytes if dtype_bytes is not None else getattr(m, "kv_dtype_bytes", 2)
     return 2 * dims[0] * dims[1] * dims[2] * b
+
+
+def host_bytes_per_row(cfg, dtype_bytes, positions, draft=None, chunk=PREFILL_CHUNK):
+    """A lower bound of what one KV-cache row of `positions` costs a CPU host: the target's K/V, the
+    draft's (`draft`: its manifest) and the graphs' workspace, measured at about four float32 copies of a
+    layer's prompt-chunk scores ([heads, chunk] a position) and activations ([chunk, hidden + intermediate])."""
+    d_kv = kv_bytes_per_token(draft, 2 if draft["dtype"] == "float16" else 4) * min(positions, draft["max_seq"]) \
+        if draft else 0
+    work = 16 * chunk * (cfg.num_attention_heads * positions + cfg.hidden_size + cfg.intermediate_size)
+    return kv_bytes_per_token(cfg, dtype_bytes) * positions + d_kv + work
 
 
 def target_per_device(target, tp):
