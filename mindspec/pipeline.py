@@ -190,7 +190,8 @@ class Pipeline:
             if chat:  # (was ignored)
                 raise MindspecError("chat=True wraps a text prompt in the chat template: it does not apply to "
                                     "prompt_ids")
-            if isinstance(prompt_ids, (str, bytes, dict, set)) or not hasattr(prompt_ids, "__iter__"):
+            if isinstance(prompt_ids, (str, bytes, dict, set)) or not hasattr(prompt_ids, "__iter__") \
+                    or isinstance(prompt_ids, np.ndarray) and prompt_ids.ndim != 1:  # (0-d: numpy's TypeError)
                 raise MindspecError("prompt_ids must be a list of integer token ids")
             prompt_ids = list(prompt_ids)  # (a generator is read once)
             if not all(isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in prompt_ids):
@@ -215,10 +216,12 @@ class Pipeline:
         """A validated Request (generate's keywords); a sampled request without a seed gets a drawn one.
         logprobs=n: each generated token's logprob under the target (its raw logits) and its n most
         likely alternatives (0..TOP_LOGPROBS), in Result.logprobs."""
-        k = self.spec.k_for_request(k)
         for flag, v in (("speculate", speculate), ("chat", chat)):
             if not isinstance(v, (bool, np.bool_)):
                 raise MindspecError(f"{flag} must be True or False, got {v!r}")
+        if not speculate and k is not None and k != "auto":  # (was ignored; the CLI refuses it too)
+            raise MindspecError(f"k={k} sets the draft tokens of a step: it does not apply with speculate=False")
+        k = self.spec.k_for_request(k)
         stop = stop_strings(stop)
         if seed is None and temperature:
             seed = share(int.from_bytes(os.urandom(7), "little"))  # rank 0's: every rank must draw the same

@@ -204,9 +204,16 @@ def test_library_calls_refuse_bad_input_naming_it(pipe):
                       (dict(prompt_ids=[True]), "prompt_ids must be a list"),
                       (dict(prompt_ids=[5], stop=5), "stop must be a string or a list of strings"),
                       # found: an empty stop string was dropped without a word (vLLM refuses it too)
-                      (dict(prompt_ids=[5], stop=["x", ""]), "stop cannot contain an empty string")]:
+                      (dict(prompt_ids=[5], stop=["x", ""]), "stop cannot contain an empty string"),
+                      # the library prober's: numpy's "iteration over a 0-d array" TypeError
+                      (dict(prompt_ids=np.array(5)), "prompt_ids must be a list"),
+                      # and a fixed K with speculate=False was ignored (the CLI refuses -k with --no-speculate)
+                      (dict(prompt_ids=[5], k=4, speculate=False),
+                       "k=4 sets the draft tokens of a step: it does not apply with speculate=False")]:
         with pytest.raises(MindspecError, match=words):
             pipe.generate(**kw)
+    with pytest.raises(MindspecError, match=r"^requests\[1\]: prompt_ids must be a list"):
+        pipe.generate_many([dict(prompt="x"), dict(prompt_ids=np.array(3))])
     good = dict(prompt_ids=[5, 6], max_new_tokens=3)
     for reqs, max_batch, words in [
             ([good, dict(prompt_ids=[5], temperature=-1)], None, r"^requests\[1\]: temperature must be a number"),
