@@ -463,7 +463,7 @@ class Progress:
         t = self.tally
         n, done, failed, now = len(t.state), t.count("done"), t.count("failed"), t.now_done + t.now_failed
         left = n - done - failed
-        eta = _eta(left * t.seconds() / now) if now and left else "-"
+        eta = _eta(left * t.seconds() / now) if now and left and t.t0 is not None else "-"
         return (f"mindspec batch: {done + failed}/{n} lines ({failed} failed), "
                 f"{f'{speed:.1f}' if speed is not None else '-'} tok/s, "
                 f"acceptance {f'{acc:.2f}' if acc is not None else '-'}, ETA {eta}")

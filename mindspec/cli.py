@@ -336,7 +336,7 @@ def parser():
     add_tp_arg(s)
     s.add_argument("--model-name", default=None,
                    help="the model's name in requests and /v1/models (default: the target directory's name)")
-    s.add_argument("--config", default=None, metavar="CONFIG.JSON",
+    s.add_argument("--config", type=path_arg, default=None, metavar="CONFIG.JSON",
                    help="MindIE Service's config.json (+ a 'mindspec' block) for these flags; flags given win")
     s.add_argument("--max-input-tokens", type=positive_int, default=None,
                    help="refuse (400) a prompt longer than this (MindIE's maxInputTokenLen; default: what fits)")

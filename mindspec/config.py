@@ -94,8 +94,9 @@ def config_from_dict(raw, where="config.json"):
             eos_token_ids=_eos_list(raw.get("eos_token_id"), where),
             qkv_bias=arch == "Qwen2ForCausalLM",  # Qwen2 always has them (its config has no flag)
         )
-        # Qwen2's configs carry a window that applies only with use_sliding_window (refused above)
-        window = None if arch == "Qwen2ForCausalLM" or raw.get("sliding_window") is None else count("sliding_window")
+        # Mistral's alone (Qwen2's applies only with use_sliding_window, refused above; Llama has none)
+        mistral = arch == "MistralForCausalLM" or raw.get("model_type") == "mistral"
+        window = count("sliding_window") if mistral and raw.get("sliding_window") is not None else None
         if window is not None and window < cfg.max_position_embeddings:
             cfg = replace(cfg, max_position_embeddings=window, sliding_window=window)
     except KeyError as e:

@@ -163,7 +163,7 @@ class Pipeline:
             if need > have:
                 raise MindspecError(f"{max_batch} rows of {max_seq} positions need about {need / GB:.1f} GB (KV "
                                     f"caches and graph workspace), more than this machine's {have / GB:.1f} GB: "
-                                    "lower --max-batch or --max-seq")
+                                    "lower --max-batch (bench: --batch-sizes) or --max-seq")
         if max_batch != self.spec.max_batch:
             self.spec = SpecConfig(self.spec.k, self.spec.k_buckets, self._batch_buckets, max_batch)
         self.target = None  # free the old graphs' memory first
@@ -190,10 +190,12 @@ class Pipeline:
             if chat:  # (was ignored)
                 raise MindspecError("chat=True wraps a text prompt in the chat template: it does not apply to "
                                     "prompt_ids")
-            if isinstance(prompt_ids, (str, bytes, dict, set)) or not hasattr(prompt_ids, "__iter__") \
-                    or isinstance(prompt_ids, np.ndarray) and prompt_ids.ndim != 1:  # (0-d: numpy's TypeError)
-                raise MindspecError("prompt_ids must be a list of integer token ids")
-            prompt_ids = list(prompt_ids)  # (a generator is read once)
+            try:  # (a generator is read once; a 0-d array iterates into a TypeError)
+                if isinstance(prompt_ids, (str, bytes, dict, set)):
+                    raise TypeError
+                prompt_ids = list(prompt_ids)
+            except TypeError:
+                raise MindspecError("prompt_ids must be a list of integer token ids") from None
             if not all(isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in prompt_ids):
                 raise MindspecError("prompt_ids must be a list of integer token ids")  # not 1.7 -> 1, True -> 1
             ids = [int(i) for i in prompt_ids]

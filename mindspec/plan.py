@@ -120,7 +120,7 @@ def host_bytes_per_row(cfg, dtype_bytes, positions, draft=None, chunk=PREFILL_CH
     """A lower bound of what one KV-cache row of `positions` costs a CPU host: the target's K/V, the
     draft's (`draft`: its manifest) and the graphs' workspace, measured at about four float32 copies of a
     layer's prompt-chunk scores ([heads, chunk] a position) and activations ([chunk, hidden + intermediate])."""
-    d_kv = kv_bytes_per_token(draft, 2 if draft["dtype"] == "float16" else 4) * min(positions, draft["max_seq"]) \
+    d_kv = kv_bytes_per_token(draft, DTYPE_BYTES[PLAN_DTYPE[draft["dtype"]]]) * min(positions, draft["max_seq"]) \
         if draft else 0
     work = 16 * chunk * (cfg.num_attention_heads * positions + cfg.hidden_size + cfg.intermediate_size)
     return kv_bytes_per_token(cfg, dtype_bytes) * positions + d_kv + work

@@ -251,3 +251,18 @@ def test_planner_counts_what_the_graphs_allocate(tiny_target):
                  for r in range(2)]
         assert max(ranks) == shard2 and t_kv2 == t_kv / 2
     assert plan.target_per_device(plan.shape_from_config(cfg, "fp32", rot_rows=True), 1)[0] > shard  # rot rows cost
+
+
+def test_a_cpu_row_counts_both_caches_and_the_graphs_workspace():
+    """What a CPU host's KV-cache row costs at least (the check before a cache is built): the target's
+    K/V, the draft's (at its own dtype, up to its own positions) and the prompt graph's workspace, which
+    for a tiny model outweighs its cache (measured: ~560 KB a row of 96 positions, 48 KB of it K/V)."""
+    from mindspec.config import config_from_dict
+    cfg = config_from_dict({"vocab_size": 320, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+                            "num_attention_heads": 4, "num_key_value_heads": 2})
+    kv = plan.kv_bytes_per_token(cfg, 4)
+    alone = plan.host_bytes_per_row(cfg, 4, 96)
+    assert kv * 96 * 3 < alone < 560e3
+    draft = {"num_layers": 2, "num_key_value_heads": 2, "head_dim": 16, "max_seq": 64}
+    assert plan.host_bytes_per_row(cfg, 4, 96, dict(draft, dtype="float32")) - alone == kv * 64
+    assert plan.host_bytes_per_row(cfg, 4, 96, dict(draft, dtype="float16")) - alone == kv * 64 // 2

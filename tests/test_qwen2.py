@@ -111,6 +111,8 @@ def test_a_mistral_sliding_window_bounds_the_positions(tmp_path):
     # Qwen2 configs carry a window that applies only with use_sliding_window
     qwen = {**base, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}
     assert config_from_dict({**qwen, "sliding_window": 8, "use_sliding_window": False}).max_position_embeddings == 4096
+    llama = {**base, "architectures": ["LlamaForCausalLM"], "model_type": "llama"}  # (HF's Llama has no window)
+    assert config_from_dict({**llama, "sliding_window": 8}).max_position_embeddings == 4096
     with pytest.raises(mindspec.MindspecError, match="sliding_window must be an integer >= 1"):
         config_from_dict({**base, "sliding_window": "8"})
     path, _ = make_tiny_checkpoint(tmp_path / "llama")
