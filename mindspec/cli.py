@@ -67,7 +67,7 @@ def format_stats(s):
 def add_model_args(p, max_seq="sized to the job"):
     """The model flags of generate, serve and batch (read by load_pipeline); max_seq: the default's words."""
     p.add_argument("--target", type=path_arg, default=None, help="target checkpoint dir (default: the embedded model)")
-    p.add_argument("--draft", type=path_arg, default=None, help="draft .onnx from `mindspec export` (default: embedded)")
+    p.add_argument("--draft", type=path_arg, default=None, help="draft .onnx from `mindspec export` (default: the embedded pair's; none with --target)")
     p.add_argument("-k", type=_k, default="auto",
                    help="draft tokens per target call: a K bucket 1..8, or auto (dynamic K, the default)")
     p.add_argument("--dynamic-k", dest="k", action="store_const", const="auto",
@@ -469,6 +469,9 @@ def parse(argv):
         check_sampling_args(args)
     if getattr(args, "no_speculate", False) and args.k != "auto":
         raise MindspecError(f"-k {args.k} sets the draft tokens of a step: it does not apply with --no-speculate")
+    if getattr(args, "k", "auto") != "auto" and args.target and not args.draft:  # (the embedded draft is the embedded target's)
+        raise MindspecError(f"-k {args.k} sets the draft tokens of a step: --target without --draft runs "
+                            "target-only (give --draft)")
     if args.cmd == "generate":
         args.limit_field = "--max-new-tokens" if "max_new_tokens" in _given(argv) else None  # (else cut to fit)
         if args.prompt == "-":

@@ -389,6 +389,9 @@ def test_serve_and_batch_defaults_draw_no_seed_under_msrun_or_dp(monkeypatch):
     (["generate", "Hi", "--draft", "", "-k", "4"], "argument --draft: an empty path"),
     (["serve", "--target", ""], "argument --target: an empty path"),
     (["serve", "--config", ""], "argument --config: an empty path"),
+    # the reviewer's: --target without --draft runs target-only, and -k was ignored there too
+    (["generate", "Hi", "--target", "t", "-k", "4"],
+     "-k 4 sets the draft tokens of a step: --target without --draft runs target-only"),
     (["bench", "--draft", ""], "argument --draft: an empty path"),
     (["plan", "--params", "7e9", "--layers", "32", "--kv-heads", "8", "--head-dim", "128", "--device-mem", "64GB",
       "--draft", ""], "argument --draft: an empty path"),
