@@ -5,8 +5,11 @@ mean nothing here (TLS paths, log settings, scheduler tuning) are accepted quiet
 is warned about; a value of the wrong type or range stops the command with the key's path (one
 line, exit 2), before anything loads."""
 import json
+import os
+import stat
 import sys
 
+MAX_BYTES = 1 << 20  # a MindIE config.json is a few kB
 QUEUE_DELAY_US = 5000  # MindIE's maxQueueDelayMicroseconds default, serve's --max-queue-delay-us (serve.wait_s)
 
 
@@ -120,6 +123,15 @@ def _flatten(obj, path=""):
 
 def read(path):
     """(values by flag dest, warnings) of a config file; raises ValueError("key.path: why")."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise ValueError(f"{path}: {e.strerror or e}") from None
+    # a FIFO waited for a writer (deaf to Ctrl-C while the command line is read), /dev/zero never ended
+    if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+        raise ValueError(f"{path}: not a regular file")
+    if st.st_size > MAX_BYTES:
+        raise ValueError(f"{path}: {st.st_size} bytes; a config.json is at most 1 MiB")
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)

@@ -2,6 +2,7 @@
 on a real server over real HTTP; then a hypothesis fuzz of every endpoint's body on the same server:
 never a 5xx, never a hang, one-line JSON errors, and the same answers afterwards."""
 import json
+import os
 import queue
 import re
 import subprocess
@@ -294,3 +295,16 @@ def test_fuzz_raw_bytes_on_the_socket(server):
     assert call(base, "/v1/completions", {"prompt": [5, 6, 7, 8], "max_tokens": 2})[0] == 200
     log = "".join(err)
     assert "Traceback" not in log and "Unhandled" not in log and "Error handling" not in log, log[-3000:]
+
+
+def test_a_config_that_is_not_a_regular_small_file_is_one_line(tmp_path):
+    """The TP server prober's: `--config` on a FIFO waited for a writer, deaf to Ctrl-C and SIGTERM (the
+    signals wait while the command line is read), and on /dev/zero it read until the kernel killed it."""
+    fifo, big = tmp_path / "fifo.json", tmp_path / "big.json"
+    os.mkfifo(fifo)
+    big.write_text(" " * (1 << 20) + "{}")
+    for path, line in ((fifo, f"{fifo}: not a regular file"), ("/dev/zero", "/dev/zero: not a regular file"),
+                       (big, f"{big}: 1048578 bytes; a config.json is at most 1 MiB")):
+        p = subprocess.run([sys.executable, "-m", "mindspec", "serve", "--config", str(path)], capture_output=True,
+                           text=True, timeout=60)
+        assert p.returncode == 2 and p.stderr == f"mindspec: error: {line}\n", p.stderr
