@@ -414,7 +414,21 @@ def _launch_tp(argv, args):
     """msrun's launch of this command over --tp ranks (refused first when the device has fewer)."""
     from . import tp
     check_tp(args.tp, detect_device(args.device))
+    _check_tp_heads(args)
     return tp.launch(argv, args.tp, topo=_topology(args), device=args.device)
+
+
+def _check_tp_heads(args):
+    """Each rank refuses more ranks than the target has heads, but only once msrun started them all
+    (--tp 1000: hundreds of ~400 MB processes): the launcher reads the config first."""
+    from .config import load_config
+    from .default import DEFAULT_NAME, home
+    target = args.target or os.path.join(home(), "models", DEFAULT_NAME)  # (not made yet: the ranks make it)
+    if os.path.isfile(os.path.join(target, "config.json")):
+        heads = load_config(target).num_attention_heads
+        if args.tp > heads:
+            raise MindspecError(f"--tp {args.tp} exceeds the target's {heads} attention heads (a rank holds one "
+                                "at least)")
 
 
 def _launch(args, start):

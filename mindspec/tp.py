@@ -283,7 +283,8 @@ def launch(argv, n, script=None, timeout=CLUSTER_TIMEOUT, log_dir=None, grace=FA
             pass
         out.close()
         err.close()
-    if interrupted:
+    if interrupted:  # (its logs are a failed job's only)
+        shutil.rmtree(job, ignore_errors=True)
         return 130
     rcs = _rcs(job, topo.ranks)
     if rcs.get(0) or (len(rcs) == topo.local and set(rcs.values()) <= {0, 1}):

@@ -401,3 +401,30 @@ def test_each_data_parallel_replica_gets_its_own_devices():
 
 if __name__ == "__main__":
     sys.exit(worker_main(sys.argv[1:]))
+
+
+def test_an_interrupted_job_leaves_no_job_directory_and_too_many_ranks_start_none(pair, tmp_path):
+    """The TP server prober's: every Ctrl-C or SIGTERM of a --tp job left its $TMPDIR/mindspec-tp-* (rank
+    files, logs) behind, though only a failed job's logs are kept (its error line names them); and
+    `--tp 1000` started msrun's 1000 ranks (~400 MB each) before each refused the 6-head target."""
+    import signal
+    import subprocess
+    target, draft = pair[:2]
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        tmp = tmp_path / sig.name
+        tmp.mkdir()
+        p = subprocess.Popen([sys.executable, "-m", "mindspec", "serve", "--target", target, "--draft", draft,
+                              "--tp", "2", "--port", "0"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             text=True, env=dict(os.environ, TMPDIR=str(tmp)))
+        deadline = time.time() + 240
+        while time.time() < deadline and not list(tmp.glob("mindspec-tp-*/rank1.pid")):
+            assert p.poll() is None, p.stderr.read()
+            time.sleep(0.2)
+        p.send_signal(sig)
+        assert p.wait(120) == 130, p.stderr.read()
+        assert list(tmp.iterdir()) == [], list(tmp.iterdir())
+    p = subprocess.run([sys.executable, "-m", "mindspec", "generate", "--target", target, "--draft", draft,
+                        "--tp", "7", "--prompt-ids", "5"], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, TMPDIR=str(tmp_path)))
+    assert p.returncode == 2 and p.stderr == ("mindspec: error: --tp 7 exceeds the target's 6 attention heads "
+                                              "(a rank holds one at least)\n"), p.stderr
