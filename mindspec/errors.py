@@ -8,10 +8,12 @@ class MindspecError(Exception):
 
 
 def summary(e):
-    """An exception in one line: its type and the first line of its message (MindSpore's go on with a C++
-    call stack), at most 300 characters. For answers and logs that name an internal error; the whole
-    message goes to the server's stderr."""
-    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    """An exception in one line: its type and the first line of words in its message (MindSpore's kernel
+    errors open with a "----" / "- Kernel error:" banner and go on with a C++ call stack), at most 300
+    characters. For answers and logs that name an internal error; the whole message goes to the server's
+    stderr."""
+    lines = [line.strip() for line in str(e).splitlines()
+             if any(c.isalnum() for c in line) and not line.startswith("- ")]
     return (f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__)[:300]
 
 

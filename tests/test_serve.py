@@ -825,6 +825,19 @@ KERNEL_FAULT = ("Launch kernel failed, name:Default/network-TargetStep/MatMul-op
                 "mindspore/ccsrc/plugin/device/cpu/hal/hardware/cpu_device_context.cc:512 LaunchKernel\n")
 
 
+def test_an_internal_error_is_named_by_its_first_line_of_words():
+    """The TP server prober's: a rank's failed AllReduce reached clients as "internal error: RuntimeError:
+    -----" (MindSpore's kernel errors open with a banner)."""
+    from mindspec.errors import summary
+    banner = "-" * 52
+    fault = (f"\n{banner}\n- Kernel error:\n{banner}\nLaunch kernel failed: Default/AllReduce-op74\n\n{banner}\n"
+             f"- C++ Call Stack: (For framework developers)\n{banner}\nmindspore/ccsrc/x.cc:995 OnMemoryAllocFinish\n")
+    assert summary(RuntimeError(fault)) == "RuntimeError: Launch kernel failed: Default/AllReduce-op74"
+    assert summary(RuntimeError(KERNEL_FAULT)) == ("RuntimeError: Launch kernel failed, "
+                                                   "name:Default/network-TargetStep/MatMul-op12")
+    assert summary(RuntimeError(banner)) == "RuntimeError" and summary(ValueError()) == "ValueError"
+
+
 def test_health_says_503_while_the_engine_keeps_failing(pipe, monkeypatch):
     """An in-process server over the module's pipeline (the real HTTP stack, engine loop and health
     logic; the worker keeps the main thread, the checks run on another, SIGTERM stops it): with the
