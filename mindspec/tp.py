@@ -65,6 +65,7 @@ CLUSTER_TIMEOUT = 120  # s: msrun's cluster time-out (ranks that never join / st
 NODES_TIMEOUT = 600  # s: the same over several machines, each started by hand (msrun's own default)
 FAILURE_GRACE = 3  # s: after a rank died msrun kills the others at once, then waits for its scheduler: not for long
 EXIT_GRACE = 1  # s: after every rank recorded its exit code, how long they may take to exit before we stop them
+STRAY_GRACE = 30  # s: after rank 0 ended, how long the others may still run (in lock step they end with it)
 # HCCL's time-outs (s; CANN's defaults: connect 120, exec 1800). The first collective (HCCL's link set-up)
 # comes only after every rank has loaded its weights and compiled: a 70B load takes minutes, and a rank that
 # compiles a graph the others already have makes them wait in a collective. A user's own values win.
@@ -222,7 +223,7 @@ def _alive(pid):
 
 
 def launch(argv, n, script=None, timeout=CLUSTER_TIMEOUT, log_dir=None, grace=FAILURE_GRACE,
-           stdout=None, stderr=None, topo=None, device=None):
+           stdout=None, stderr=None, topo=None, device=None, stray=STRAY_GRACE):
     """Run `python -m mindspec ARGV` (or `python SCRIPT ARGV`) on n ranks under msrun; return rank 0's
     exit code, or non-zero with one line on stderr when a rank died. Rank 0's output is streamed to
     stdout/stderr (default: this process's). `topo` (several machines): this machine's share of the n
@@ -245,7 +246,7 @@ def launch(argv, n, script=None, timeout=CLUSTER_TIMEOUT, log_dir=None, grace=FA
     with open(msrun_log, "wb") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                 start_new_session=True)
-    failed_at, done_at, interrupted, seen = None, None, False, 0
+    failed_at, done_at, ended0, stuck, interrupted, seen = None, None, None, [], False, 0
     main = threading.current_thread() is threading.main_thread()
     old_term = signal.signal(signal.SIGTERM, signal.default_int_handler) if main else None  # SIGTERM = Ctrl-C
     try:
@@ -261,8 +262,14 @@ def launch(argv, n, script=None, timeout=CLUSTER_TIMEOUT, log_dir=None, grace=FA
                     failed_at = time.monotonic()
             if failed_at is not None and time.monotonic() - failed_at > grace:
                 break  # msrun is stuck stopping the job: stop it ourselves
-            if done_at is None and len(_rcs(job, topo.ranks)) == topo.local:
+            rcs = _rcs(job, topo.ranks)
+            if done_at is None and len(rcs) == topo.local:
                 done_at = time.monotonic()  # every rank finished its work and flushed its output
+            if ended0 is None and 0 in rcs:
+                ended0 = time.monotonic()
+            if done_at is None and ended0 is not None and time.monotonic() - ended0 > stray:
+                stuck = [r for r in topo.ranks if r not in rcs]
+                break  # a rank stopped or stuck in a collective rank 0 gave up on: msrun would wait for ever
             if done_at is not None and (time.monotonic() - done_at > EXIT_GRACE or _all_exited(job, topo.ranks)):
                 break  # MindSpore's finalize (ranks unregistering, the scheduler polling) takes ~7 s: skip it
             time.sleep(0.05)
@@ -294,6 +301,7 @@ def launch(argv, n, script=None, timeout=CLUSTER_TIMEOUT, log_dir=None, grace=FA
         return rcs.get(0, max(rcs.values()))
     said = _rank_error(job, topo.ranks)  # a rank that failed with a one-line error: its own words, its code
     what = f"tensor-parallel rank {said[0]} of {n}: {said[1]}" if said else \
+        f"tensor-parallel rank {stuck[0]} of {n} was still running {stray:g} s after rank 0 ended" if stuck else \
         _who_died(job, msrun_log, topo.ranks, rcs, n)
     print(f"mindspec: error: {what}; the job was stopped (logs: {log_dir})", file=stderr, flush=True)
     return rcs.get(said[0], 2) if said else 1

@@ -128,10 +128,20 @@ def drafts_job(target, draft, out):
         json.dump(res, f)
 
 
+def stuck_job(target, draft, out):
+    """Rank 0 ends well; the others hang (a rank stopped, or stuck in a collective rank 0 gave up on)."""
+    import signal
+    from mindspec.graphs.tp import tp_rank
+    if tp_rank():
+        signal.alarm(300)
+        time.sleep(300)
+
+
 def worker_main(argv):
     from mindspec import tp
     target, draft, out = argv
-    job_fn = {"prepare": prepare_job, "drafts": drafts_job}.get(os.environ.get("TP_TEST_JOB"), run_job)
+    job_fn = {"prepare": prepare_job, "drafts": drafts_job, "stuck": stuck_job}.get(os.environ.get("TP_TEST_JOB"),
+                                                                                    run_job)
 
     def job():
         job_fn(target, draft, out)
@@ -170,7 +180,7 @@ def reference(pair):
             os.environ["MINDSPEC_HOME"] = old
 
 
-def launch(n, pair, env=None, name=None):
+def launch(n, pair, env=None, name=None, **kw):
     from mindspec import tp
     target, draft, _, root = pair
     out, err = io.StringIO(), io.StringIO()
@@ -178,7 +188,7 @@ def launch(n, pair, env=None, name=None):
     os.environ.update(env or {}, MINDSPEC_HOME=str(root / "home"))  # one compile cache for all TP sizes
     try:
         code = tp.launch([target, draft, str(root / (name or f"tp{n}"))], n, script=os.path.abspath(__file__),
-                         stdout=out, stderr=err, timeout=60)
+                         stdout=out, stderr=err, timeout=60, **kw)
         return code, out.getvalue(), err.getvalue()
     finally:
         os.environ.clear()
@@ -278,6 +288,15 @@ def test_a_rank_whose_host_lacks_the_draft_ends_the_job_with_its_own_error(pair)
     assert err.splitlines()[-1].startswith(f"mindspec: error: tensor-parallel rank 1 of 2: draft model not found: "
                                            f"{missing}; the job was stopped (logs: "), err[-3000:]
     assert "Traceback" not in err
+
+
+def test_a_rank_left_running_after_rank_0_ended_is_stopped_and_named(pair):
+    """The TP server prober's: a rank stopped (SIGSTOP) while serving made rank 0's collectives fail; rank 0
+    ended (exit 0), and the launcher waited for ever on the stopped rank, nothing listening."""
+    code, _, err = launch(2, pair, {"TP_TEST_JOB": "stuck"}, name="stuck", stray=2)
+    assert code == 1, err
+    assert err.startswith("mindspec: error: tensor-parallel rank 1 of 2 was still running 2 s after rank 0 "
+                          "ended; the job was stopped (logs: "), err
 
 
 def test_tp_refuses_more_ranks_than_heads(pair):
