@@ -481,6 +481,8 @@ def parse(argv):
         apply(args, args.config, _given(argv))
     if getattr(args, "temperature", None) is not None:
         check_sampling_args(args)
+    if getattr(args, "no_speculate", False) and args.k != "auto" and "k" not in _given(argv):
+        args.k = "auto"  # (a --config file's speculationGamma: the flag given wins)
     if getattr(args, "no_speculate", False) and args.k != "auto":
         raise MindspecError(f"-k {args.k} sets the draft tokens of a step: it does not apply with --no-speculate")
     if getattr(args, "k", "auto") != "auto" and args.target and not args.draft:  # (the embedded draft is the embedded target's)

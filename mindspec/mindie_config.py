@@ -28,10 +28,12 @@ def _str(v):
     return v
 
 
-def _false(v):
-    if v is not False:
-        raise ValueError(f"must be false: mindspec serves plain HTTP (put TLS in a proxy), got {json.dumps(v)}")
-    return v
+def _false(why):
+    def check(v):
+        if v is not False:
+            raise ValueError(f"must be false: {why}, got {json.dumps(v)}")
+        return v
+    return check
 
 
 def _gamma(v):
@@ -53,10 +55,11 @@ KEYS = {
     "ServerConfig.ipAddress": ("host", _str),
     "ServerConfig.port": ("port", _int(0, 65535)),
     "ServerConfig.maxLinkNum": ("max_connections", _int(1)),
-    "ServerConfig.httpsEnabled": (None, _false),
+    "ServerConfig.httpsEnabled": (None, _false("mindspec serves plain HTTP (put TLS in a proxy)")),
     "BackendConfig.ModelDeployConfig.maxSeqLen": ("max_seq", _int(2)),
     "BackendConfig.ModelDeployConfig.maxInputTokenLen": ("max_input_tokens", _int(1)),
-    "BackendConfig.ModelDeployConfig.truncation": (None, _false),
+    "BackendConfig.ModelDeployConfig.truncation": (None, _false("a prompt longer than --max-input-tokens is "
+                                                                "refused, never cut")),
     "BackendConfig.ModelDeployConfig.ModelConfig[0].modelName": ("model_name", _str),
     "BackendConfig.ModelDeployConfig.ModelConfig[0].modelWeightPath": ("target", _str),
     "BackendConfig.ModelDeployConfig.ModelConfig[0].worldSize": ("tp", _int(1)),

@@ -129,7 +129,10 @@ def test_api_key(server):
 
 BAD_CONFIGS = [  # (file content, the one line expected)
     ({"ServerConfig": {"port": "x"}}, 'ServerConfig.port: must be an integer >= 0 and <= 65535, got "x"'),
-    ({"ServerConfig": {"httpsEnabled": True}}, "ServerConfig.httpsEnabled: must be false"),
+    ({"ServerConfig": {"httpsEnabled": True}}, "ServerConfig.httpsEnabled: must be false: mindspec serves plain HTTP"),
+    # (it said "plain HTTP" too, the TP server prober found)
+    ({"BackendConfig": {"ModelDeployConfig": {"truncation": True}}}, "BackendConfig.ModelDeployConfig.truncation: "
+     "must be false: a prompt longer than --max-input-tokens is refused, never cut, got true"),
     ({"BackendConfig": {"ModelDeployConfig": {"ModelConfig": [{"worldSize": 0}]}}},
      "BackendConfig.ModelDeployConfig.ModelConfig[0].worldSize: must be an integer >= 1, got 0"),
     ({"BackendConfig": {"ScheduleConfig": {"maxBatchSize": 2.5}}},
@@ -295,6 +298,18 @@ def test_fuzz_raw_bytes_on_the_socket(server):
     assert call(base, "/v1/completions", {"prompt": [5, 6, 7, 8], "max_tokens": 2})[0] == 200
     log = "".join(err)
     assert "Traceback" not in log and "Unhandled" not in log and "Error handling" not in log, log[-3000:]
+
+
+def test_no_speculate_given_wins_over_the_files_speculation_gamma(tmp_path):
+    """The TP server prober's: `--no-speculate` with a file holding speculationGamma 3 was refused as
+    "-k 3 ... does not apply with --no-speculate", a -k the user never typed (a flag given wins)."""
+    from mindspec.cli import parse
+    from mindspec.errors import MindspecError
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"mindspec": {"speculationGamma": 3}}))
+    assert parse(["serve", "--config", str(path), "--no-speculate"]).k == "auto"
+    with pytest.raises(MindspecError, match="-k 3 sets the draft tokens of a step: it does not apply"):
+        parse(["serve", "--config", str(path), "--no-speculate", "-k", "3"])
 
 
 def test_a_config_that_is_not_a_regular_small_file_is_one_line(tmp_path):
