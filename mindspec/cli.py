@@ -414,8 +414,9 @@ def _launch_tp(argv, args):
     """msrun's launch of this command over --tp ranks (refused first when the device has fewer)."""
     from . import tp
     check_tp(args.tp, detect_device(args.device))
+    topo = _topology(args)  # (the layout's own errors first)
     _check_tp_heads(args)
-    return tp.launch(argv, args.tp, topo=_topology(args), device=args.device)
+    return tp.launch(argv, args.tp, topo=topo, device=args.device)
 
 
 def _check_tp_heads(args):
