@@ -67,7 +67,8 @@ def format_stats(s):
 def add_model_args(p, max_seq="sized to the job"):
     """The model flags of generate, serve and batch (read by load_pipeline); max_seq: the default's words."""
     p.add_argument("--target", type=path_arg, default=None, help="target checkpoint dir (default: the embedded model)")
-    p.add_argument("--draft", type=path_arg, default=None, help="draft .onnx from `mindspec export` (default: the embedded pair's; none with --target)")
+    p.add_argument("--draft", type=path_arg, default=None,
+                   help="draft .onnx from `mindspec export` (default: the embedded pair's; none with --target)")
     p.add_argument("-k", type=_k, default="auto",
                    help="draft tokens per target call: a K bucket 1..8, or auto (dynamic K, the default)")
     p.add_argument("--dynamic-k", dest="k", action="store_const", const="auto",
@@ -353,7 +354,8 @@ def parser():
     s.set_defaults(func=cmd_serve)
     b = sub.add_parser("batch", help="offline batch job over a JSONL file (resumable)")
     b.add_argument("--input", type=path_arg, required=True, help="JSONL: one request per line")
-    b.add_argument("--output", type=path_arg, required=True, help="JSONL results, appended; ids already there are skipped")
+    b.add_argument("--output", type=path_arg, required=True,
+                   help="JSONL results, appended; ids already there are skipped")
     add_model_args(b)
     add_sampling_args(b)
     b.add_argument("--chat", action="store_true", help="wrap plain \"prompt\" lines in the chat template")
@@ -486,7 +488,7 @@ def parse(argv):
         args.k = "auto"  # (a --config file's speculationGamma: the flag given wins)
     if getattr(args, "no_speculate", False) and args.k != "auto":
         raise MindspecError(f"-k {args.k} sets the draft tokens of a step: it does not apply with --no-speculate")
-    if getattr(args, "k", "auto") != "auto" and args.target and not args.draft:  # (the embedded draft is the embedded target's)
+    if getattr(args, "k", "auto") != "auto" and args.target and not args.draft:  # (the embedded draft: its target's)
         raise MindspecError(f"-k {args.k} sets the draft tokens of a step: --target without --draft runs "
                             "target-only (give --draft)")
     if args.cmd == "generate":

@@ -158,7 +158,8 @@ class Pipeline:
         elif self.device == "CPU":  # the host's memory is the device's: rows that need more than all of it
             # (swap and the weights aside: a coarse bound) are refused, not tried
             from .plan import DTYPE_BYTES, GB, host_bytes_per_row
-            need = host_bytes_per_row(self.cfg, DTYPE_BYTES[PLAN_DTYPE[self.dtype]], positions, self.manifest) * max_batch
+            row = host_bytes_per_row(self.cfg, DTYPE_BYTES[PLAN_DTYPE[self.dtype]], positions, self.manifest)
+            need = row * max_batch
             have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
             if need > have:
                 raise MindspecError(f"{max_batch} rows of {max_seq} positions need about {need / GB:.1f} GB (KV "

@@ -398,7 +398,8 @@ def add_parser(subparsers):
     p = subparsers.add_parser("plan", help="will a target + draft fit on N devices, and will speculation pay?",
                               description="Memory and speed plan for a target (+ draft) on N devices.")
     from .cli import path_arg
-    p.add_argument("--target", type=path_arg, help="target checkpoint dir (instead of --params/--layers/--kv-heads/--head-dim)")
+    p.add_argument("--target", type=path_arg,
+                   help="target checkpoint dir (instead of --params/--layers/--kv-heads/--head-dim)")
     p.add_argument("--params", help="target parameters, e.g. 70e9 or 70B")
     p.add_argument("--layers", type=int)
     p.add_argument("--kv-heads", type=int)

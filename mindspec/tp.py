@@ -227,7 +227,8 @@ def launch(argv, n, script=None, timeout=CLUSTER_TIMEOUT, log_dir=None, grace=FA
     """Run `python -m mindspec ARGV` (or `python SCRIPT ARGV`) on n ranks under msrun; return rank 0's
     exit code, or non-zero with one line on stderr when a rank died. Rank 0's output is streamed to
     stdout/stderr (default: this process's). `topo` (several machines): this machine's share of the n
-    ranks; on a machine without rank 0, 0 when its ranks all ended well. `device`: --device (None: auto)."""
+    ranks; on a machine without rank 0, 0 when its ranks all ended well. `device`: --device (None: auto).
+    `stray`: seconds the other ranks may run on once rank 0 ended, before they are stopped and named."""
     stdout, stderr = stdout or sys.stdout, stderr or sys.stderr
     n = int(n)
     if n < 1:
