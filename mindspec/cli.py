@@ -425,8 +425,8 @@ def _check_tp_heads(args):
     """Each rank refuses more ranks than the target has heads, but only once msrun started them all
     (--tp 1000: hundreds of ~400 MB processes): the launcher reads the config first."""
     from .config import load_config
-    from .default import DEFAULT_NAME, home
-    target = args.target or os.path.join(home(), "models", DEFAULT_NAME)  # (not made yet: the ranks make it)
+    from .default import default_target
+    target = args.target or default_target()  # (not made yet: the ranks make it)
     if os.path.isfile(os.path.join(target, "config.json")):
         heads = load_config(target).num_attention_heads
         if args.tp > heads:

@@ -20,12 +20,17 @@ def home():
     return path
 
 
+def default_target():
+    """Where the embedded target is (or will be) converted."""
+    return os.path.join(home(), "models", DEFAULT_NAME)
+
+
 def default_pair(quantize=DEFAULT_QUANT):
     """(target_dir, draft_onnx), made on first use."""
     from .convert import convert_gguf, find_default_gguf
     from mindspec.export import export_draft
     from mindspec.export.manifest import VERSION
-    target = os.path.join(home(), "models", DEFAULT_NAME)
+    target = default_target()
     if not os.path.exists(os.path.join(target, "tokenizer_config.json")):
         print(f"mindspec: converting the embedded {DEFAULT_NAME} into {target} (once)", file=sys.stderr)
         shutil.rmtree(target, ignore_errors=True)  # an incomplete one (no tokenizer_config.json)
