@@ -71,18 +71,19 @@ def _read_lines(path):
 
 
 def _row(n, text):
-    """(id, request dict, None) of one input line, or (id, None, error)."""
+    """(id, request dict, None) of one input line, or (id, None, error); the id None when the line has no
+    usable one (none, not JSON, or not a string or an integer)."""
     try:
         row = loads(text)
     except ValueError as e:
-        return n, None, f"line {n}: not valid JSON: {e}"
+        return None, None, f"line {n}: not valid JSON: {e}"
     except RequestError as e:  # a key given twice
-        return n, None, f"line {n}: {e}"
+        return None, None, f"line {n}: {e}"
     if not isinstance(row, dict):
-        return n, None, f"line {n}: not a JSON object"
-    rid = row.get("id", n)
-    if isinstance(rid, bool) or not isinstance(rid, (str, int)):
-        return n, None, f"line {n}: id must be a string or an integer, got {row['id']!r}"
+        return None, None, f"line {n}: not a JSON object"
+    rid = row.get("id")
+    if "id" in row and (isinstance(rid, bool) or not isinstance(rid, (str, int))):
+        return None, None, f"line {n}: id must be a string or an integer, got {rid!r}"
     if unknown := sorted(set(row) - FIELDS - {"id"}):
         return rid, None, f"line {n}: unknown field(s) {', '.join(unknown)}"
     return rid, {k: v for k, v in row.items() if k != "id"}, None
@@ -91,13 +92,14 @@ def _row(n, text):
 def _rows(lines, input_path):
     """[Item] with the request dict (not yet parsed) in kw. An id used twice stops the job before it
     starts: skipping one of them would lose a prompt silently."""
-    items, line_of = [], {}
+    items, whose = [], {}
     for n, text in lines:
         rid, req, err = _row(n, text)
-        if _key(rid) in line_of:
-            raise MindspecError(f"{input_path}:{n}: id {rid!r} is already line {line_of[_key(rid)]}'s; ids must be "
-                                f"unique (a line without \"id\" has its line number)")
-        line_of[_key(rid)] = n
+        rid, what = (rid, "id") if rid is not None else (n, "line number")
+        if _key(rid) in whose:
+            raise MindspecError(f"{input_path}:{n}: its {what} {rid!r} is already line {whose[_key(rid)]}; ids must "
+                                "be unique (a line without a usable \"id\", a string or an integer, has its line number)")
+        whose[_key(rid)] = f"{n}'s {what}"
         items.append(Item(n, rid, req, err, _asked(req)))
     return items
 

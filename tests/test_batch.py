@@ -48,10 +48,10 @@ def test_lines_nested_too_deep_with_a_key_twice_or_a_huge_number_are_their_own_e
     """Found reviewing the server's fixes: a line nested deeper than Python's stack stopped the whole job
     with a RecursionError traceback; a key given twice ran its last value (the server refuses it); a
     number past int()'s digit limit quoted sys.set_int_max_str_digits()."""
-    assert B._row(4, "[" * 100000 + "]" * 100000) == (4, None, "line 4: not valid JSON: nested deeper than "
+    assert B._row(4, "[" * 100000 + "]" * 100000) == (None, None, "line 4: not valid JSON: nested deeper than "
                                                                "Python's stack")
-    assert B._row(5, '{"prompt": "a", "prompt": "b"}') == (5, None, "line 5: the key 'prompt' is given twice")
-    assert B._row(6, '{"seed": 1' + "0" * 5000 + "}") == (6, None, "line 6: not valid JSON: a number of more "
+    assert B._row(5, '{"prompt": "a", "prompt": "b"}') == (None, None, "line 5: the key 'prompt' is given twice")
+    assert B._row(6, '{"seed": 1' + "0" * 5000 + "}") == (None, None, "line 6: not valid JSON: a number of more "
                                                                    "than 4300 digits")
 
 
@@ -323,7 +323,13 @@ def test_a_line_edited_since_its_result_stops_a_tensor_parallel_job_with_one_lin
 def test_duplicate_ids_stop_the_job_before_it_starts(setup, tmp_path):
     inp = tmp_path / "dup.jsonl"
     inp.write_text(json.dumps({"id": 2, "prompt": "first"}) + "\n" + json.dumps({"prompt": "second"}) + "\n")
-    _expect_usage_error(setup, tmp_path / "o.jsonl", "id 2 is already line 1's", inp=inp)
+    _expect_usage_error(setup, tmp_path / "o.jsonl", "dup.jsonl:2: its line number 2 is already line 1's id", inp=inp)
+    # an id that cannot be one (a list) gives the line its number: said "id 1 is already line 1's" (line 1 had [1])
+    inp.write_text(json.dumps({"id": [1], "prompt": "first"}) + "\n" + json.dumps({"id": 1, "prompt": "second"}) + "\n")
+    _expect_usage_error(setup, tmp_path / "o.jsonl", "dup.jsonl:2: its id 1 is already line 1's line number; ids must "
+                        "be unique (a line without a usable \"id\", a string or an integer, has its line number)", inp=inp)
+    assert B._row(3, '{"id": null, "prompt": "x"}') == (None, None, "line 3: id must be a string or an integer, "
+                                                                     "got None")
 
 
 def _interrupt(setup, tmp_path, inp, out, sig, wait, tag):
