@@ -60,13 +60,18 @@ def _is_onnx(path):
     return model.ir_version > 0 and len(model.graph.node) > 0
 
 
-def read_manifest(onnx_path):
-    """The manifest dict of an exported draft; MindspecError (one line) when it does not belong."""
-    mpath = manifest_path(onnx_path)
+def check_file(onnx_path):
+    """Refuse a draft path that is not a file (the cheap part of read_manifest)."""
     if os.path.isdir(onnx_path):
         raise MindspecError(f"draft {onnx_path} is a directory: give the .onnx file `mindspec export` wrote")
     if not os.path.isfile(onnx_path):
         raise MindspecError(f"draft model not found: {onnx_path}")
+
+
+def read_manifest(onnx_path):
+    """The manifest dict of an exported draft; MindspecError (one line) when it does not belong."""
+    mpath = manifest_path(onnx_path)
+    check_file(onnx_path)
     if not os.path.isfile(mpath):
         if not _is_onnx(onnx_path):
             raise MindspecError(f"not an ONNX file: {onnx_path}")

@@ -221,10 +221,22 @@ def cmd_serve(a):
             app = App(serve_defaults(a), tp=True, max_batch=a.max_batch)
             app.pipe = prepare(load_pipeline(a), a.max_batch)
             return follow(app)
+    _check_model_paths(a)
     serve(lambda: load_pipeline(a), serve_defaults(a), host=a.host, port=a.port, model_name=a.model_name,
           tp=a.tp > 1, max_batch=a.max_batch, max_queue=a.max_queue, max_connections=a.max_connections,
           api_key=a.api_key, strict_model_name=a.strict_model_name, read_timeout=a.read_timeout,
           queue_delay_us=a.max_queue_delay_us)
+
+
+def _check_model_paths(a):
+    """A server binds its port before it loads (health answers 503 meanwhile): a model path that is not
+    there is refused before that, not after a "listening" line."""
+    from .config import load_config
+    from mindspec.export.manifest import check_file
+    if a.target is not None:
+        load_config(a.target)
+    if a.draft is not None and not a.no_speculate:
+        check_file(a.draft)
 
 
 def serve_defaults(a):

@@ -125,6 +125,14 @@ def test_bad_checkpoints(pair):
                   "tokenizer.json has token id 5000 ('a'), outside the model's vocabulary [0, 320)")
 
 
+def test_a_server_given_a_model_that_is_not_there_refuses_it_before_listening(pair):
+    """Found: `serve --target <typo>` bound its port and said "listening on ..." before the one-line error."""
+    target, draft, d = pair
+    for args, words in (((str(d / "nowhere"), draft), f"model directory not found: {d / 'nowhere'}"),
+                        ((target, str(d / "nowhere.onnx")), f"draft model not found: {d / 'nowhere.onnx'}")):
+        _expect_error(["serve", "--port", "0", "--target", args[0], "--draft", args[1]], words)
+
+
 def test_an_empty_draft_path_is_refused_not_read_as_no_draft(pair):
     """The CLI prober's: `load(target, draft="")` ran target-only; False (or --no-speculate) says that."""
     import mindspec
