@@ -81,13 +81,14 @@ class Engine:
             self._reap(events)
             self._admit()
             pre = [r for r in self.rows if r.state == PREFILL]
-            if pre:
-                self._guard(pre, events, lambda: self._prefill_chunk(pre, events))
+            fed = [r for r in pre if r.pos < len(r.prompt_ids)]  # rows whose target still has prompt to read
+            if fed:
+                self._guard(fed, events, lambda: self._prefill_chunk(fed, pre, events))
             self._ended_early = any(r in events for r in pre) and not self._ended_early
             if not self._ended_early:
                 pre = [r for r in self.rows if r.state == PREFILL]
                 if pre:
-                    self._guard(pre, events, lambda: self._catch_up(pre))
+                    self._catch_up(pre, events)
                 running = [r for r in self.rows if r.state == RUNNING]
                 if running:
                     self._guard(running, events, lambda: self._decode(running, events))
@@ -205,17 +206,15 @@ class Engine:
 
     # ---- the work of a step
 
-    def _prefill_chunk(self, pre, events):
-        """The next prompt chunk of each prefilling row, in one call; a row whose prompt ends here gets its
-        first token (the call's time is counted in each row's prefill_s)."""
+    def _prefill_chunk(self, fed, pre, events):
+        """The next prompt chunk of each row in fed, in one call; a row whose prompt ends here gets its
+        first token (the call's time is counted in the prefill_s of every prefilling row: pre)."""
         t0 = time.perf_counter()
-        fed = [r for r in pre if r.pos < len(r.prompt_ids)]  # rows whose target still has prompt to read
         chunks = [r.prompt_ids[r.pos:r.pos + PREFILL_CHUNK] for r in fed]
-        if fed:
-            want_lp = any(r.logprobs is not None for r in fed)
-            out = self.target.prefill([r.slot for r in fed], [r.pos for r in fed], chunks,
-                                      self._sampling(fed, 0, prefill=True), logprobs=want_lp)
-            toks, lps = out if want_lp else (out, None)
+        want_lp = any(r.logprobs is not None for r in fed)
+        out = self.target.prefill([r.slot for r in fed], [r.pos for r in fed], chunks,
+                                  self._sampling(fed, 0, prefill=True), logprobs=want_lp)
+        toks, lps = out if want_lp else (out, None)
         for i, (r, chunk) in enumerate(zip(fed, chunks)):
             r.pos += len(chunk)
             if r.pos == len(r.prompt_ids):  # the last chunk: its token is the first one generated
@@ -225,7 +224,7 @@ class Engine:
         for r in pre:
             r.stats.prefill_s += time.perf_counter() - t0
 
-    def _catch_up(self, pre):
+    def _catch_up(self, pre, events):
         """The draft's catch-up on the prompts of prefilling rows, from its own position up to the target's (at
         most DRAFT_CATCHUP tokens a row); a row whose target and draft both hold its prompt starts running."""
         t0 = time.perf_counter()
@@ -240,7 +239,8 @@ class Engine:
                     aligned.add(r.row)
                 if stop > d:
                     catch[r.row] = r.prompt_ids[d:stop]
-            self.proposer.prefill(catch, aligned)
+            if catch:
+                self._guard([r for r in pre if r.row in catch], events, lambda: self.proposer.prefill(catch, aligned))
         for r in pre:
             r.stats.prefill_s += time.perf_counter() - t0
             drafted_up = not r.speculate or self.proposer is None or self.proposer.cached(r.row) >= r.pos \
