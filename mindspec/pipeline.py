@@ -14,7 +14,7 @@ from .engine import Engine
 from .errors import MindspecError, is_int, is_number
 from .request import checked_text, stop_strings
 from .sampling import SamplingParams
-from .sequence import Request, Result
+from .sequence import WAITING, Request, Result
 from .device import check_device_env, detect_device
 from .spec import BATCH_BUCKETS, K_BUCKETS, PLAN_DTYPE, TOP_LOGPROBS, SpecConfig, cache_positions, resolve_dtype
 from .tokenizer import Tokenizer
@@ -303,6 +303,8 @@ class Pipeline:
             raise MindspecError("run takes Requests (made by Pipeline.request)")
         if len({id(r) for r in reqs}) < len(reqs):  # (its second turn never came: a spin)
             raise MindspecError("the same request is given twice: make one per generation")
+        if any(r.state != WAITING or r.output or r.pos for r in reqs):  # (it went on after its old output)
+            raise MindspecError("a request runs once: make one per generation (this one has run)")
         max_batch = int(max_batch)
         with self._turn, self._stops():
             self._holder = threading.get_ident()

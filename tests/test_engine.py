@@ -324,6 +324,70 @@ def test_a_failing_step_ends_its_rows_and_the_engine_goes_on(pipe, alone, monkey
     assert all(r.state == FINISHED for r in pipe.engine.rows) and not pipe.engine.rows
 
 
+def _run_out(eng):
+    while eng.has_work:
+        eng.step()
+
+
+def test_a_failing_prompt_chunk_ends_only_the_rows_it_carried(pipe, alone, monkeypatch):
+    """The reviewer's: the guard of the prompt call covered every prefilling row, so a row that had its
+    first token and waited a step (every new row does) ended with another row's error."""
+    eng = pipe.engine
+    a = pipe.request(prompt_ids=PROMPTS[0], max_new_tokens=MAX_NEW[0], k=2)
+    b = pipe.request(prompt_ids=PROMPTS[1], max_new_tokens=MAX_NEW[1], k=2)
+    eng.add(a)
+    eng.step()
+    assert len(a.output) == 1 and not a.done  # its first token: it waits for the next decode
+    real = pipe.target.prefill
+
+    def failing(slots, *args, **kw):
+        if b.slot in slots:
+            raise RuntimeError("simulated prompt failure")
+        return real(slots, *args, **kw)
+    monkeypatch.setattr(pipe.target, "prefill", failing)
+    eng.add(b)
+    _run_out(eng)
+    assert b.finish_reason == "error" and "simulated prompt failure" in str(b.error)
+    assert a.finish_reason == "length" and a.output == alone[0]
+
+
+def test_a_failing_draft_catch_up_ends_only_the_rows_it_fed(pipe, alone, monkeypatch):
+    """The reviewer's: a failing feed of the draft ended a target-only row still reading its prompt."""
+    eng = pipe.engine
+    a = pipe.request(prompt_ids=PROMPTS[3], max_new_tokens=MAX_NEW[3], speculate=False)  # 40 tokens: 2 chunks
+    b = pipe.request(prompt_ids=PROMPTS[1], max_new_tokens=MAX_NEW[1], k=2)
+    real = eng.proposer.prefill
+
+    def failing(chunks, *args, **kw):
+        if b.row in chunks:
+            raise RuntimeError("simulated draft failure")
+        return real(chunks, *args, **kw)
+    monkeypatch.setattr(eng.proposer, "prefill", failing)
+    eng.add(a)
+    eng.add(b)
+    _run_out(eng)
+    assert b.finish_reason == "error" and "simulated draft failure" in str(b.error)
+    assert a.finish_reason == "length" and a.output == alone[3]
+
+
+def test_a_request_that_already_ran_is_refused_not_run_on_its_old_output(pipe, alone):
+    """The reviewer's: a request interrupted by its callback, given to run() again, appended new tokens
+    to its old output (a prompt's continuation after a stale one) without a word."""
+    r = pipe.request(prompt_ids=PROMPTS[0], max_new_tokens=MAX_NEW[0], k=2)
+
+    def stop(req, text):
+        if len(req.output) >= 5:
+            raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        pipe.run([r], stop)
+    with pytest.raises(mindspec.MindspecError, match="a request runs once: make one per generation"):
+        pipe.run([r])
+    done = pipe.run([pipe.request(prompt_ids=PROMPTS[0], max_new_tokens=MAX_NEW[0], k=2)])[0]
+    assert done.output == alone[0]
+    with pytest.raises(mindspec.MindspecError, match="a request runs once"):
+        pipe.run([done])
+
+
 def test_a_failure_between_calls_ends_the_requests_and_the_engine_starts_clean(pipe, alone, monkeypatch):
     """Bookkeeping outside the graph calls (a draft row swap when a row leaves) that raises leaves the
     rows' state unknown: every request then ends with the error, the engine starts from empty slots
