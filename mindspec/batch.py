@@ -359,15 +359,10 @@ def generate_records(pipe, items, check=lambda: None, max_batch=1, ready=lambda:
     if not reqs:
         return
     check()
-    next(iter(reqs)).stats.compile_s = pipe.prepare(list(reqs), max_batch)  # the job's one warm-up, counted once
-    ready()
-    for r in reqs:
-        pipe.engine.add(r)
-    while pipe.engine.has_work:
+    for r, _ in pipe.stream(list(reqs), max_batch, ready):
         check()
-        for r, _ in pipe.engine.step():
-            if r.done:
-                yield reqs[r], _body(reqs[r], r)
+        if r.done:
+            yield reqs[r], _body(reqs[r], r)
 
 
 # ---- bookkeeping ----

@@ -292,9 +292,19 @@ class Pipeline:
 
     def run(self, reqs, on_event=None, max_batch=1):
         """Run requests to the end through the engine, up to max_batch at once (the rest join as rows
-        finish). on_event(request, text) gets each step's new text per request. Calls from several threads
-        take turns (the graphs and caches are one); a call left by an exception (Ctrl-C, a callback that
-        raised) leaves the engine empty."""
+        finish). on_event(request, text) gets each step's new text per request, and its end."""
+        with self._stops():
+            for r, text in self.stream(reqs, max_batch):
+                if on_event is not None:
+                    on_event(r, text)
+        return reqs
+
+    def stream(self, reqs, max_batch=1, ready=None):
+        """Run requests to the end through the engine, up to max_batch at once (the rest join as rows
+        finish), yielding (request, text) after each step for each request that committed text or ended
+        (request.done). ready() is called once the warm-up (compiling, measuring costs) is done. Calls from
+        several threads take turns (the graphs and caches are one); one left by an exception (Ctrl-C, a
+        consumer that raised) or abandoned leaves the engine empty. The loop every caller shares."""
         if self._holder == threading.get_ident():
             raise MindspecError("generate was called from inside its own callback: call it after this one returns")
         if not (is_int(max_batch) and max_batch >= 1):  # (0 waited for ever)
@@ -305,18 +315,16 @@ class Pipeline:
             raise MindspecError("the same request is given twice: make one per generation")
         if any(r.state != WAITING or r.output or r.pos for r in reqs):  # (it went on after its old output)
             raise MindspecError("a request runs once: make one per generation (this one has run)")
-        max_batch = int(max_batch)
-        with self._turn, self._stops():
+        with self._turn:
             self._holder = threading.get_ident()
             try:
-                self._run(reqs, on_event, max_batch)
-            except BaseException:
+                yield from self._steps(reqs, int(max_batch), ready)
+            except BaseException:  # (GeneratorExit too: a consumer that stopped reading)
                 if self.engine is not None:
                     self.engine.reset()  # (this call's requests were the only ones in it)
                 raise
             finally:
                 self._holder = None
-        return reqs
 
     @staticmethod
     def _stops():
@@ -328,22 +336,23 @@ class Pipeline:
             raise KeyboardInterrupt
         return contextlib.nullcontext() if signals.active() else signals.Signals(True, at_once)
 
-    def _run(self, reqs, on_event, max_batch):
+    def _steps(self, reqs, max_batch, ready):
         warm_up = self.prepare(reqs, max_batch)
         compile_s = self.target.compile_s
+        if ready is not None:
+            ready()
         todo, pending = deque(reqs), set()
         while todo or pending:
             while todo and len(pending) < max_batch:  # the engine may have more slots than max_batch
                 pending.add(todo[0])
                 self.engine.add(todo.popleft())
             for r, text in self.engine.step():
-                if on_event is not None and (text or r.done):
-                    on_event(r, text)
                 if r.done:
                     pending.discard(r)
+                    r.stats.compile_s = warm_up + self.target.compile_s - compile_s  # (+ compiled on first need)
+                if text or r.done:
+                    yield r, text
             signals.check()
-        for r in reqs:
-            r.stats.compile_s = warm_up + self.target.compile_s - compile_s  # (and graphs compiled on first need)
 
     def generate(self, prompt=None, prompt_ids=None, max_new_tokens=64, on_text=None, **kw):
         """Generate (greedy at temperature 0, else speculative sampling: the target's distribution
@@ -354,7 +363,11 @@ class Pipeline:
         measured slower for the default self-draft, see README)."""
         if on_text is not None and not callable(on_text):
             raise MindspecError(f"on_text must be a callable (it gets each new piece of text), got {on_text!r}")
-        r = self._request(kw, prompt=prompt, prompt_ids=prompt_ids, max_new_tokens=max_new_tokens)
+        return self.run_one(self._request(kw, prompt=prompt, prompt_ids=prompt_ids, max_new_tokens=max_new_tokens),
+                            on_text)
+
+    def run_one(self, r, on_text=None):
+        """Run one Request alone: its Result (a failure raised); on_text(delta) as generate's."""
         self.run([r], (lambda _, text: text and on_text(text)) if on_text else None)
         if r.error is not None:
             raise r.error

@@ -211,7 +211,4 @@ def make(pipe, kw, request_id=None):
 def run(pipe, kw, on_text=None):
     """Generate for parsed keywords, alone: (prompt token ids, Result)."""
     r = make(pipe, kw)
-    pipe.run([r], (lambda _, text: text and on_text(text)) if on_text else None)
-    if r.error is not None:
-        raise r.error
-    return r.prompt_ids, r.result()
+    return r.prompt_ids, pipe.run_one(r, on_text)

@@ -78,6 +78,27 @@ def test_generate_many_runs_at_most_max_batch_rows_at_once(pipe, alone):
     assert max(running) == 2
 
 
+def test_a_batch_jobs_driver_runs_at_most_max_batch_rows_at_once(pipe, alone):
+    """The reviewer's: batch.generate_records drove the engine with a loop of its own and added every line
+    at once: 4 slots filled under max_batch 2 (and with dynamic K every line then failed, KeyError: its
+    costs measured for up to max_batch rows). It now runs through Pipeline.run's loop."""
+    from mindspec import batch as B
+    running, step = [], pipe.engine.step
+
+    def counting_step():
+        running.append(len(pipe.engine.rows))
+        return step()
+    pipe.engine.step = counting_step
+    items = [B.Item(n, n, dict(prompt_ids=p, max_new_tokens=m, k=2))
+             for n, (p, m) in enumerate(zip(PROMPTS, MAX_NEW), 1)]
+    try:
+        got = {item.line: body for item, body in B.generate_records(pipe, items, max_batch=2)}
+    finally:
+        del pipe.engine.step
+    assert [got[n]["token_ids"] for n in range(1, 9)] == alone
+    assert max(running) == 2
+
+
 def test_rows_join_only_up_to_the_batches_whose_graphs_are_compiled(pipe, alone, monkeypatch):
     """A server compiles the larger batches' graphs while it serves (TargetModel.load_next): until a
     batch bucket's are in, no more rows run at once than the buckets below it hold, and each row is
