@@ -78,6 +78,7 @@ class App:
         # tuple, read by the HTTP thread
         self.engine_state, self._probing = (0, None), False
         self.warming = False  # the last turn ran a cold graph (see turn): the next takes no tick's wait
+        self.warm_failed = False  # an idle first run failed (_warm_next): none is tried again
         self.call = None  # runs a function on the HTTP loop (set by serve)
 
     def _engine(self, attr):
@@ -146,7 +147,7 @@ class App:
         if not eng.has_work:
             # idle (a whole tick with nothing, then back to back until a request comes): compile a graph warm-up
             # left, else run one it compiled for the first time, so no request pays either
-            self.warming = not new and not gone and (self._load_next() or t.warm_next())
+            self.warming = not new and not gone and (self._load_next() or self._warm_next())
             return False
         self.warming = False
         if eng.waiting and len(eng.rows) >= t.ready_rows():
@@ -173,6 +174,23 @@ class App:
                 raise
             print(f"mindspec: the graphs for batches larger than {t.ready_rows()} did not compile ({summary(e)}); "
                   f"serving up to {t.ready_rows()} at once", file=sys.stderr, flush=True)
+            return False
+
+    def _warm_next(self):
+        """Run a compiled graph's first run while idle (TargetModel.warm_next). One that fails leaves the server
+        serving, and says so; no other is tried (the requests that need those graphs run them, and fail or
+        not by themselves). Under tensor parallelism the job ends instead, as in _load_next."""
+        if self.warm_failed:
+            return False
+        try:
+            return self.pipe.target.warm_next()
+        except Exception as e:  # noqa: BLE001 - a dummy run must not stop the requests to come
+            if self.tp:
+                raise
+            self.warm_failed = True
+            self.pipe.engine.reset()  # (idle: nothing runs; what the slots cached may be half overwritten)
+            print(f"mindspec: an idle first run of a graph failed ({summary(e)}); no more are run before requests "
+                  "need them", file=sys.stderr, flush=True)
             return False
 
     def _account(self, events):

@@ -759,6 +759,35 @@ def test_a_graph_that_fails_to_compile_after_ready_leaves_the_server_serving(pip
                    "failed: out of memory); serving up to 1 at once"], err
 
 
+def test_a_graph_whose_idle_first_run_fails_leaves_the_server_serving(pipe, monkeypatch, capsys):
+    """The reviewer's: an idle server runs each compiled graph once (so no request pays its first run);
+    one that raised there left the worker loop and stopped the server. Now one line on stderr, no more
+    idle runs, and requests are served."""
+    from mindspec.request import parse
+    from mindspec.serve import App
+    t, tried, ends = pipe.target, [], {}
+    ref = pipe.generate(prompt_ids=IDS, max_new_tokens=N, speculate=False).token_ids
+
+    def broken():
+        tried.append(1)
+        raise RuntimeError("Run graph failed: device error\n(C++ call stack)")
+    monkeypatch.setattr(t, "pending", [])
+    monkeypatch.setattr(t, "warm_next", broken)
+    app = App({}, max_batch=2)
+    app.pipe = pipe
+    on_event = lambda rid, kind, val: ends.__setitem__(rid, val) if kind == "end" else None  # noqa: E731
+    for _ in range(3):
+        assert app.turn([], [], on_event) is False  # idle turns
+    assert len(tried) == 1 and not app.warming
+    app.turn([(0, parse({"prompt_ids": IDS, "max_tokens": N}))], [], on_event)
+    while not ends:
+        app.turn([], [], on_event)
+    assert ends[0].result().token_ids == ref
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["mindspec: an idle first run of a graph failed (RuntimeError: Run graph failed: device error); "
+                   "no more are run before requests need them"], err
+
+
 def test_a_freed_row_waits_the_queue_delay_for_the_next_request(pipe):
     """MindIE's maxQueueDelayMicroseconds (--max-queue-delay-us): the worker waits a tick when idle; after a
     turn that ended a request and left a row free it waits up to the delay for a request to join the next
