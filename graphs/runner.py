@@ -215,6 +215,10 @@ class TargetModel:
         """The attention window of a call whose real rows reach position need - 1."""
         return next(w for w in self.windows if w >= need)
 
+    def _top_k(self, s):
+        """RowSampling s's top_k [n], at most the vocabulary (k >= V means off; keeps int32 in range)."""
+        return np.minimum(np.asarray(s.top_k, np.int64), self.cfg.vocab_size)
+
     def _pad(self, n, B, slots):
         """n real rows in a call of bucket B: (slot_of [B], each row's slot, padding rows in one slot no
         real row of the call uses; pad(a, fill) -> [B, ...], the padding rows filled). Padding rows write
@@ -241,11 +245,9 @@ class TargetModel:
         ids = np.zeros((n, C), np.int32)
         for i, c in enumerate(chunks):
             ids[i, :len(c)] = c
-        V = self.cfg.vocab_size
-        top_k = np.minimum(np.asarray(s.top_k, np.int64), V)  # k >= V means off; keeps int32 in range
         args = (self._i32(pad(ids)), self._i32(slot_of), self._i32(pad(pos, self.max_seq)),
                 self._i32(pad([len(c) - 1 for c in chunks])), self._f32(pad(np.asarray(s.u_smp)[:, 0], 0.5)),
-                self._f32(pad(s.temperature)), self._i32(pad(top_k)), self._f32(pad(s.top_p, 1)),
+                self._f32(pad(s.temperature)), self._i32(pad(self._top_k(s))), self._f32(pad(s.top_p, 1)),
                 self._f32(pad(s.penalty, 1)), self._seen(None if s.seen is None else pad(s.seen), B), self._keys[W])
         out = self._sampled("prefill", (B, C, W), *args, dry=dry)
         if dry:
@@ -256,7 +258,7 @@ class TargetModel:
     def step(self, ids, slots, pos, n_valid, s=None, dry=False, logprobs=False):
         """One decode (K = 0) or verify step over n rows: ids [n, K+1] (last committed token + K drafts),
         slots, pos, n_valid [n]; s: RowSampling, None when every row is plain greedy. Rows are padded
-        to the batch bucket (a bucket of every slot puts each row at its slot's index). Returns
+        to the batch bucket (_pad: padding rows in a slot no real row uses). Returns
         (n_accepted [n], next [n]) int arrays, and with logprobs (s required: the sampling graph has
         the whole logits) the Logprobs of the committed tokens, [n, K+1] (dry: None, the graph only
         compiled, see _run)."""
@@ -279,10 +281,10 @@ class TargetModel:
             V = self.cfg.vocab_size
             q = s.q if K else np.zeros((n, 1, V), np.float32)
             u_acc = s.u_acc if K else np.zeros((n, 1), np.float32)
-            top_k = np.minimum(np.asarray(s.top_k, np.int64), V)  # k >= V means off; keeps int32 in range
             out = self._sampled("sample", (B, T, W), *head, self._f32(rows(q)), self._f32(rows(u_acc, 0.5)),
                                 self._f32(rows(s.u_smp, 0.5)), self._f32(rows(s.temperature)),
-                                self._i32(rows(top_k)), self._f32(rows(s.top_p, 1)), self._f32(rows(s.penalty, 1)),
+                                self._i32(rows(self._top_k(s))), self._f32(rows(s.top_p, 1)),
+                                self._f32(rows(s.penalty, 1)),
                                 self._seen(None if s.seen is None else rows(s.seen), B), self._keys[W], dry=dry)
         if dry:
             return None

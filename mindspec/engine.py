@@ -101,10 +101,7 @@ class Engine:
     def _restart(self, e, events):
         """After a failure outside the graph calls (which _guard keeps to their rows) the rows' state is
         unknown: every request ends with the error and the engine starts again from empty slots and rows."""
-        for r in list(self.waiting) + self.rows:
-            if not r.done:
-                r.error = e
-                events[r] = events.get(r, "") + r.finish("error")
+        _fail(list(self.waiting) + self.rows, e, events)
         self.reset()
 
     def reset(self):
@@ -199,10 +196,7 @@ class Engine:
         try:
             fn()
         except Exception as e:  # noqa: BLE001 - reported to those requests' callers
-            for r in reqs:
-                if not r.done:  # (a row the call had already finished keeps its result)
-                    r.error = e
-                    events[r] = events.get(r, "") + r.finish("error")
+            _fail(reqs, e, events)
 
     # ---- the work of a step
 
@@ -358,6 +352,14 @@ class Engine:
             u_acc=np.stack([uniforms(sd, st, max(K, 1), ACCEPT) for sd, st in zip(seeds, start)]),
             u_smp=np.stack([uniforms(sd, st, K + 1, SAMPLE) for sd, st in zip(seeds, start)]),
             seen=seen, q=q)
+
+
+def _fail(reqs, e, events):
+    """End the unfinished requests of reqs with error e (one the call had already finished keeps its result)."""
+    for r in reqs:
+        if not r.done:
+            r.error = e
+            events[r] = events.get(r, "") + r.finish("error")
 
 
 def draft_cut(n, end=None):

@@ -50,11 +50,6 @@ def fit(buckets, limit):
     return max((b for b in buckets if b <= limit), default=0)
 
 
-def best_k(alpha, c, v, buckets):
-    """argmax over {0} ∪ buckets of E(α, K) / (K·c + v[K]); ties go to the smaller (cheaper) K."""
-    return batch_best_k([alpha], [max(buckets, default=0)], c, v, buckets)
-
-
 def batch_best_k(alphas, caps, c, v, buckets):
     """The K (0 or a bucket) that maximises the batch's expected committed tokens per unit of time;
     ties go to the smaller K. At a large batch the verify's extra cost outgrows what the drafts
@@ -96,23 +91,6 @@ class Acceptance:
             return
         self.acc = self.decay * self.acc + n_accepted
         self.trials = self.decay * self.trials + n_accepted + (1 if n_accepted < k else 0)
-
-
-class FixedK:
-    """Always K (each row capped to the largest bucket that fits its room; 0 if none)."""
-
-    def __init__(self, k, buckets=None):
-        self.k = int(k)
-        self.buckets = tuple(sorted(buckets or (self.k,)))
-
-    def start(self):
-        return None
-
-    def choose(self, estimates, caps, B=1):
-        return self.k
-
-    def update(self, est, k, n_accepted):
-        pass
 
 
 class DynamicK:

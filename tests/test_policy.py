@@ -6,7 +6,7 @@ import pytest
 
 import mindspec
 from mindspec.export import export_draft
-from mindspec.policy import (DynamicK, FixedK, batch_best_k, best_k, expected_tokens, fit, measure_costs, rate,
+from mindspec.policy import (DynamicK, batch_best_k, expected_tokens, fit, measure_costs, rate,
                              stop_early)
 
 BUCKETS = (1, 2, 4, 8)
@@ -50,6 +50,11 @@ def test_expected_tokens():
     assert expected_tokens(0.9, 0) == 1.0
 
 
+def best_k(alpha, c, v, buckets):
+    """One row's K: argmax over {0} ∪ buckets of E(α, K) / (c[K] + v[K]); ties go to the smaller K."""
+    return batch_best_k([alpha], [max(buckets, default=0)], c, v, buckets)
+
+
 @pytest.mark.parametrize("alpha", [0.0, 0.1, 0.3, 0.5, 0.7, 0.8, 0.9, 0.97, 1.0])
 @pytest.mark.parametrize("c", [0.05, 0.2, 0.45, 1.0])
 def test_best_k_is_the_formulas_argmax(alpha, c):
@@ -74,8 +79,7 @@ def test_best_k_is_monotone_in_alpha():
 
 
 def test_fixed_k_rows_fit_the_room_left():
-    p = FixedK(4, BUCKETS)
-    assert [fit(BUCKETS, min(p.choose([], []), lim)) for lim in (10, 4, 3, 1, 0)] == [4, 4, 2, 1, 0]
+    assert [fit(BUCKETS, min(4, lim)) for lim in (10, 4, 3, 1, 0)] == [4, 4, 2, 1, 0]
     assert fit((8,), 5) == 0  # no smaller bucket compiled: decode plainly
 
 
