@@ -373,9 +373,9 @@ def parser():
     b.add_argument("--chat", action="store_true", help="wrap plain \"prompt\" lines in the chat template")
     add_batch_arg(b)
     add_tp_arg(b)
-    b.add_argument("--dp", type=positive_int, default=1,
-                   help="N engine replicas (each of --tp devices), each running every N-th line into its own part "
-                        "file beside the output; the parts are merged into it when all are complete")
+    b.add_argument("--dp", type=int_in(1, 1024), default=1,  # (each replica a process holding the model)
+                   help="N engine replicas (each of --tp devices; at most 1024), each running every N-th line into "
+                        "its own part file beside the output; the parts are merged into it when all are complete")
     b.add_argument("--merge", action="store_true",
                    help="only merge the part files of a --dp job into the output (give the job's flags)")
     b.add_argument("--dp-replica", type=int, default=None, help=argparse.SUPPRESS)  # set by the --dp launcher
@@ -509,6 +509,8 @@ def parse(argv):
             args.prompt = _stdin_prompt(args)
     if args.cmd in MODEL_COMMANDS + ("bench", "doctor"):  # the commands that import MindSpore
         check_device_env()
+    if getattr(args, "dp_replica", None) is not None and not 0 <= args.dp_replica < args.dp:  # (the launcher's flag)
+        raise MindspecError(f"--dp-replica {args.dp_replica} is not a replica of --dp {args.dp}")
     if getattr(args, "nodes", None) is not None:  # before any path (a --dp launcher ran replicas 6, 7 of 2)
         from .tp import check_node_rank
         args.node_rank = check_node_rank(args.nodes, args.node_rank)

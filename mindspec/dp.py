@@ -214,6 +214,7 @@ def _wait(procs):
         for p in procs.values():
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
+                p.send_signal(signal.SIGCONT)  # (a stopped replica was killed after 60 s, unsaid)
         for p in procs.values():
             try:
                 p.wait(60)
@@ -229,8 +230,12 @@ def _failure(rcs, dp):
         if rc < 0:
             return 2, (f"mindspec: error: data-parallel replica {i} of {dp} died (killed by signal {-rc}); "
                        f"its part is kept: run the same command again to finish what is missing")
+    for i, rc in sorted(rcs.items()):
+        if rc == 130:  # (its summary says what it left, not that it was told to stop)
+            return 130, (f"mindspec: error: data-parallel replica {i} of {dp} was stopped by a signal (exit code "
+                         f"130); its part is kept: run the same command again to finish what is missing")
     bad = [rc for rc in rcs.values() if rc not in (0, 1)]
-    return (max(bad), None) if bad else None  # a replica that ended with 2 or 130 printed its own line
+    return (max(bad), None) if bad else None  # a replica that ended with 2 printed its own line
 
 
 def _unfinished(rcs, rows, output_path, job, dp):
@@ -255,6 +260,8 @@ def _unfinished(rcs, rows, output_path, job, dp):
 def launch(argv, input_path, output_path, job, dp, tp=1, nodes=1, node_rank=0):
     """The data-parallel launcher; returns the job's exit code."""
     here = replicas_here(dp, nodes, node_rank)
+    if os.path.exists(input_path) and not os.path.isfile(input_path):  # (a pipe reached every replica empty)
+        raise MindspecError(f"--dp needs its input as a regular file (every replica reads it): {input_path} is not one")
     rows = _rows(_read_lines(input_path), input_path)  # a bad input stops here, before any replica starts
     check_parts(output_path, dp)
     out = Output(output_path, job, input_path, wait=nodes > 1)  # checked, and locked from here on (one machine)

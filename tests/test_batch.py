@@ -775,6 +775,13 @@ def test_scale_out_flags_that_cannot_work_exit_2_with_one_line(setup, tmp_path):
     assert not out.exists() and not list(tmp_path.glob("o.jsonl.part*"))
     (tmp_path / "o.jsonl.part1of3").write_bytes(b"")  # an unfinished --dp 3 run
     _expect_usage_error(setup, out, "unmerged parts of a --dp 3 run", extra=["--dp", "2"])
+    # the dp prober's: piped input reached every replica empty ("0 lines"), and the launcher then said to
+    # run the command again (which did the same), leaving empty parts behind
+    pipe_in = subprocess.run(command(setup, tmp_path / "piped.jsonl", "/dev/stdin", ["--dp", "2"]),
+                             input=LINES[0] + "\n", capture_output=True, text=True, timeout=300)
+    assert pipe_in.returncode == 2 and pipe_in.stderr == (
+        "mindspec: error: --dp needs its input as a regular file (every replica reads it): /dev/stdin is not one\n")
+    assert not list(tmp_path.glob("piped.jsonl*"))
     _expect_usage_error(setup, out, "unmerged parts of a --dp 3 run")  # nor without --dp
     (tmp_path / "o.jsonl.part1of3").unlink()
     _expect_usage_error(setup, out, "no part files beside", extra=["--merge"])
@@ -871,9 +878,12 @@ def _children(pid):
         return [int(c) for c in f.read().split()]
 
 
-def test_a_dying_replica_fails_the_job_with_one_line_and_a_rerun_finishes_it(setup, tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_a_dying_replica_fails_the_job_with_one_line_and_a_rerun_finishes_it(setup, tmp_path, sig):
     """Replica 0 is killed mid-job: replica 1 finishes its share, the launcher names the dead replica (exit 2)
-    and merges nothing; the same command then runs only what is missing: every id once, in input order."""
+    and merges nothing; the same command then runs only what is missing: every id once, in input order.
+    Stopped by SIGTERM, the replica prints its summary and the launcher said nothing (the dp prober's): now
+    it names the replica too (exit 130)."""
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_text("".join(json.dumps({"prompt_ids": [5, 6, i], "max_new_tokens": 100}) + "\n" for i in range(16)))
     cmd = command(setup, out, inp, ["--dp", "2"])
@@ -883,10 +893,12 @@ def test_a_dying_replica_fails_the_job_with_one_line_and_a_rerun_finishes_it(set
         assert p.poll() is None, p.stderr.read()
         time.sleep(0.05)
     replica0 = [c for c in _children(p.pid) if b"--dp-replica\x000" in open(f"/proc/{c}/cmdline", "rb").read()]
-    os.kill(replica0[0], signal.SIGKILL)
+    os.kill(replica0[0], sig)
     code, err = p.wait(timeout=300), p.stderr.read()
-    assert code == 2 and last(err) == ("mindspec: error: data-parallel replica 0 of 2 died (killed by signal 9); its "
-                                       "part is kept: run the same command again to finish what is missing"), err
+    how = "died (killed by signal 9)" if sig == signal.SIGKILL else "was stopped by a signal (exit code 130)"
+    assert code == (2 if sig == signal.SIGKILL else 130) and last(err) == (
+        f"mindspec: error: data-parallel replica 0 of 2 {how}; its part is kept: run the same command again to "
+        "finish what is missing"), err
     assert len(records(tmp_path / "out.jsonl.part1of2")) == 8 and _in_parts([part0]) < 8 and not out.exists()
     code, err = batch(setup, out, inp, extra=["--dp", "2"])
     assert code == 0 and "this run: 0 done, 0 failed, 8 skipped" in err, err  # replica 1 had finished
