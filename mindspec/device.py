@@ -119,12 +119,14 @@ def detect_device(device=None, probe=None):
     return "Ascend"
 
 
-def check_tp(tp, device, probe=None):
-    """--tp N on Ascend needs N visible NPUs (one rank per NPU)."""
+def check_tp(tp, device, probe=None, replicas=1):
+    """--tp N on Ascend needs N visible NPUs (one rank per NPU); `replicas` data-parallel replicas of it
+    on this machine need as many times N."""
     if device == "Ascend":
         n = len((probe or ascend_env()).npus)
-        if tp > n:
-            raise MindspecError(f"--tp {tp} needs {tp} NPUs, {n} visible")
+        if tp * replicas > n:
+            what = f"--tp {tp}" if replicas == 1 else f"--dp {replicas} × --tp {tp}"
+            raise MindspecError(f"{what} needs {tp * replicas} NPUs, {n} visible")
 
 
 def check_device_env(env=None):

@@ -26,6 +26,7 @@ import sys
 import time
 
 from .batch import Output, Tally, _key, _read_lines, _rows, part_path, read_records
+from .device import check_tp, detect_device
 from .errors import MindspecError
 from .request import SEED_ENV
 from .tp import IDENTITY
@@ -262,6 +263,7 @@ def launch(argv, input_path, output_path, job, dp, tp=1, nodes=1, node_rank=0):
     here = replicas_here(dp, nodes, node_rank)
     if os.path.exists(input_path) and not os.path.isfile(input_path):  # (a pipe reached every replica empty)
         raise MindspecError(f"--dp needs its input as a regular file (every replica reads it): {input_path} is not one")
+    check_tp(tp, detect_device(), replicas=len(here))  # (replicas past the NPUs saw none and ran on the host)
     rows = _rows(_read_lines(input_path), input_path)  # a bad input stops here, before any replica starts
     check_parts(output_path, dp)
     out = Output(output_path, job, input_path, wait=nodes > 1)  # checked, and locked from here on (one machine)

@@ -47,6 +47,10 @@ def test_ready_ascend_machine(tmp_path):
     with pytest.raises(MindspecError, match=r"^--tp 8 needs 8 NPUs, 2 visible$"):
         check_tp(8, "Ascend", a)
     check_tp(8, "CPU", a)  # CPU ranks are processes
+    check_tp(1, "Ascend", a, replicas=2)
+    # the dp prober's: `batch --dp` never counted NPUs; replicas past them saw none and ran on the host
+    with pytest.raises(MindspecError, match=r"^--dp 2 × --tp 2 needs 4 NPUs, 2 visible$"):
+        check_tp(2, "Ascend", a, replicas=2)
 
 
 def test_npus_without_the_cann_environment_is_an_error_not_a_host_run(tmp_path):
