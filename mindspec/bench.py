@@ -4,6 +4,7 @@ so machine noise hits every mode alike. Writes OUT/bench.json and OUT/bench.png,
 import json
 import os
 import sys
+import tempfile
 import time
 
 from .errors import MindspecError
@@ -382,18 +383,23 @@ def cmd_bench(a):
         os.makedirs(a.out, exist_ok=True)
     except OSError as e:
         raise MindspecError(f"cannot write --out {a.out}: {e.strerror}") from None
+    try:  # (an existing directory that takes no files failed only after the whole run)
+        tempfile.TemporaryFile(dir=a.out).close()
+    except OSError as e:
+        raise MindspecError(f"cannot write in --out {a.out}: {e.strerror}") from None
     out, partial, saved = os.path.join(a.out, "bench.json"), os.path.join(a.out, "bench.partial.json"), []
 
     def save(result):  # whole or not at all: a run stopped half way keeps the sets it finished, beside
         # (never over) an earlier run's complete bench.json
         path = out if result["complete"] else partial
+        tmp = f"{path}.{os.getpid()}.tmp"  # (two benches on one --out)
         try:
-            with open(path + ".tmp", "w") as f:
+            with open(tmp, "w") as f:
                 json.dump(result, f, indent=1)
-            os.replace(path + ".tmp", path)
+            os.replace(tmp, path)
         finally:
-            if os.path.exists(path + ".tmp"):
-                os.remove(path + ".tmp")
+            if os.path.exists(tmp):
+                os.remove(tmp)
         saved.append(len({(r["prompt_set"], r["batch_size"]) for r in result["runs"]}))
 
     try:

@@ -384,6 +384,8 @@ def test_serve_and_batch_defaults_draw_no_seed_under_msrun_or_dp(monkeypatch):
     (["generate", "Hi", "--max-seq", "-5"],
      "mindspec generate: error: argument --max-seq: must be an integer >= 1, got '-5' (see mindspec generate --help)"),
     (["batch", "--input", "i", "--output", "o", "--max-batch", "0"], "--max-batch: must be an integer >= 1"),
+    # the dp prober's: a directory that exists but takes no files failed after the whole run, its results lost
+    (["bench", "--no-hf", "--out", "/proc"], "cannot write in --out /proc: "),
     # the dp prober's: --dp 10**20 was an OverflowError traceback (and 16,000 replicas took 8.5 s to plan)
     (["batch", "--input", "i", "--output", "o", "--dp", "99999999999999999999"],
      "argument --dp: must be an integer in 1..1024, got '99999999999999999999'"),
