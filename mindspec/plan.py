@@ -54,10 +54,13 @@ def kv_dtype_bytes(dtype):
     return 4 if dtype == "fp32" else 2  # int8/q4 weights still keep an fp16 KV cache
 
 
-def shape(params, layers, kv_heads, head_dim, dtype="fp16"):
-    for name, v in (("layers", layers), ("KV heads", kv_heads), ("head dim", head_dim)):
-        if not isinstance(v, int) or v < 1:
-            raise MindspecError(f"{name} must be a positive integer, got {v!r}")
+MAX_COUNT = 10 ** 6  # devices, layers, heads, head dims: past any machine or model (and within a float's range)
+
+
+def shape(params, layers, kv_heads, head_dim, dtype="fp16", names=("layers", "KV heads", "head dim")):
+    for name, v in zip(names, (layers, kv_heads, head_dim)):
+        if not isinstance(v, int) or not 1 <= v <= MAX_COUNT:
+            raise MindspecError(f"{name} must be an integer in 1..{MAX_COUNT:,}, got {v!r}")
     if not params > 0:
         raise MindspecError(f"parameter count must be positive, got {params!r}")
     return ModelShape(float(params), layers, kv_heads, head_dim, params * DTYPE_BYTES[dtype], kv_dtype_bytes(dtype))
@@ -186,6 +189,9 @@ def check_fits(target, draft=None, *, tp=1, device_mem, seq_len, reserve=0.0):
 
 
 def _check_layout(tp, devices, reserve, seq_len):
+    for flag, v, top in (("--tp", tp, MAX_COUNT), ("--devices", devices, MAX_COUNT), ("--seq-len", seq_len, 10 ** 9)):
+        if v > top:
+            raise MindspecError(f"{flag} {v} is out of range (at most {top:,})")
     if tp < 1:
         raise MindspecError(f"--tp must be >= 1, got {tp}")
     if devices < 1 or devices % tp:
@@ -199,6 +205,13 @@ def _check_layout(tp, devices, reserve, seq_len):
 def _check_speed_args(device_bw, allreduce_us, device_tflops):
     if not (0 < device_bw < math.inf and 0 < device_tflops < math.inf and 0 <= allreduce_us < math.inf):
         raise MindspecError("--device-bw and --device-tflops must be positive and --allreduce-us not negative")
+    # (beyond these a time per token is inf, and the table NaN)
+    if device_bw < 1:
+        raise MindspecError(f"--device-bw must be at least 1B/s, got {device_bw:g} bytes per second")
+    if not 1e-6 <= device_tflops <= 1e9:
+        raise MindspecError(f"--device-tflops must be in [1e-06, 1e9], got {device_tflops:g}")
+    if allreduce_us > 1e12:
+        raise MindspecError(f"--allreduce-us must be in [0, 1e12], got {allreduce_us:g}")
 
 
 def memory_plan(target, draft, *, tp, devices, device_mem, reserve=0.0, seq_len=4096):
@@ -338,7 +351,9 @@ def _model_from_args(a, prefix, path):
         return None
     if any(v is None for v in nums):
         raise MindspecError(f"{flags} go together")
-    return shape(parse_count(nums[0], f"--{prefix.replace('_', '-')}params"), *nums[1:], dtype)
+    flag = f"--{prefix.replace('_', '-')}"
+    return shape(parse_count(nums[0], f"{flag}params"), *nums[1:], dtype,
+                 names=(f"{flag}layers", f"{flag}kv-heads", f"{flag}head-dim"))
 
 
 def cmd_plan(a):
@@ -350,7 +365,12 @@ def cmd_plan(a):
                      reserve=a.reserve, seq_len=a.seq_len,
                      device_bw=parse_size(a.device_bw, "--device-bw", rate=True),
                      allreduce_us=a.allreduce_us, device_tflops=a.device_tflops)
-    print(json.dumps(plan, indent=2) if a.json else format_plan(plan))
+    try:
+        text = json.dumps(plan, indent=2, allow_nan=False)  # (inf or NaN: not JSON, nor a plan)
+    except ValueError:
+        raise MindspecError("these values take the plan's arithmetic out of range (inf or NaN): give smaller "
+                            "or larger ones") from None
+    print(text if a.json else format_plan(plan))
 
 
 def format_plan(p):

@@ -84,7 +84,7 @@ def test_refusal_says_what_to_change(capsys):
 
 @pytest.mark.parametrize("bad, match", [(["--device-mem", "64"], "bad size"), (["--device-mem", "lots"], "bad size"),
                                         (["--device-bw", "fast"], "bad size"), (["--devices", "12"], "multiple of"),
-                                        (["--reserve", "1"], "reserve"), (["--draft-layers", "-1"], "positive"),
+                                        (["--reserve", "1"], "reserve"), (["--draft-layers", "-1"], "--draft-layers must be an integer in 1.."),
                                         (["--device-tflops", "0"], "device-tflops"),
                                         (["--draft-layers", "32", "--draft", "x.onnx"], "not both"),
                                         (["--draft-params", "seven"], "bad parameter count"),
@@ -98,7 +98,15 @@ def test_refusal_says_what_to_change(capsys):
                                         (["--device-mem", "1e300GB"], "out of range"),
                                         (["--device-mem", "1e400GB"], "out of range"),
                                         (["--params", "1e400"], "out of range"),
-                                        (["--device-bw", "1e20TB/s"], "out of range")])
+                                        (["--device-bw", "1e20TB/s"], "out of range"),
+                                        # the dp prober's: OverflowError tracebacks, and inf / NaN (invalid --json)
+                                        (["--devices", "8" + "0" * 311], "--devices 80* is out of range"),
+                                        (["--seq-len", "1" + "0" * 311], "--seq-len 10* is out of range"),
+                                        (["--layers", "1" + "0" * 311], "--layers must be an integer in 1..1,000,000"),
+                                        (["--draft-layers", "0"], "--draft-layers must be an integer in 1..1,000,000"),
+                                        (["--device-bw", "1e-300B/s"], "--device-bw must be at least 1B/s"),
+                                        (["--device-tflops", "5e-324"], "--device-tflops must be in"),
+                                        (["--allreduce-us", "1e308"], "--allreduce-us must be in")])
 def test_bad_input(bad, match, capsys):
     with pytest.raises(MindspecError, match=match):
         run_plan(SEED + bad, capsys)                # argparse: the last value given wins
