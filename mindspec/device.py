@@ -101,12 +101,9 @@ def ascend_env(env=None, root=ASCEND_ROOT, dev="/dev", ms_arch=None, host_arch=N
 def detect_device(device=None, probe=None):
     """"CPU" or "Ascend" for --device (None: $MINDSPEC_DEVICE, else auto). `probe`: an AscendEnv
     (default: this machine's)."""
-    source = "--device" if device or not os.environ.get(DEVICE_ENV) else DEVICE_ENV
-    device = str(device or os.environ.get(DEVICE_ENV) or "auto").lower()
+    label, device = asked_device(device)
     if device == "cpu":
         return "CPU"
-    if device not in ("auto", "ascend", "npu"):
-        raise MindspecError(f"{source} must be one of {', '.join(CHOICES)}, got {device!r}")
     a = probe or ascend_env()
     if device == "auto" and not a.npus:
         return "CPU"
@@ -115,8 +112,20 @@ def detect_device(device=None, probe=None):
         why = "; ".join(problems)
         if device == "auto":
             raise MindspecError(f"NPUs are visible but cannot be used: {why} (or pass --device cpu)")
-        raise MindspecError(f"--device ascend: {why}")
+        raise MindspecError(f"{label}: {why}")
     return "Ascend"
+
+
+def asked_device(device=None):
+    """(how the user asked, in their words: '--device X' or 'MINDSPEC_DEVICE=X'; the device asked for: auto,
+    cpu, ascend or npu) for --device (None: $MINDSPEC_DEVICE, else auto); a bad value is refused by name."""
+    env = os.environ.get(DEVICE_ENV)
+    value = str(device or env or "auto").lower()
+    label = f"{DEVICE_ENV}={env}" if not device and env else f"--device {value}"
+    if value not in ("auto", "cpu", "ascend", "npu"):
+        source = "--device" if device or not env else DEVICE_ENV
+        raise MindspecError(f"{source} must be one of {', '.join(CHOICES)}, got {value!r}")
+    return label, value
 
 
 def check_tp(tp, device, probe=None, replicas=1):

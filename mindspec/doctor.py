@@ -2,7 +2,7 @@
 
 Prints one line per check (`ok`, `--` not present/not needed, `NO` a problem for the device asked
 for), then what would run where. Exit 0 when the device asked for (auto: the one it picks) works,
-1 when it does not.
+1 when it does not (or $MINDSPEC_HOME cannot hold models and caches).
 """
 import glob
 import importlib.metadata
@@ -11,7 +11,7 @@ import platform
 import shutil
 import sys
 
-from .device import ascend_env, detect_device
+from .device import ascend_env, asked_device, detect_device
 from .errors import MindspecError
 from .spec import DEVICE_DTYPES
 
@@ -150,18 +150,33 @@ def checks(device=None):
     return rows, chosen
 
 
+def _home_row():
+    """Where models, the compile cache and the measured costs go ($MINDSPEC_HOME): every model command needs it."""
+    path = os.environ.get("MINDSPEC_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "mindspec")
+    if not os.path.exists(path):
+        return "--", f"{path} (made on first use)"
+    if not os.path.isdir(path):
+        return "NO", f"{path} is not a directory: every model command fails (set MINDSPEC_HOME to one)"
+    if not os.access(path, os.W_OK | os.X_OK):
+        return "NO", f"{path} is not writable: every model command fails (set MINDSPEC_HOME to one that is)"
+    return "ok", path
+
+
 def run(device=None, out=sys.stdout):
+    asked, _ = asked_device(device)  # (a bad value: exit 2, before any check)
     rows, chosen = checks(device)
+    home, where = _home_row()
+    rows.append((home, "models and caches (MINDSPEC_HOME)", where))
     w = max(len(name) for _, name, _ in rows)
     for ok, name, detail in rows:
         print(f"{ok:<3} {name:<{w}}  {detail}", file=out)
     if isinstance(chosen, MindspecError):
-        print(f"\n--device {device or 'auto'}: cannot run: {chosen}", file=out)
+        print(f"\n{asked}: cannot run: {chosen}", file=out)
         return 1
     dtype = DEVICE_DTYPES[chosen][0]
     draft = "onnxruntime CANNExecutionProvider" if chosen == "Ascend" else "onnxruntime CPUExecutionProvider"
     ranks = "msrun ranks, HCCL" if chosen == "Ascend" else "msrun ranks, MindSpore CPU collectives"
-    print(f"\n--device {device or 'auto'} runs on {chosen}: target MindSpore GRAPH_MODE on {chosen} "
+    print(f"\n{asked} runs on {chosen}: target MindSpore GRAPH_MODE on {chosen} "
           f"(default --dtype {dtype}); draft {draft}; --tp N: {ranks}", file=out)
     smoke_failed = any(ok == "NO" and name.startswith("CPU run") for ok, name, _ in rows)
-    return 1 if chosen == "CPU" and smoke_failed else 0
+    return 1 if chosen == "CPU" and smoke_failed or home == "NO" else 0

@@ -132,6 +132,30 @@ def test_doctor_on_this_machine():
     p = subprocess.run([sys.executable, "-m", "mindspec", "doctor", "--device", "ascend"], capture_output=True,
                        text=True, env=env)
     assert p.returncode == 1 and "--device ascend: cannot run: --device ascend: no NPU is visible" in p.stdout
+    # the dp prober's: MINDSPEC_DEVICE=ascend was called "--device auto" and "--device ascend"
+    p = subprocess.run([sys.executable, "-m", "mindspec", "doctor"], capture_output=True, text=True,
+                       env=dict(env, MINDSPEC_DEVICE="ascend"))
+    assert p.returncode == 1 and p.stdout.strip().splitlines()[-1].startswith(
+        "MINDSPEC_DEVICE=ascend: cannot run: MINDSPEC_DEVICE=ascend: no NPU is visible"), p.stdout
+    # a bad value is a usage error, as for every other command (it was exit 1)
+    p = subprocess.run([sys.executable, "-m", "mindspec", "doctor"], capture_output=True, text=True,
+                       env=dict(env, MINDSPEC_DEVICE="gpu"))
+    assert p.returncode == 2 and p.stdout == "" and p.stderr == \
+        "mindspec: error: MINDSPEC_DEVICE must be one of auto, cpu, ascend, got 'gpu'\n", p.stderr
+
+
+def test_doctor_checks_the_model_home(tmp_path):
+    """The dp prober's: MINDSPEC_HOME naming a file made every model command fail while doctor said all ok."""
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+    (tmp_path / "afile").write_text("")
+    for home, mark, words, code in ((tmp_path / "afile", "NO", "is not a directory", 1),
+                                    (tmp_path / "new", "--", "made on first use", 0),
+                                    (tmp_path, "ok", str(tmp_path), 0)):
+        p = subprocess.run([sys.executable, "-m", "mindspec", "doctor"], capture_output=True, text=True,
+                           env=dict(env, MINDSPEC_HOME=str(home)))
+        row = next(line for line in p.stdout.splitlines() if line[4:].startswith("models and caches"))
+        assert p.returncode == code and row[:3].strip() == mark and words in row, (p.stdout, p.stderr)
+    assert not (tmp_path / "new").exists()  # doctor makes nothing
 
 
 def test_int8_dot_product_flags_from_cpuinfo():
