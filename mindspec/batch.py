@@ -559,7 +559,7 @@ def run_batch(load, defaults, input_path, output_path, share=None, model=None, m
     path = part_path(output_path, *part) if part else output_path
     job = _Job(path, bar=part is None)
     writer = share is None or _rank0()
-    with Signals(share is None, job.hard_stop) as sig, job.om:
+    with Signals(share is None, job.hard_stop, final=True) as sig, job.om:
         rows = _rows(_read_lines(input_path), input_path)
         job.out = Output(path if writer else None, job_key, input_path)
         if part:

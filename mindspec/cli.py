@@ -12,6 +12,7 @@ from .request import SEED_ENV, stop_strings
 from .device import CHOICES, DEVICE_ENV, check_device_env, check_tp, detect_device
 from .spec import DTYPES
 from .mindie_config import QUEUE_DELAY_US
+from . import signals
 
 MODEL_COMMANDS = ("generate", "serve", "batch")  # the ones that load a model (and may run on msrun ranks)
 SERVE_MAX_SEQ = 1024  # positions per request a server holds by default (--max-seq)
@@ -405,6 +406,7 @@ def _exit_code(fn):
         from .tp import fail
         return fail(e)
     except KeyboardInterrupt:
+        signals.stopping()  # (a second Ctrl-C must not raise in the teardown to come)
         return 130
     except BrokenPipeError:  # the reader of stdout left (`| head`): quiet, as a shell's writer that SIGPIPE ended
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (Python flushes stdout again at exit)

@@ -324,7 +324,7 @@ def serve(load, defaults, host="127.0.0.1", port=1025, model_name=None, tp=False
     port = http.start()
     print(f"mindspec: listening on http://{host}:{port}; ready once the model is loaded and its graphs compiled "
           "(from a warm compile cache: its one-row graphs)", file=sys.stderr, flush=True)
-    with signals.Signals(True, _hard_stop) as sig:
+    with signals.Signals(True, _hard_stop, final=True) as sig:
         try:
             app.pipe = prepare(load(), max_batch)
             sig.reinstall()  # over whatever the frameworks loaded meanwhile installed

@@ -15,9 +15,12 @@ _active = None  # the Signals in force (main thread), for check() from code that
 
 
 class Signals:
-    def __init__(self, active, hard_stop):
+    def __init__(self, active, hard_stop, final=False):
+        """final: a command's (nothing but its exit follows a stop): once a stop was recorded, later signals
+        are ignored instead of raising in the teardown (a second Ctrl-C printed tracebacks from MindSpore's
+        Cell.__del__ after the summary)."""
         self.active = active and threading.current_thread() is threading.main_thread()
-        self.hard_stop, self.got, self.old = hard_stop, None, {}
+        self.hard_stop, self.got, self.old, self.final = hard_stop, None, {}, final
 
     def __enter__(self):
         global _active
@@ -45,9 +48,16 @@ class Signals:
     def __exit__(self, *exc):
         global _active
         for s, h in self.old.items():
-            signal.signal(s, h)
+            signal.signal(s, signal.SIG_IGN if self.final and self.got is not None else h)
         if _active is self:
             _active = None
+
+
+def stopping():
+    """A command stopped by a signal, about to exit: later ones are ignored (see Signals' final)."""
+    if threading.current_thread() is threading.main_thread():
+        for s in SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
 
 
 def active():
