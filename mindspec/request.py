@@ -118,9 +118,10 @@ def parse(req, defaults=None):
     given = [f for f in PROMPT_FIELDS if req.get(f) is not None]
     if len(given) != 1:
         raise RequestError("give exactly one of \"prompt\", \"messages\" or \"prompt_ids\"")
-    kw = {k: v for k, v in (defaults or {}).items() if v is not None}
-    kw.update({k: v for k, v in req.items() if k in FIELDS and k not in PROMPT_FIELDS and v is not None})
     src = given[0]
+    # (a job's --chat wraps its text prompts: not the lines of ids or messages beside them)
+    kw = {k: v for k, v in (defaults or {}).items() if v is not None and (k != "chat" or src == "prompt")}
+    kw.update({k: v for k, v in req.items() if k in FIELDS and k not in PROMPT_FIELDS and v is not None})
     if src == "prompt":
         if not isinstance(req["prompt"], str) or not req["prompt"]:
             raise RequestError("prompt must be a non-empty string")

@@ -55,6 +55,18 @@ def test_lines_nested_too_deep_with_a_key_twice_or_a_huge_number_are_their_own_e
                                                                    "than 4300 digits")
 
 
+def test_chat_of_the_job_wraps_only_its_text_prompts():
+    """The docs prober's: `batch --chat` made every "prompt_ids" line an error record ("chat=True wraps a
+    text prompt ...: it does not apply to prompt_ids"), retried and failed on every re-run. The flag wraps
+    "prompt" lines (its help says so); ids and messages lines are left alone; a line's own "chat" stands."""
+    from mindspec.request import parse
+    job = {"chat": True, "max_new_tokens": 4}
+    assert parse({"prompt": "hi"}, job)["chat"] is True
+    assert "chat" not in parse({"prompt_ids": [1, 2]}, job)
+    assert "chat" not in parse({"messages": [{"role": "user", "content": "hi"}]}, job)
+    assert parse({"prompt_ids": [1, 2], "chat": True}, job)["chat"] is True  # (refused by name when it runs)
+
+
 @pytest.fixture(scope="module")
 def setup(tiny_target, tiny_draft_ckpt, tmp_path_factory):
     d = tmp_path_factory.mktemp("batch")
