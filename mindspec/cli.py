@@ -131,7 +131,7 @@ def add_tp_arg(p):
 def add_sampling_args(p):
     """The sampling flags (read by sampling_kwargs); for serve and batch they are the defaults of a
     request that does not set them."""
-    p.add_argument("--max-new-tokens", type=positive_int, default=64)
+    p.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens to generate at most (default 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
@@ -299,8 +299,8 @@ class Parser(argparse.ArgumentParser):
         # for an option and said only "expected one argument" (no option of ours looks like a number)
         self._negative_number_matcher = re.compile(r"-\.?\d")
 
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+    def error(self, message):  # ("mindspec: error:" as every other refusal: scripts match it; was "mindspec generate:")
+        self.exit(2, f"mindspec: error: {message} (see {self.prog} --help)\n")
 
 
 def parser():
@@ -310,7 +310,8 @@ def parser():
     e.add_argument("--model", type=path_arg, required=True, help="Hugging Face Llama checkpoint directory")
     e.add_argument("--out", type=path_arg, required=True, help="output .onnx path (manifest written to OUT.json)")
     e.add_argument("--quantize", choices=["q8", "int8", "q4", "none"], default=None,
-                   help="the draft's weights: q8 (8-bit MatMulNBits, the default pair's), int8, q4, or none (float)")
+                   help="the draft's weights: q8 (8-bit MatMulNBits, the default pair's), int8, q4, or none (float, "
+                        "the default)")
     e.add_argument("--layers", type=int, default=None, help="keep only the first N layers")
     e.add_argument("--max-seq", type=positive_int, default=None, help="default KV-cache length for the draft")
     e.add_argument("--dtype", choices=["float32", "float16"], default=None,
@@ -321,11 +322,11 @@ def parser():
                         "the KV cache kept on the NPU (float16, no --quantize)")
     e.set_defaults(func=cmd_export)
     c = sub.add_parser("convert", help="convert a Llama GGUF file into a Hugging Face directory")
-    c.add_argument("--gguf", type=path_arg, required=True)
-    c.add_argument("--out", type=path_arg, required=True)
+    c.add_argument("--gguf", type=path_arg, required=True, help="a Llama-family GGUF file")
+    c.add_argument("--out", type=path_arg, required=True, help="the checkpoint directory to write (new or empty)")
     c.set_defaults(func=cmd_convert)
     g = sub.add_parser("generate", help="generate text with a target + draft pair")
-    g.add_argument("prompt", nargs="?", default=None, help="the prompt; - reads it from stdin")
+    g.add_argument("prompt", nargs="?", default=None, help="the prompt; - reads it from stdin (default: \"Once upon a time\")")
     g.add_argument("--prompt-ids", type=_ids, default=None, help="comma-separated token ids instead of text")
     add_model_args(g)
     add_sampling_args(g)
@@ -368,7 +369,7 @@ def parser():
     b = sub.add_parser("batch", help="offline batch job over a JSONL file (resumable)")
     b.add_argument("--input", type=path_arg, required=True, help="JSONL: one request per line")
     b.add_argument("--output", type=path_arg, required=True,
-                   help="JSONL results, appended; ids already there are skipped")
+                   help="JSONL results, appended; ids with a result there are skipped (failed ones run again)")
     add_model_args(b)
     add_sampling_args(b)
     b.add_argument("--chat", action="store_true", help="wrap plain \"prompt\" lines in the chat template")

@@ -39,7 +39,10 @@ def _false(why):
 def _gamma(v):
     if v == "auto":
         return v
-    return _int(1, 8)(v)
+    try:
+        return _int(1, 8)(v)
+    except ValueError:  # (the docs prober's: it never said "auto" was one)
+        raise ValueError(f"must be \"auto\" or an integer >= 1 and <= 8, got {json.dumps(v)}") from None
 
 
 def _number(lo, hi):

@@ -380,9 +380,9 @@ def test_serve_and_batch_defaults_draw_no_seed_under_msrun_or_dp(monkeypatch):
      "repetition_penalty must be a number in [0.01, 100.0], got 0.0"),
     (["generate", "--target", "nowhere", "--draft-min-conf", "1.5"], "draft_min_conf must be between 0 and 1, got 1.5"),
     (["generate", "--target", "nowhere", "--seed", "-3"], "seed must be an integer in [0, 2**63), got -3"),
-    (["generate", "Hi", "-k", "abc"], "mindspec generate: error: argument -k: "),
+    (["generate", "Hi", "-k", "abc"], "mindspec: error: argument -k: "),  # (the docs prober's: "mindspec generate:")
     (["generate", "Hi", "--max-seq", "-5"],
-     "mindspec generate: error: argument --max-seq: must be an integer >= 1, got '-5' (see mindspec generate --help)"),
+     "mindspec: error: argument --max-seq: must be an integer >= 1, got '-5' (see mindspec generate --help)"),
     (["batch", "--input", "i", "--output", "o", "--max-batch", "0"], "--max-batch: must be an integer >= 1"),
     # the dp prober's: a directory that exists but takes no files failed after the whole run, its results lost
     (["bench", "--no-hf", "--out", "/proc"], "cannot write in --out /proc: "),

@@ -145,7 +145,7 @@ BAD_CONFIGS = [  # (file content, the one line expected)
     ({"BackendConfig": {"ModelDeployConfig": {"maxSeqLen": {"a": 1}}}},
      'BackendConfig.ModelDeployConfig.maxSeqLen: must be an integer >= 2, got {"a": 1}'),
     ({"mindspec": {"speculationGamma": "fast"}},
-     'mindspec.speculationGamma: must be an integer >= 1 and <= 8, got "fast"'),
+     'mindspec.speculationGamma: must be "auto" or an integer >= 1 and <= 8, got "fast"'),
     ("{not json", "not valid JSON"),
     ([1, 2], "must be a JSON object"),
     ("[" * 100000 + "]" * 100000, "not valid JSON"),  # deeper than Python's stack: was a RecursionError traceback
