@@ -233,7 +233,8 @@ class Engine:
                     aligned.add(r.row)
                 if stop > d:
                     catch[r.row] = r.prompt_ids[d:stop]
-            self._guard([r for r in pre if r.row in catch], events, lambda: self.proposer.prefill(catch, aligned))
+            if catch:  # (a guard over no row would swallow an error unsaid)
+                self._guard([r for r in pre if r.row in catch], events, lambda: self.proposer.prefill(catch, aligned))
         for r in pre:
             r.stats.prefill_s += time.perf_counter() - t0
             drafted_up = not r.speculate or self.proposer is None or self.proposer.cached(r.row) >= r.pos \

@@ -78,10 +78,11 @@ def test_generate_many_runs_at_most_max_batch_rows_at_once(pipe, alone):
     assert max(running) == 2
 
 
-def test_a_batch_jobs_driver_runs_at_most_max_batch_rows_at_once(pipe, alone):
+@pytest.mark.parametrize("k", [2, "auto"])
+def test_a_batch_jobs_driver_runs_at_most_max_batch_rows_at_once(pipe, alone, k):
     """The reviewer's: batch.generate_records drove the engine with a loop of its own and added every line
     at once: 4 slots filled under max_batch 2 (and with dynamic K every line then failed, KeyError: its
-    costs measured for up to max_batch rows). It now runs through Pipeline.run's loop."""
+    costs measured for up to max_batch rows). It now runs through Pipeline.stream, generate's loop."""
     from mindspec import batch as B
     running, step = [], pipe.engine.step
 
@@ -89,14 +90,17 @@ def test_a_batch_jobs_driver_runs_at_most_max_batch_rows_at_once(pipe, alone):
         running.append(len(pipe.engine.rows))
         return step()
     pipe.engine.step = counting_step
-    items = [B.Item(n, n, dict(prompt_ids=p, max_new_tokens=m, k=2))
+    compiled = pipe.target.compile_s
+    items = [B.Item(n, n, dict(prompt_ids=p, max_new_tokens=m, k=k))
              for n, (p, m) in enumerate(zip(PROMPTS, MAX_NEW), 1)]
     try:
         got = {item.line: body for item, body in B.generate_records(pipe, items, max_batch=2)}
     finally:
         del pipe.engine.step
+    assert not [b["error"] for b in got.values() if "error" in b]  # (with "auto": KeyError: 4 on every line)
     assert [got[n]["token_ids"] for n in range(1, 9)] == alone
     assert max(running) == 2
+    assert sum(b["stats"]["compile_s"] for b in got.values()) == pytest.approx(pipe.target.compile_s - compiled, abs=1e-3)
 
 
 def test_rows_join_only_up_to_the_batches_whose_graphs_are_compiled(pipe, alone, monkeypatch):
@@ -146,13 +150,14 @@ def test_rows_skip_the_draft_where_the_policy_would_not_draft_and_catch_up_when_
     fed, drafting_at = [], []
     prop = pipe.engine.proposer
     real, propose = prop.prefill, prop.get_candidates
-    monkeypatch.setattr(prop, "prefill", lambda chunks, *a: (fed.append(dict(chunks)), real(chunks, *a)))
+    monkeypatch.setattr(prop, "prefill", lambda chunks, *a: (fed.append((len(pipe.engine.rows), dict(chunks))),
+                                                             real(chunks, *a)))
     monkeypatch.setattr(prop, "get_candidates", lambda *a: (drafting_at.append(len(pipe.engine.rows)), propose(*a))[1])
     res = pipe.generate_many([dict(prompt_ids=p, max_new_tokens=n, k="auto") for p, n in zip(PROMPTS, MAX_NEW)])
     assert [r.token_ids for r in res] == alone
     assert drafting_at and set(drafting_at) == {1}  # the draft ran only for a row alone...
-    assert not any(fed[:1])  # ...nothing fed it before: the first rows skipped their prompts
-    assert max(len(c) for f in fed for c in f.values()) == 8  # the last row caught up 8 tokens a step
+    assert {n for n, f in fed if f} == {1}  # ...and was fed only then: the rows beside others skipped their prompts
+    assert max(len(c) for _, f in fed for c in f.values()) == 8  # the last row caught up 8 tokens a step
 
 
 @pytest.mark.parametrize("feed", [0.0, 50.0])
