@@ -293,20 +293,21 @@ class Pipeline:
     def run(self, reqs, on_event=None, max_batch=1):
         """Run requests to the end through the engine, up to max_batch at once (the rest join as rows
         finish). on_event(request, text) gets each step's new text per request, and its end."""
-        with self._stops():
-            for r, text in self.stream(reqs, max_batch):
-                if on_event is not None:
-                    on_event(r, text)
+        for r, text in self.stream(reqs, max_batch):
+            if on_event is not None:
+                on_event(r, text)
         return reqs
 
     def stream(self, reqs, max_batch=1, ready=None):
         """Run requests to the end through the engine, up to max_batch at once (the rest join as rows
         finish), yielding (request, text) after each step for each request that committed text or ended
         (request.done). ready() is called once the warm-up (compiling, measuring costs) is done. Calls from
-        several threads take turns (the graphs and caches are one); one left by an exception (Ctrl-C, a
-        consumer that raised) or abandoned leaves the engine empty. The loop every caller shares."""
+        several threads take turns (the graphs and caches are one: a stream holds them until it ends or is
+        closed); one left by an exception (Ctrl-C, a consumer that raised) or closed half-way leaves the
+        engine empty. The loop every caller shares."""
         if self._holder == threading.get_ident():
-            raise MindspecError("generate was called from inside its own callback: call it after this one returns")
+            raise MindspecError("generate was called from inside its own callback or stream: call it after that "
+                                "one ends")
         if not (is_int(max_batch) and max_batch >= 1):  # (0 waited for ever)
             raise MindspecError(f"max_batch must be an integer >= 1, got {max_batch!r}")
         if not all(isinstance(r, Request) for r in reqs):
@@ -315,7 +316,7 @@ class Pipeline:
             raise MindspecError("the same request is given twice: make one per generation")
         if any(r.state != WAITING or r.output or r.pos for r in reqs):  # (it went on after its old output)
             raise MindspecError("a request runs once: make one per generation (this one has run)")
-        with self._turn:
+        with self._turn, self._stops():
             self._holder = threading.get_ident()
             try:
                 yield from self._steps(reqs, int(max_batch), ready)

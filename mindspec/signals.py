@@ -5,8 +5,9 @@ then aborts at exit: `Fatal Python error: PyThreadState_Get`), is swallowed by i
 process runs on: a server that was told to stop went on to serve), or aborts a compile with an error
 dump and rank_0/om/analyze_fail.ir. (MindSpore's own SIGINT handler, set on every graph run, sends the
 process SIGTERM.) Safe points: `check()` — the batch job's between records and steps, the server's
-between turns, a library call's between engine steps (Pipeline.run), and before each graph compile
+between turns, a library call's between engine steps (Pipeline.stream), and before each graph compile
 (graphs.runner). A second signal stops at once (`hard_stop`)."""
+import os
 import signal
 import threading
 
@@ -16,9 +17,11 @@ _active = None  # the Signals in force (main thread), for check() from code that
 
 class Signals:
     def __init__(self, active, hard_stop, final=False):
-        """final: a command's (nothing but its exit follows a stop): once a stop was recorded, later signals
-        are ignored instead of raising in the teardown (a second Ctrl-C printed tracebacks from MindSpore's
-        Cell.__del__ after the summary)."""
+        """active False: a command that leaves signals to its launcher (a tensor-parallel rank): it installs
+        nothing, and library calls inside it install nothing either. final: a command's (only its exit
+        follows a stop): once a stop was recorded, a later signal exits at once, quietly (raised in the
+        teardown, it printed tracebacks from MindSpore's Cell.__del__ after the summary)."""
+        self.asked = active
         self.active = active and threading.current_thread() is threading.main_thread()
         self.hard_stop, self.got, self.old, self.final = hard_stop, None, {}, final
 
@@ -26,6 +29,7 @@ class Signals:
         global _active
         if self.active:
             self.old = {s: signal.signal(s, self._record) for s in SIGNALS}
+        if self.active or not self.asked:
             _active = self
         signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)  # if the command line held them back until now
         return self
@@ -48,16 +52,20 @@ class Signals:
     def __exit__(self, *exc):
         global _active
         for s, h in self.old.items():
-            signal.signal(s, signal.SIG_IGN if self.final and self.got is not None else h)
+            signal.signal(s, _exit_now if self.final and self.got is not None else h)
         if _active is self:
             _active = None
 
 
+def _exit_now(sig, frame):
+    os._exit(130)
+
+
 def stopping():
-    """A command stopped by a signal, about to exit: later ones are ignored (see Signals' final)."""
+    """A command stopped by a signal, about to exit: a later one exits at once, quietly (see Signals' final)."""
     if threading.current_thread() is threading.main_thread():
         for s in SIGNALS:
-            signal.signal(s, signal.SIG_IGN)
+            signal.signal(s, _exit_now)
 
 
 def active():

@@ -1,4 +1,6 @@
 """End to end through the library: speculative greedy == target-only greedy, token for token."""
+import signal
+
 import numpy as np
 import pytest
 
@@ -396,3 +398,32 @@ def test_careless_library_calls_are_one_line_errors_and_change_nothing(pipe, tin
                       (dict(foo=1), "unknown keyword 'foo'")):
         with pytest.raises(MindspecError, match=words):
             mindspec.load(target=tiny_target[0], draft=noisy_draft, **kw)
+
+
+def test_signals_after_a_commands_stop_exit_quietly_and_a_ranks_command_keeps_library_calls_out():
+    """Signals(final=True) (batch, serve): after a recorded stop a later signal exits at once (os._exit(130);
+    it raised in MindSpore's Cell.__del__ during the teardown), and with none recorded the handlers are put
+    back. A command's inactive Signals (a tensor-parallel rank: its launcher handles signals) counts as in
+    force, so a library call inside it installs no handler of its own."""
+    from mindspec import signals
+    before = {s: signal.getsignal(s) for s in signals.SIGNALS}
+    try:
+        with signals.Signals(True, lambda: None, final=True):
+            pass
+        assert {s: signal.getsignal(s) for s in signals.SIGNALS} == before
+        with signals.Signals(True, lambda: None, final=True) as sig:
+            sig._record(signal.SIGINT, None)
+        assert all(signal.getsignal(s) is signals._exit_now for s in signals.SIGNALS)
+        for s, h in before.items():
+            signal.signal(s, h)
+        with signals.Signals(True, lambda: None) as sig:  # a library call's: its handlers back, whatever happened
+            sig._record(signal.SIGINT, None)
+        assert {s: signal.getsignal(s) for s in signals.SIGNALS} == before
+        with signals.Signals(False, lambda: None):
+            assert signals.active() and {s: signal.getsignal(s) for s in signals.SIGNALS} == before
+        assert not signals.active()
+        signals.stopping()
+        assert all(signal.getsignal(s) is signals._exit_now for s in signals.SIGNALS)
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
