@@ -97,8 +97,9 @@ def _rows(lines, input_path):
         rid, req, err = _row(n, text)
         rid, what = (rid, "id") if rid is not None else (n, "line number")
         if _key(rid) in whose:
-            raise MindspecError(f"{input_path}:{n}: its {what} {rid!r} is already line {whose[_key(rid)]}; ids must "
-                                "be unique (a line without a usable \"id\", a string or an integer, has its line number)")
+            raise MindspecError(f"{input_path}:{n}: its {what} {rid!r} is already line {whose[_key(rid)]}; ids "
+                                "must be unique (a line without a usable \"id\", a string or an integer, has its "
+                                "line number)")
         whose[_key(rid)] = f"{n}'s {what}"
         items.append(Item(n, rid, req, err, _asked(req)))
     return items
@@ -349,7 +350,9 @@ def generate_records(pipe, items, check=lambda: None, max_batch=1, ready=lambda:
     finish); yield (item, record body) as each one finishes, in any order. The job is read first and
     the cache sized once for its longest line; `ready()` is called once the warm-up (compiling, and on
     a machine's first job measuring dynamic K's costs) is done. `check()` raises KeyboardInterrupt once
-    a stop was asked: it runs between engine steps, never inside MindSpore."""
+    a stop was asked: it runs before the warm-up (then the stream checks between engine steps, never
+    inside MindSpore). Each record's compile_s is the compiling since the record before (their sum is the
+    job's)."""
     reqs = {}
     for item in items:
         try:
@@ -359,9 +362,10 @@ def generate_records(pipe, items, check=lambda: None, max_batch=1, ready=lambda:
     if not reqs:
         return
     check()
-    for r, _ in pipe.stream(list(reqs), max_batch, ready):
-        check()
+    counted = 0.0  # compile time the records written so far carry: each the part since the last (a sum is the job's)
+    for r, _ in pipe.stream(list(reqs), max_batch, ready):  # (stops between steps, never between a step's records)
         if r.done:
+            r.stats.compile_s, counted = r.stats.compile_s - counted, r.stats.compile_s
             yield reqs[r], _body(reqs[r], r)
 
 
