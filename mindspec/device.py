@@ -128,13 +128,13 @@ def asked_device(device=None):
     return label, value
 
 
-def check_tp(tp, device, probe=None, replicas=1):
+def check_tp(tp, device, probe=None, replicas=1, dp=None):
     """--tp N on Ascend needs N visible NPUs (one rank per NPU); `replicas` data-parallel replicas of it
-    on this machine need as many times N."""
+    on this machine need as many times N (dp: how they were asked for, e.g. "--dp 8 over --nodes 2")."""
     if device == "Ascend":
         n = len((probe or ascend_env()).npus)
         if tp * replicas > n:
-            what = f"--tp {tp}" if replicas == 1 else f"--dp {replicas} × --tp {tp}"
+            what = f"--tp {tp}" if replicas == 1 else f"{dp or f'--dp {replicas}'} x --tp {tp}"
             raise MindspecError(f"{what} needs {tp * replicas} NPUs, {n} visible")
 
 

@@ -225,16 +225,18 @@ def _wait(procs):
     return {i: p.returncode for i, p in procs.items()}
 
 
+KEPT = "its part is kept: run the same command again to finish what is missing"
+
+
 def _failure(rcs, dp):
     """One line about the worst replica, or None when all ended with 0 or 1 (1: some lines failed)."""
     for i, rc in sorted(rcs.items()):
         if rc < 0:
-            return 2, (f"mindspec: error: data-parallel replica {i} of {dp} died (killed by signal {-rc}); "
-                       f"its part is kept: run the same command again to finish what is missing")
+            return 2, f"mindspec: error: data-parallel replica {i} of {dp} died (killed by signal {-rc}); {KEPT}"
     for i, rc in sorted(rcs.items()):
         if rc == 130:  # (its summary says what it left, not that it was told to stop)
-            return 130, (f"mindspec: error: data-parallel replica {i} of {dp} was stopped by a signal (exit code "
-                         f"130); its part is kept: run the same command again to finish what is missing")
+            return 130, (f"mindspec: error: data-parallel replica {i} of {dp} was stopped by a signal "
+                         f"(exit code 130); {KEPT}")
     bad = [rc for rc in rcs.values() if rc not in (0, 1)]
     return (max(bad), None) if bad else None  # a replica that ended with 2 printed its own line
 
@@ -253,8 +255,7 @@ def _unfinished(rcs, rows, output_path, job, dp):
         left = sum(_key(r.rid) not in got for r in mine)
         if left:
             return 2, (f"mindspec: error: data-parallel replica {i} of {dp} ended (exit code {rc}) with {left} of "
-                       f"its {len(mine)} lines unfinished; its part is kept: run the same command again to finish "
-                       f"what is missing")
+                       f"its {len(mine)} lines unfinished; {KEPT}")
     return None
 
 
@@ -263,7 +264,8 @@ def launch(argv, input_path, output_path, job, dp, tp=1, nodes=1, node_rank=0):
     here = replicas_here(dp, nodes, node_rank)
     if os.path.exists(input_path) and not os.path.isfile(input_path):  # (a pipe reached every replica empty)
         raise MindspecError(f"--dp needs its input as a regular file (every replica reads it): {input_path} is not one")
-    check_tp(tp, detect_device(), replicas=len(here))  # (replicas past the NPUs saw none and ran on the host)
+    asked = f"--dp {dp}" + (f" over --nodes {nodes} ({len(here)} replicas on this machine)" if nodes > 1 else "")
+    check_tp(tp, detect_device(), replicas=len(here), dp=asked)  # (replicas past the NPUs saw none: ran on the host)
     rows = _rows(_read_lines(input_path), input_path)  # a bad input stops here, before any replica starts
     check_parts(output_path, dp)
     out = Output(output_path, job, input_path, wait=nodes > 1)  # checked, and locked from here on (one machine)

@@ -775,6 +775,24 @@ def test_merge_in_input_order_once_and_only_when_complete(tmp_path, capsys, monk
         dp.check_parts(str(out), 2)
 
 
+def test_a_data_parallel_launcher_counts_the_npus_before_any_replica_starts(tmp_path, monkeypatch):
+    """The dp prober's (simulated): replicas past the visible NPUs saw none and ran on the host, and their
+    parts were then refused as another job's. On Ascend the launcher refuses first (this machine's share)."""
+    from mindspec import dp
+    from mindspec.device import AscendEnv
+    monkeypatch.setattr("mindspec.device.ascend_env", lambda: AscendEnv(npus=[0, 1, 2, 3]))
+    monkeypatch.setattr(dp, "detect_device", lambda: "Ascend")
+    monkeypatch.setattr(dp, "_start", lambda *a: pytest.fail("a replica started"))
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text(LINES[0] + "\n")
+    with pytest.raises(MindspecError, match=r"^--dp 4 x --tp 2 needs 8 NPUs, 4 visible$"):
+        dp.launch([], str(inp), str(out), "job", 4, tp=2)
+    with pytest.raises(MindspecError, match=r"^--dp 8 over --nodes 2 \(4 replicas on this machine\) x --tp 2 needs "
+                                            r"8 NPUs, 4 visible$"):
+        dp.launch([], str(inp), str(out), "job", 8, tp=2, nodes=2, node_rank=1)
+    assert not out.exists()
+
+
 def test_scale_out_flags_that_cannot_work_exit_2_with_one_line(setup, tmp_path):
     out = tmp_path / "o.jsonl"
     first = ["--node-rank", "0"]

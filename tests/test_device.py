@@ -49,7 +49,7 @@ def test_ready_ascend_machine(tmp_path):
     check_tp(8, "CPU", a)  # CPU ranks are processes
     check_tp(1, "Ascend", a, replicas=2)
     # the dp prober's: `batch --dp` never counted NPUs; replicas past them saw none and ran on the host
-    with pytest.raises(MindspecError, match=r"^--dp 2 × --tp 2 needs 4 NPUs, 2 visible$"):
+    with pytest.raises(MindspecError, match=r"^--dp 2 x --tp 2 needs 4 NPUs, 2 visible$"):
         check_tp(2, "Ascend", a, replicas=2)
 
 
@@ -149,6 +149,7 @@ def test_doctor_checks_the_model_home(tmp_path):
     env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
     (tmp_path / "afile").write_text("")
     for home, mark, words, code in ((tmp_path / "afile", "NO", "is not a directory", 1),
+                                    (tmp_path / "afile" / "sub", "NO", f"{tmp_path / 'afile'} is not a directory", 1),
                                     (tmp_path / "new", "--", "made on first use", 0),
                                     (tmp_path, "ok", str(tmp_path), 0)):
         p = subprocess.run([sys.executable, "-m", "mindspec", "doctor"], capture_output=True, text=True,
