@@ -10,9 +10,14 @@ DEFAULT_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_QUANT = "q8"  # measured: best accepted-per-cost draft of this model (README, tools/bench_core.py)
 
 
+def home_path():
+    """$MINDSPEC_HOME (default ~/.cache/mindspec): where models, the compile cache and costs go."""
+    return os.environ.get("MINDSPEC_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "mindspec")
+
+
 def home():
-    """$MINDSPEC_HOME (default ~/.cache/mindspec), made if missing: models, compile cache, costs."""
-    path = os.environ.get("MINDSPEC_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "mindspec")
+    """home_path(), made if missing."""
+    path = home_path()
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as e:  # a file of that name, or nowhere to make it

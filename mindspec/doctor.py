@@ -151,15 +151,17 @@ def checks(device=None):
 
 
 def _home_row():
-    """Where models, the compile cache and the measured costs go ($MINDSPEC_HOME): every model command needs it."""
-    path = os.environ.get("MINDSPEC_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "mindspec")
-    if not os.path.exists(path):
-        return "--", f"{path} (made on first use)"
-    if not os.path.isdir(path):
-        return "NO", f"{path} is not a directory: every model command fails (set MINDSPEC_HOME to one)"
-    if not os.access(path, os.W_OK | os.X_OK):
-        return "NO", f"{path} is not writable: every model command fails (set MINDSPEC_HOME to one that is)"
-    return "ok", path
+    """Where models, the compile cache and the measured costs go ($MINDSPEC_HOME): every model command needs
+    it, or the directory it will be made in (doctor makes nothing)."""
+    from .default import home_path
+    path = there = os.path.abspath(home_path())
+    while not os.path.exists(there):  # the nearest part that exists must be a directory it can write in
+        there = os.path.dirname(there)
+    if not os.path.isdir(there):
+        return "NO", f"{path}: {there} is not a directory: every model command fails (set MINDSPEC_HOME)"
+    if not os.access(there, os.W_OK | os.X_OK):
+        return "NO", f"{path}: {there} is not writable: every model command fails (set MINDSPEC_HOME)"
+    return ("ok", path) if there == path else ("--", f"{path} (made on first use)")
 
 
 def run(device=None, out=sys.stdout):
