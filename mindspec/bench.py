@@ -457,16 +457,16 @@ def add_parser(subparsers):
     b.add_argument("--target", type=path_arg, default=None, help="target checkpoint dir (default: the embedded model)")
     b.add_argument("--draft", type=path_arg, default=None, help="draft .onnx (default: the embedded draft)")
     b.add_argument("--prompts", default="story,chat,code", help="built-in sets (story,chat,code) or FILE.jsonl")
-    b.add_argument("--max-new-tokens", type=positive_int, default=128, help="tokens per prompt (default 128)")
+    b.add_argument("--max-new-tokens", type=positive_int, default=128, help="tokens per prompt (default %(default)s)")
     b.add_argument("--out", type=path_arg, default="bench-out",
-                   help="directory for bench.json and bench.png (default bench-out)")
+                   help="directory for bench.json and bench.png (default %(default)s)")
     b.add_argument("--ks", type=_counts("K buckets"), default="1,2,4,8",
                    help="fixed K buckets to run (each its own verify graph; any K >= 1, e.g. 3 or 16), also the "
-                        "buckets dynamic K chooses among (default 1,2,4,8)")
-    b.add_argument("--repeat", type=positive_int, default=1, help="rounds over each prompt set (default 1)")
+                        "buckets dynamic K chooses among (default %(default)s)")
+    b.add_argument("--repeat", type=positive_int, default=1, help="rounds over each prompt set (default %(default)s)")
     b.add_argument("--batch-sizes", type=_counts("batch sizes"), default="1",
                    help="requests running at once, comma-separated (e.g. 1,2,4,8); B > 1 runs the set's prompts "
-                        "cycled to B rows together (default 1)")
+                        "cycled to B rows together (default %(default)s)")
     b.add_argument("--no-hf", action="store_true", help="skip Hugging Face transformers even if installed")
     b.add_argument("--hf-assistants", type=_assistants, default=None,
                    help="HF assistants, comma-separated: layers:N, early-exit:N, prompt-lookup[:N] "

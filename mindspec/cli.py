@@ -131,7 +131,7 @@ def add_tp_arg(p):
 def add_sampling_args(p):
     """The sampling flags (read by sampling_kwargs); for serve and batch they are the defaults of a
     request that does not set them."""
-    p.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens to generate at most (default 64)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens to generate at most (default %(default)s)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")

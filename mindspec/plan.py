@@ -436,7 +436,7 @@ def add_parser(subparsers):
     p.add_argument("--devices", type=int, default=None, help="devices in total (default: --tp)")
     p.add_argument("--device-mem", required=True, help="memory per device, e.g. 64GB or 64GiB")
     p.add_argument("--reserve", type=float, default=0.0, help="fraction of each device held back (default 0)")
-    p.add_argument("--seq-len", type=int, default=4096, help="tokens of one sequence (default 4096)")
+    p.add_argument("--seq-len", type=int, default=4096, help="tokens of one sequence (default %(default)s)")
     p.add_argument("--device-bw", default="1.6TB/s", help="memory bandwidth per device (default 1.6TB/s)")
     p.add_argument("--allreduce-us", type=float, default=10.0, help="latency of one small AllReduce (default 10)")
     p.add_argument("--device-tflops", type=float, default=280.0, help="peak dense TFLOPS per device (default 280)")

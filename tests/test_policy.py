@@ -78,7 +78,7 @@ def test_best_k_is_monotone_in_alpha():
     assert ks == sorted(ks) and ks[0] == 0 and ks[-1] == 8
 
 
-def test_fixed_k_rows_fit_the_room_left():
+def test_a_rows_k_is_the_largest_bucket_that_fits_its_room():
     assert [fit(BUCKETS, min(4, lim)) for lim in (10, 4, 3, 1, 0)] == [4, 4, 2, 1, 0]
     assert fit((8,), 5) == 0  # no smaller bucket compiled: decode plainly
 
