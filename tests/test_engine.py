@@ -355,6 +355,17 @@ def _run_out(eng):
         eng.step()
 
 
+def _fail_for(monkeypatch, obj, name, hit, words):
+    """obj.name raises RuntimeError(words) on a call whose first argument hit() picks."""
+    real = getattr(obj, name)
+
+    def failing(first, *args, **kw):
+        if hit(first):
+            raise RuntimeError(words)
+        return real(first, *args, **kw)
+    monkeypatch.setattr(obj, name, failing)
+
+
 def test_a_failing_prompt_chunk_ends_only_the_rows_it_carried(pipe, alone, monkeypatch):
     """The reviewer's: the guard of the prompt call covered every prefilling row, so a row that had its
     first token and waited a step (every new row does) ended with another row's error."""
@@ -364,13 +375,7 @@ def test_a_failing_prompt_chunk_ends_only_the_rows_it_carried(pipe, alone, monke
     eng.add(a)
     eng.step()
     assert len(a.output) == 1 and not a.done  # its first token: it waits for the next decode
-    real = pipe.target.prefill
-
-    def failing(slots, *args, **kw):
-        if b.slot in slots:
-            raise RuntimeError("simulated prompt failure")
-        return real(slots, *args, **kw)
-    monkeypatch.setattr(pipe.target, "prefill", failing)
+    _fail_for(monkeypatch, pipe.target, "prefill", lambda slots: b.slot in slots, "simulated prompt failure")
     eng.add(b)
     _run_out(eng)
     assert b.finish_reason == "error" and "simulated prompt failure" in str(b.error)
@@ -382,13 +387,7 @@ def test_a_failing_draft_catch_up_ends_only_the_rows_it_fed(pipe, alone, monkeyp
     eng = pipe.engine
     a = pipe.request(prompt_ids=PROMPTS[3], max_new_tokens=MAX_NEW[3], speculate=False)  # 40 tokens: 2 chunks
     b = pipe.request(prompt_ids=PROMPTS[1], max_new_tokens=MAX_NEW[1], k=2)
-    real = eng.proposer.prefill
-
-    def failing(chunks, *args, **kw):
-        if b.row in chunks:
-            raise RuntimeError("simulated draft failure")
-        return real(chunks, *args, **kw)
-    monkeypatch.setattr(eng.proposer, "prefill", failing)
+    _fail_for(monkeypatch, eng.proposer, "prefill", lambda chunks: b.row in chunks, "simulated draft failure")
     eng.add(a)
     eng.add(b)
     _run_out(eng)
