@@ -21,12 +21,15 @@ EXTENSIONS = ("top_k", "repetition_penalty", "k", "draft_temperature", "min_toke
               "stop_token_ids")  # beyond each API's own fields
 # accepted and without effect (clients and MindIE's examples send them)
 IGNORED = frozenset({"user", "stream_options", "priority", "service_tier", "store", "metadata",
-                     "parallel_tool_calls", "typical_p", "watermark", "truncate", "adapter_id", "timeout"})
+                     "parallel_tool_calls", "typical_p", "watermark", "truncate", "adapter_id", "timeout",
+                     "skip_special_tokens"})
 # known but not implemented: refused unless they hold their "off" value
 OFF = {"best_of": (1,), "echo": (False,),
        "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},), "suffix": ("",),
        "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
-       "function_call": ("none",), "top_n_tokens": (0,), "grammar": ()}
+       "function_call": ("none",), "top_n_tokens": (0,), "grammar": (),
+       # vLLM's, in MindIE's OpenAI examples
+       "include_stop_str_in_output": (False,), "use_beam_search": (False,), "chat_template_kwargs": ({},)}
 SAMPLING = ("temperature", "top_p", "seed", "stop") + EXTENSIONS
 COMPLETION_KEYS = frozenset(("model", "prompt", "max_tokens", "stream", "n", "logprobs") + SAMPLING)
 CHAT_KEYS = frozenset(("model", "messages", "max_tokens", "max_completion_tokens", "stream", "n", "logprobs",

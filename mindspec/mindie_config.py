@@ -83,7 +83,8 @@ QUIET = {"Version", "LogConfig", "EnableDynamicAdjustTimeoutConfig"} | {f"Server
     "managementTlsCert", "managementTlsPk", "managementTlsPkPwd", "managementTlsCrlPath", "managementTlsCrlFiles",
     "kmcKsfMaster", "kmcKsfStandby", "inferMode", "interCommTLSEnabled", "interCommPort", "interCommTlsCaPath",
     "interCommTlsCaFiles", "interCommTlsCert", "interCommPk", "interCommPkPwd", "interCommTlsCrlPath",
-    "interCommTlsCrlFiles", "openAiSupport", "tokenTimeout", "e2eTimeout", "distDPServerEnabled")} | {
+    "interCommTlsCrlFiles", "openAiSupport", "tokenTimeout", "e2eTimeout", "distDPServerEnabled",
+    "maxRequestLength")} | {
     f"BackendConfig.{k}" for k in (
         "backendName", "modelInstanceNumber", "npuDeviceIds", "tokenizerProcessNumber", "multiNodesInferEnabled",
         "multiNodesInferPort", "interNodeTLSEnabled", "interNodeTlsCaPath", "interNodeTlsCaFiles",
@@ -94,7 +95,7 @@ QUIET = {"Version", "LogConfig", "EnableDynamicAdjustTimeoutConfig"} | {f"Server
     f"BackendConfig.ScheduleConfig.{k}" for k in (
         "templateType", "templateName", "cacheBlockSize", "maxPrefillBatchSize", "maxPrefillTokens",
         "prefillTimeMsPerReq", "prefillPolicyType", "decodeTimeMsPerReq", "decodePolicyType", "maxPreemptCount",
-        "supportSelectBatch")}
+        "supportSelectBatch", "maxFirstTokenWaitTime")}
 
 
 # the blocks of MindIE's layout (and ours): a block of another shape is refused, not warned about and skipped

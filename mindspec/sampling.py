@@ -24,8 +24,8 @@ MAX_TOP_K = 2 ** 31 - 1  # the graph's int32; any k >= the vocabulary means "off
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 (or below MIN_TEMPERATURE) = greedy. top_k 0 / top_p 1.0 / repetition_penalty 1.0 =
-    off. The draft uses the same processing with `draft_temperature` (None: the target's): it changes q,
+    """temperature 0 (or below MIN_TEMPERATURE) = greedy. top_k 0 (or vLLM's -1) / top_p 1.0 /
+    repetition_penalty 1.0 = off. The draft uses the same processing with `draft_temperature` (None: the target's): it changes q,
     hence the acceptance rate, never the output distribution. `seed` (None: drawn when the request is made) keys every
     uniform draw (see uniforms). Every value is checked against what the float32 graph represents."""
     temperature: float = 1.0
@@ -44,8 +44,10 @@ class SamplingParams:
                 raise MindspecError(f"{name} must be a number in {'(' if lo_open else '['}{lo}, {hi}], got {v!r}")
         number("temperature", self.temperature, 0, MAX_TEMPERATURE)
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, (int, np.integer)) \
-                or not 0 <= self.top_k <= MAX_TOP_K:
-            raise MindspecError(f"top_k must be an integer in [0, {MAX_TOP_K}] (0: off), got {self.top_k!r}")
+                or not -1 <= self.top_k <= MAX_TOP_K:
+            raise MindspecError(f"top_k must be an integer in [0, {MAX_TOP_K}] (0 or -1: off), got {self.top_k!r}")
+        if self.top_k == -1:  # (vLLM's off, in MindIE's OpenAI examples)
+            object.__setattr__(self, "top_k", 0)
         number("top_p", self.top_p, 0, 1, lo_open=True)
         number("repetition_penalty", self.repetition_penalty, *PENALTY_RANGE)
         if self.draft_temperature is not None:

@@ -47,7 +47,7 @@ def test_top_k_keeps_ties_and_top_p_keeps_the_smallest_set():
     assert np.allclose(process_logits(logp, 1.0, top_k=2, top_p=0.6), [1, 0, 0, 0])
 
 
-@pytest.mark.parametrize("kw", [dict(temperature=-1), dict(temperature=float("nan")), dict(top_k=-1),
+@pytest.mark.parametrize("kw", [dict(temperature=-1), dict(temperature=float("nan")), dict(top_k=-2),
                                 dict(top_k=2.5), dict(top_p=0), dict(top_p=1.5), dict(repetition_penalty=0),
                                 dict(draft_temperature=-0.1), dict(seed=-1), dict(seed="x"),
                                 dict(temperature=True),

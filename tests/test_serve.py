@@ -291,6 +291,18 @@ def test_streams_concatenate_to_the_full_text(server):
     assert evs[0]["prefill_time"] is not None and all(e["decode_time"] is not None for e in evs[1:])
 
 
+def test_mindies_openai_example_fields_at_their_defaults_are_accepted(server):
+    """The MindIE client prober's: MindIE's OpenAI examples (vLLM's fields) were a 400 naming
+    include_stop_str_in_output, skip_special_tokens, use_beam_search, chat_template_kwargs and top_k -1.
+    At their defaults they change nothing here: the answer is the one without them."""
+    base = server[0]
+    plain = {"messages": HI, "max_tokens": N}
+    extra = dict(plain, top_k=-1, include_stop_str_in_output=False, skip_special_tokens=True,
+                 use_beam_search=False, chat_template_kwargs={})
+    assert post(base, "/v1/chat/completions", extra)["choices"][0]["message"]["content"] == \
+        post(base, "/v1/chat/completions", plain)["choices"][0]["message"]["content"]
+
+
 BAD = [  # (path, body or raw bytes, status, words in the message)
     ("/v1/completions", b"{oops", 400, "not valid JSON"),
     ("/v1/completions", b"[1, 2]", 400, "JSON object"),
@@ -332,6 +344,13 @@ BAD = [  # (path, body or raw bytes, status, words in the message)
     ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs must be an integer in [0, 20]"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 10}}, 400, "logit_bias="),
     ("/v1/completions", {"prompt": "hi", "suffix": "end"}, 400, "suffix="),
+    # vLLM's fields MindIE's OpenAI examples send: refused only away from their defaults (they were unknown)
+    ("/v1/chat/completions", {"messages": HI, "include_stop_str_in_output": True}, 400,
+     "include_stop_str_in_output=true is not supported"),
+    ("/v1/completions", {"prompt": "hi", "use_beam_search": True}, 400, "use_beam_search=true is not supported"),
+    ("/v1/chat/completions", {"messages": HI, "chat_template_kwargs": {"enable_thinking": False}}, 400,
+     "chat_template_kwargs="),
+    ("/v1/completions", {"prompt": "hi", "top_k": -2}, 400, "top_k must be an integer in [0, 2147483647] (0 or -1:"),
     ("/v1/completions", {"prompt": "hi", "n": True}, 400, "n must be an integer"),
     ("/v1/completions", {"prompt": "hi", "temprature": 0.5}, 400, "unknown field 'temprature'"),
     ("/generate", {"inputs": "hi", "parameters": {"max_new_token": 5}}, 422,
