@@ -304,10 +304,11 @@ class Pipeline:
         (request.done). ready() is called once the warm-up (compiling, measuring costs) is done. Calls from
         several threads take turns (the graphs and caches are one: a stream holds them until it ends or is
         closed); one left by an exception (Ctrl-C, a consumer that raised) or closed half-way leaves the
-        engine empty. The loop every caller shares."""
+        engine empty. A Ctrl-C is held back only while MindSpore runs (each warm-up and step, see _stops):
+        the consumer's own code between steps gets it as usual. The loop every caller shares."""
         if self._holder == threading.get_ident():
-            raise MindspecError("generate was called from inside its own callback or stream: call it after that "
-                                "one ends")
+            raise MindspecError("generate was called from inside its own callback, or while a stream of this "
+                                "pipeline is open: call it after that one ends (or close the stream)")
         if not (is_int(max_batch) and max_batch >= 1):  # (0 waited for ever)
             raise MindspecError(f"max_batch must be an integer >= 1, got {max_batch!r}")
         if not all(isinstance(r, Request) for r in reqs):
@@ -316,7 +317,7 @@ class Pipeline:
             raise MindspecError("the same request is given twice: make one per generation")
         if any(r.state != WAITING or r.output or r.pos for r in reqs):  # (it went on after its old output)
             raise MindspecError("a request runs once: make one per generation (this one has run)")
-        with self._turn, self._stops():
+        with self._turn:
             self._holder = threading.get_ident()
             try:
                 yield from self._steps(reqs, int(max_batch), ready)
@@ -329,16 +330,19 @@ class Pipeline:
 
     @staticmethod
     def _stops():
-        """A library call's Ctrl-C (the main thread's, where no command holds the signals): recorded and
-        raised as KeyboardInterrupt between steps, and MindSpore's own SIGINT handler, which a graph run
-        sets and which sends the process SIGTERM, undone when the call ends (a script died on Ctrl-C,
+        """A library call's Ctrl-C (the main thread's, where no command holds the signals) during a warm-up
+        or a step: recorded and raised as KeyboardInterrupt after it, and MindSpore's own SIGINT handler,
+        which a graph run sets and which sends the process SIGTERM, undone then (a script died on Ctrl-C,
         even in a time.sleep after its last generation). A second signal raises at once."""
         def at_once():
             raise KeyboardInterrupt
         return contextlib.nullcontext() if signals.active() else signals.Signals(True, at_once)
 
     def _steps(self, reqs, max_batch, ready):
-        warm_up = self.prepare(reqs, max_batch)
+        warm_up, stopped = self._held(lambda: self.prepare(reqs, max_batch))
+        if stopped:
+            raise KeyboardInterrupt
+        signals.check()
         compile_s = self.target.compile_s
         if ready is not None:
             ready()
@@ -347,13 +351,23 @@ class Pipeline:
             while todo and len(pending) < max_batch:  # the engine may have more slots than max_batch
                 pending.add(todo[0])
                 self.engine.add(todo.popleft())
-            for r, text in self.engine.step():
+            events, stopped = self._held(self.engine.step)
+            for r, text in events:
                 if r.done:
                     pending.discard(r)
                     r.stats.compile_s = warm_up + self.target.compile_s - compile_s  # (+ compiled on first need)
                 if text or r.done:
                     yield r, text
-            signals.check()
+            if stopped:  # (after the step's results went out: a batch job writes their records first)
+                raise KeyboardInterrupt
+            signals.check()  # a command's own stop (the batch job's)
+
+    def _held(self, fn):
+        """(fn(), whether a Ctrl-C came meanwhile): the library's Ctrl-C is held back while fn runs (MindSpore
+        inside); under a command's signal handling nothing is installed here."""
+        with self._stops() as held:
+            out = fn()
+        return out, held is not None and held.got is not None
 
     def generate(self, prompt=None, prompt_ids=None, max_new_tokens=64, on_text=None, **kw):
         """Generate (greedy at temperature 0, else speculative sampling: the target's distribution
