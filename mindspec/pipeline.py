@@ -340,9 +340,7 @@ class Pipeline:
 
     def _steps(self, reqs, max_batch, ready):
         warm_up, stopped = self._held(lambda: self.prepare(reqs, max_batch))
-        if stopped:
-            raise KeyboardInterrupt
-        signals.check()
+        _stop_here(stopped)
         compile_s = self.target.compile_s
         if ready is not None:
             ready()
@@ -358,9 +356,7 @@ class Pipeline:
                     r.stats.compile_s = warm_up + self.target.compile_s - compile_s  # (+ compiled on first need)
                 if text or r.done:
                     yield r, text
-            if stopped:  # (after the step's results went out: a batch job writes their records first)
-                raise KeyboardInterrupt
-            signals.check()  # a command's own stop (the batch job's)
+            _stop_here(stopped)  # (after the step's results went out: a batch job writes their records first)
 
     def _held(self, fn):
         """(fn(), whether a Ctrl-C came meanwhile): the library's Ctrl-C is held back while fn runs (MindSpore
@@ -411,6 +407,13 @@ class Pipeline:
                 raise MindspecError(f"requests[{i}]: {e}") from None
         self.run(reqs, max_batch=self.spec.max_batch if max_batch is None else max_batch)
         return [r.result() for r in reqs]
+
+
+def _stop_here(stopped):
+    """KeyboardInterrupt for a Ctrl-C held back during the last call (stopped), or a command's own stop."""
+    if stopped:
+        raise KeyboardInterrupt
+    signals.check()
 
 
 def _known(kw, fn):

@@ -51,8 +51,11 @@ class Signals:
 
     def __exit__(self, *exc):
         global _active
-        for s, h in self.old.items():
-            signal.signal(s, _exit_now if self.final and self.got is not None else h)
+        if self.final and self.got is not None:
+            stopping()
+        else:
+            for s, h in self.old.items():
+                signal.signal(s, h)
         if _active is self:
             _active = None
 
