@@ -12,14 +12,13 @@ import fcntl
 import hashlib
 import json
 import os
-import shutil
 import stat
 import sys
-import tempfile
 import time
 from typing import NamedTuple
 
 from .errors import MindspecError
+from .omdir import OmDir
 from .request import FIELDS, RequestError, loads, make, parse
 from .signals import Signals
 
@@ -475,30 +474,6 @@ class Progress:
             self.bar = None
 
 
-# ---- MindSpore's droppings ----
-
-class OmDir:
-    """MindSpore writes rank_N/om/analyze_fail.ir into the current directory when a compile fails:
-    point it ($MS_OM_PATH) at a temporary directory, removed at the end unless something was written
-    there (an error record then names the file). A user's own MS_OM_PATH is left alone."""
-
-    def __enter__(self):
-        self.path = None
-        if "MS_OM_PATH" not in os.environ:
-            self.path = os.environ["MS_OM_PATH"] = tempfile.mkdtemp(prefix="mindspec-om-")
-        return self
-
-    def __exit__(self, *exc):
-        self.remove()
-
-    def remove(self):
-        if self.path is not None:
-            os.environ.pop("MS_OM_PATH", None)
-            if not any(files for _, _, files in os.walk(self.path)):
-                shutil.rmtree(self.path, ignore_errors=True)
-            self.path = None
-
-
 # ---- the job ----
 
 def _rank0():
@@ -511,6 +486,7 @@ class _Job:
 
     def __init__(self, output_path, bar=True):
         self.path, self.tally, self.out, self.bar, self.begun = output_path, None, None, None, False
+        self.summarised = False
         self.om, self.bar_ok = OmDir(), bar
 
     def say(self, line):
@@ -520,7 +496,7 @@ class _Job:
         """A second signal: no waiting for a safe point. Records are whole (one write each)."""
         if self.bar is not None and self.bar.bar is not None:
             self.say("")
-        if self.tally is not None:
+        if self.tally is not None and not self.summarised:
             self.say(self.tally.summary(self.path))
         if self.out is not None:
             self.out.close(failed=True)
@@ -582,6 +558,7 @@ def run_batch(load, defaults, input_path, output_path, share=None, model=None, m
         finally:
             if job.begun and job.tally is not None:
                 print(job.tally.summary(path), file=sys.stderr, flush=True)
+                job.summarised = True  # (a second signal from here on must not print it again)
             job.out.close(failed=not ok)
     return job.tally.exit_code()
 

@@ -7,6 +7,7 @@ import sys
 import tempfile
 import time
 
+from . import signals
 from .errors import MindspecError
 
 PROMPT_SETS = {  # name -> [(prompt, chat)]
@@ -283,6 +284,7 @@ def run(target=None, draft=None, prompts="story,chat,code", max_new_tokens=128, 
                         tally.add_batch(res, time.perf_counter() - t)
                     for mode, spec, extra in hf_modes if B == 1 else ():
                         new, stats = hf_model.generate(ids, max_new_tokens, extra)
+                        signals.check()  # (a Ctrl-C during torch's run waited for this safe point)
                         row = dict(prompt_set=name, batch_size=1, mode=mode, k=None, assistant=spec)
                         tallies.setdefault((name, 1, mode, spec), Tally(**row)).add(new, stats)
             done.append((name, B))

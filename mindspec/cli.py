@@ -13,8 +13,11 @@ from .device import CHOICES, DEVICE_ENV, check_device_env, check_tp, detect_devi
 from .spec import DTYPES
 from .mindie_config import QUEUE_DELAY_US
 from . import signals
+from .omdir import OmDir
+from .signals import Signals
 
 MODEL_COMMANDS = ("generate", "serve", "batch")  # the ones that load a model (and may run on msrun ranks)
+HELD = ("generate", "bench", "doctor")  # the ones importing MindSpore that hold no signal handling of their own
 SERVE_MAX_SEQ = 1024  # positions per request a server holds by default (--max-seq)
 MAX_BATCH = 8  # rows per step of serve and batch: on 2 CPU cores 8 rows cost ~1.8x one (docs/design.md)
 
@@ -394,15 +397,38 @@ def parser():
 def _run(args):
     if args.cmd == "generate" and args.prompt is None and args.prompt_ids is None:
         args.prompt = "Once upon a time"
-    if args.cmd != "batch":  # batch unblocks them in run_batch, once it can still print its summary
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
-    return _exit_code(lambda: args.func(args))
+    if args.cmd in HELD:
+        code = _exit_code(lambda: _held(args))
+    else:
+        if args.cmd != "batch":  # batch unblocks them in run_batch, once it can still print its summary
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+        code = _exit_code(lambda: args.func(args))
+    signals.stopping(code)  # done: a signal in the teardown to come ends it quietly, with the command's code
+    return code
+
+
+def _held(args):
+    """A HELD command's run: a Ctrl-C or SIGTERM waits for a safe point (mindspec.signals: raised inside
+    MindSpore's import or compiler, it aborted the interpreter, was swallowed or dumped errors into
+    ./rank_0), a second one exits at once."""
+    om = OmDir()
+
+    def hard_stop():
+        om.remove()
+        os._exit(130)
+    ranked = getattr(args, "tp", 1) > 1 or getattr(args, "nodes", 1) > 1  # (its launcher handles signals)
+    with Signals(not ranked, hard_stop, final=True) as sig, om:
+        code = args.func(args)
+        sig.check()  # (one that came after the last safe point)
+    return code
 
 
 def _exit_code(fn):
     """fn()'s exit code: bad input one line and 2, an interrupt 130."""
     try:
-        return fn() or 0
+        code = fn() or 0
+        sys.stdout.flush()  # (here, where a reader gone is a BrokenPipeError caught below)
+        return code
     except MindspecError as e:
         from .tp import fail
         return fail(e)
@@ -480,11 +506,14 @@ def _stdin_prompt(args):
     CRLF too), and a byte-order mark (Windows editors write one), as batch reads its input."""
     if args.tp > 1 or args.nodes > 1:  # (msrun's ranks do not share the user's stdin)
         raise MindspecError("the prompt on stdin (-) cannot reach tensor-parallel ranks: give it as an argument")
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})  # while it waits (nothing imports)
     try:
         text = sys.stdin.buffer.read().decode("utf-8").removeprefix("\ufeff")
         return text.removesuffix("\r\n") if text.endswith("\r\n") else text.removesuffix("\n")
     except UnicodeDecodeError:
         raise MindspecError("the prompt on stdin is not UTF-8 text") from None
+    finally:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
 
 
 def parse(argv):

@@ -60,15 +60,22 @@ class Signals:
             _active = None
 
 
-def _exit_now(sig, frame):
-    os._exit(130)
+class _ExitNow:
+    """A handler: exit at once with `code` (os._exit: no teardown left to raise in)."""
+
+    def __init__(self, code):
+        self.code = code
+
+    def __call__(self, sig, frame):
+        os._exit(self.code)
 
 
-def stopping():
-    """A command stopped by a signal, about to exit: a later one exits at once, quietly (see Signals' final)."""
+def stopping(code=130):
+    """A command about to exit with `code` (130: stopped by a signal): a later signal exits at once with it,
+    quietly (raised in the interpreter's teardown, it printed tracebacks from MindSpore's Cell.__del__)."""
     if threading.current_thread() is threading.main_thread():
         for s in SIGNALS:
-            signal.signal(s, _exit_now)
+            signal.signal(s, _ExitNow(code))
 
 
 def active():

@@ -142,7 +142,8 @@ def launcher_env(env, bin_dir, job, launcher_pid, topo=None):
                                                                    ENV_NODES: f"{topo.node_rank}/{topo.nodes}"})
     for k, v in HCCL_TIMEOUTS.items():
         out.setdefault(k, v)
-    return out
+    out.setdefault("MS_OM_PATH", os.path.join(job, "om"))  # a rank's compile dumps (mindspec.omdir): kept or
+    return out                                             # removed with the job's logs, killed ranks or not
 
 
 def rank_device_env(env):
@@ -276,11 +277,7 @@ def launch(argv, n, script=None, timeout=CLUSTER_TIMEOUT, log_dir=None, grace=FA
             time.sleep(0.05)
     except KeyboardInterrupt:
         interrupted = True
-        _signal_group(proc, signal.SIGINT)  # msrun kills its workers on SIGINT
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            pass
+        _wind_down(proc, main)
     finally:
         if main:
             signal.signal(signal.SIGTERM, old_term)
@@ -318,6 +315,21 @@ def _signal_group(proc, sig):
         os.killpg(proc.pid, sig)
     except OSError:
         pass
+
+
+def _wind_down(proc, main):
+    """A stopped job: msrun stops its workers on SIGINT, given 5 s. A second signal meanwhile skips the wait
+    (_stop kills what is left); raised here, it left the job's directory behind."""
+    hurry = []
+    old = {s: signal.signal(s, lambda *_: hurry.append(s)) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
+    try:
+        _signal_group(proc, signal.SIGINT)
+        deadline = time.monotonic() + 5
+        while proc.poll() is None and not hurry and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
 
 
 def _stop(proc, job):

@@ -514,6 +514,41 @@ def test_the_summary_times_the_generation_not_the_warm_up(tmp_path, capsys, monk
     assert "0 tokens in 0.00 s" in last(capsys.readouterr().err)
 
 
+def test_a_second_signal_after_the_summary_does_not_print_it_again(tmp_path, capfd, monkeypatch):
+    """Found by a signals probe: a second Ctrl-C landing between a stopped job's summary and its exit (here:
+    while the output closes) printed the summary twice."""
+    inp, out = _input(tmp_path / "in.jsonl", 4), tmp_path / "o.jsonl"
+
+    def drive(pipe, items, check=lambda: None, max_batch=1, ready=lambda: None):
+        yield items[0], dict(OK)
+        os.kill(os.getpid(), signal.SIGINT)  # the first Ctrl-C: recorded, raised at the next safe point
+        check()
+
+    close, sent = B.Output.close, []
+
+    def close_after_a_second_signal(self, failed=False):
+        if not sent:
+            sent.append(1)
+            os.kill(os.getpid(), signal.SIGINT)
+        close(self, failed)
+
+    def exit_now(code):
+        raise SystemExit(code)
+    monkeypatch.setattr(B, "generate_records", drive)
+    monkeypatch.setattr(B.Output, "close", close_after_a_second_signal)
+    monkeypatch.setattr(os, "_exit", exit_now)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with pytest.raises(SystemExit) as e:
+            _batch(inp, out)
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    err = capfd.readouterr().err
+    assert e.value.code == 130 and err.count("4 lines: 1 done, 0 failed, 3 left") == 1, err
+    assert [r["id"] for r in records(out)] == [1]
+
+
 def test_records_finishing_out_of_input_order_resume_by_id(tmp_path, capsys, monkeypatch):
     inp, out = _input(tmp_path / "in.jsonl", 6), tmp_path / "o.jsonl"
     driver(monkeypatch, order=lambda items: items[::-1], stop_after=3)  # many at a time, killed half-way

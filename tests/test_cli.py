@@ -87,6 +87,43 @@ def test_generate_into_a_pipe_that_closed_ends_quietly(pair, extra):
     assert p.returncode == 141 and "Traceback" not in err and "Error" not in err, (p.returncode, err)
 
 
+@pytest.mark.parametrize("delays", [[0.3], [1.0], [4.0], [1.0, 0.05], [4.0, 0.05]])  # import 0.1-2 s, then compiles
+def test_ctrl_c_while_generate_loads_or_compiles_exits_130_quietly(pair, tmp_path, delays):
+    """Found by a signals probe: Ctrl-C while `generate` imported MindSpore or compiled was lost (the
+    generation ran on, exit 0), or aborted the interpreter; twice, it dumped MindSpore's errors into
+    ./rank_0. Now it stops at the next safe point (exit 130, nothing on stderr), a second one at once."""
+    import signal
+    import time
+    target, draft, _ = pair
+    (tmp_path / "tmp").mkdir()
+    env = dict(os.environ, MINDSPEC_HOME=str(tmp_path / "home"), TMPDIR=str(tmp_path / "tmp"))  # (graphs compile)
+    p = subprocess.Popen([sys.executable, "-m", "mindspec", "generate", "hi", "--target", target, "--draft", draft,
+                          "--max-new-tokens", "8"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=env, cwd=tmp_path)
+    for d in delays:
+        time.sleep(d)
+        p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    assert (p.returncode, out, err) == (130, "", ""), (p.returncode, out, err[-3000:])
+    assert set(os.listdir(tmp_path)) <= {"home", "tmp"} and not os.listdir(tmp_path / "tmp")  # (no ./rank_0)
+
+
+def test_ctrl_c_while_generate_waits_for_its_prompt_on_stdin_exits_130(pair):
+    """Found by a signals probe: `generate -` read stdin with the signals held back, deaf to Ctrl-C."""
+    import signal
+    import time
+    target, draft, _ = pair
+    p = subprocess.Popen([sys.executable, "-m", "mindspec", "generate", "-", "--target", target, "--draft", draft],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(1)  # (the command starts in ~0.1 s; then it waits on stdin, which stays open)
+    p.send_signal(signal.SIGINT)
+    try:
+        out, err = p.communicate(timeout=30)
+    finally:
+        p.kill()
+    assert (p.returncode, out, err) == (130, "", ""), (p.returncode, out, err[-3000:])
+
+
 def _bad(d, name, breaker):
     path = d / name
     if not path.exists():
