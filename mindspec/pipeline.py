@@ -330,17 +330,17 @@ class Pipeline:
 
     @staticmethod
     def _stops():
-        """A library call's Ctrl-C (the main thread's, where no command holds the signals) during a warm-up
-        or a step: recorded and raised as KeyboardInterrupt after it, and MindSpore's own SIGINT handler,
-        which a graph run sets and which sends the process SIGTERM, undone then (a script died on Ctrl-C,
-        even in a time.sleep after its last generation). A second signal raises at once."""
-        def at_once():
-            raise KeyboardInterrupt
-        return contextlib.nullcontext() if signals.active() else signals.Signals(True, at_once)
+        """A library call's Ctrl-C or SIGTERM (the main thread's, where no command holds the signals) during
+        a warm-up or a step: recorded, and passed on after it to the handler the caller had (Python's raises
+        KeyboardInterrupt; a script's own handler or an ignored signal stay the script's), and MindSpore's
+        own SIGINT handler, which a graph run sets and which sends the process SIGTERM, undone then (a
+        script died on Ctrl-C, even in a time.sleep after its last generation). A second one passes on at
+        once."""
+        return contextlib.nullcontext() if signals.active() else signals.Signals(True)
 
     def _steps(self, reqs, max_batch, ready):
-        warm_up, stopped = self._held(lambda: self.prepare(reqs, max_batch))
-        _stop_here(stopped)
+        warm_up, held = self._held(lambda: self.prepare(reqs, max_batch))
+        _stop_here(held)
         compile_s = self.target.compile_s
         if ready is not None:
             ready()
@@ -349,21 +349,21 @@ class Pipeline:
             while todo and len(pending) < max_batch:  # the engine may have more slots than max_batch
                 pending.add(todo[0])
                 self.engine.add(todo.popleft())
-            events, stopped = self._held(self.engine.step)
+            events, held = self._held(self.engine.step)
             for r, text in events:
                 if r.done:
                     pending.discard(r)
                     r.stats.compile_s = warm_up + self.target.compile_s - compile_s  # (+ compiled on first need)
                 if text or r.done:
                     yield r, text
-            _stop_here(stopped)  # (after the step's results went out: a batch job writes their records first)
+            _stop_here(held)  # (after the step's results went out: a batch job writes their records first)
 
     def _held(self, fn):
-        """(fn(), whether a Ctrl-C came meanwhile): the library's Ctrl-C is held back while fn runs (MindSpore
-        inside); under a command's signal handling nothing is installed here."""
+        """(fn(), the library's Signals, holding what came meanwhile): the library's Ctrl-C is held back while
+        fn runs (MindSpore inside); under a command's signal handling nothing is installed here (None)."""
         with self._stops() as held:
             out = fn()
-        return out, held is not None and held.got is not None
+        return out, held
 
     def generate(self, prompt=None, prompt_ids=None, max_new_tokens=64, on_text=None, **kw):
         """Generate (greedy at temperature 0, else speculative sampling: the target's distribution
@@ -409,10 +409,11 @@ class Pipeline:
         return [r.result() for r in reqs]
 
 
-def _stop_here(stopped):
-    """KeyboardInterrupt for a Ctrl-C held back during the last call (stopped), or a command's own stop."""
-    if stopped:
-        raise KeyboardInterrupt
+def _stop_here(held):
+    """A signal held back during the last call passed on (held: the library's Signals), or a command's stop
+    raised (KeyboardInterrupt)."""
+    if held is not None and held.got is not None:
+        held.pass_on()
     signals.check()
 
 

@@ -6,7 +6,9 @@ process runs on: a server that was told to stop went on to serve), or aborts a c
 dump and rank_0/om/analyze_fail.ir. (MindSpore's own SIGINT handler, set on every graph run, sends the
 process SIGTERM.) Safe points: `check()` — the batch job's between records and steps, the server's
 between turns, a library call's between engine steps (Pipeline.stream), and before each graph compile
-(graphs.runner). A second signal stops at once (`hard_stop`)."""
+(graphs.runner). A second signal stops at once (`hard_stop`). A library call passes what it recorded on
+to the handler its caller had in force (`pass_on`), rather than raising."""
+import functools
 import os
 import signal
 import threading
@@ -16,19 +18,22 @@ _active = None  # the Signals in force (main thread), for check() from code that
 
 
 class Signals:
-    def __init__(self, active, hard_stop, final=False):
+    def __init__(self, active, hard_stop=None, final=False):
         """active False: a command that leaves signals to its launcher (a tensor-parallel rank): it installs
-        nothing, and library calls inside it install nothing either. final: a command's (only its exit
-        follows a stop): once a stop was recorded, a later signal exits at once, quietly (raised in the
-        teardown, it printed tracebacks from MindSpore's Cell.__del__ after the summary)."""
+        nothing, and library calls inside it install nothing either. hard_stop(): a second signal's (None,
+        a library call's: pass_on at once). final: a command's (only its exit follows a stop): once a stop
+        was recorded, a later signal exits at once, quietly (raised in the teardown, it printed tracebacks
+        from MindSpore's Cell.__del__ after the summary)."""
         self.asked = active
         self.active = active and threading.current_thread() is threading.main_thread()
-        self.hard_stop, self.got, self.old, self.final = hard_stop, None, {}, final
+        self.hard_stop, self.got, self.old, self.final = hard_stop or self.pass_on, None, {}, final
+        self.took = self.ours = None  # took_sigint once exited; the kernel's SIGINT handler once entered
 
     def __enter__(self):
         global _active
         if self.active:
             self.old = {s: signal.signal(s, self._record) for s in SIGNALS}
+            self.ours = _os_handler(signal.SIGINT)
         if self.active or not self.asked:
             _active = self
         signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)  # if the command line held them back until now
@@ -49,8 +54,35 @@ class Signals:
         if self.got is not None:
             raise KeyboardInterrupt
 
+    def pass_on(self):
+        """A library call's recorded signal, after its step: to the handler the caller had in force (Python's
+        KeyboardInterrupt, a script's own, or nothing for an ignored one; SIGTERM's default ends the process)."""
+        sig, self.got = self.got, None
+        if sig is None:
+            return
+        if sig == signal.SIGTERM and self.took_sigint:  # (most likely a Ctrl-C: MindSpore's handler sent it)
+            sig = signal.SIGINT
+        h = self.old.get(sig)
+        if h is None:  # (not Python's: MindSpore's, which a graph run set outside a call, or nothing recorded)
+            h = signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL
+        if h == signal.SIG_DFL:
+            signal.signal(sig, h)
+            signal.raise_signal(sig)
+        elif h != signal.SIG_IGN:
+            h(sig, None)
+
+    @property
+    def took_sigint(self):
+        """Whether MindSpore's SIGINT handler (a graph run sets it, underneath Python's; it sends the process
+        SIGTERM) replaced ours; unknown counts as yes."""
+        if self.took is None:
+            now = _os_handler(signal.SIGINT)
+            return self.active and (now is None or now != self.ours)
+        return self.took
+
     def __exit__(self, *exc):
         global _active
+        self.took = self.took_sigint
         if self.final and self.got is not None:
             stopping()
         else:
@@ -58,6 +90,25 @@ class Signals:
                 signal.signal(s, h)
         if _active is self:
             _active = None
+
+
+@functools.lru_cache(maxsize=1)
+def _libc():
+    import ctypes
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _os_handler(sig):
+    """The address of sig's handler as the kernel has it (None: unknown). signal.getsignal() gives only what
+    Python installed, not what C code installed since."""
+    import ctypes
+    try:
+        buf = ctypes.create_string_buffer(512)  # (a struct sigaction: on Linux its handler comes first)
+        if _libc().sigaction(int(sig), None, buf) == 0:
+            return ctypes.c_void_p.from_buffer(buf).value
+    except (OSError, AttributeError):
+        pass
+    return None
 
 
 class _ExitNow:

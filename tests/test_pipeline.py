@@ -350,6 +350,49 @@ def test_ctrl_c_in_a_library_script_raises_keyboard_interrupt(tiny_target, noisy
     assert p.returncode == 0, err[-3000:]
 
 
+OWN_HANDLERS_SCRIPT = """
+import signal, sys, time, mindspec
+got = []
+mine = lambda s, f: got.append(s)
+signal.signal(signal.SIGINT, mine)  # the script's own
+signal.signal(signal.SIGTERM, signal.SIG_IGN)  # and one it ignores
+pipe = mindspec.load(target=sys.argv[1], draft=sys.argv[2], k=4, max_seq=128)
+pipe.generate(prompt_ids=[5, 6, 7], max_new_tokens=4)
+print("ready", flush=True)
+t = time.monotonic()
+while not got and time.monotonic() - t < 60:
+    pipe.generate(prompt_ids=[5, 6, 7], max_new_tokens=100)
+print("own handler ran" if got == [signal.SIGINT] else "not run", flush=True)
+for _ in range(10):
+    pipe.generate(prompt_ids=[5, 6, 7], max_new_tokens=100)
+ok = signal.getsignal(signal.SIGINT) is mine and signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+print("handlers kept" if ok else "handlers changed", flush=True)
+"""
+
+
+def test_a_scripts_own_or_ignored_signal_handlers_are_its_own_during_library_calls(tiny_target, noisy_draft):
+    """Found by a signals probe: a library call replaced a script's own SIGINT handler (KeyboardInterrupt
+    instead) and an ignored SIGTERM (KeyboardInterrupt too). A signal during a call now reaches the
+    handler the script set, after the step it came in."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    p = subprocess.Popen([sys.executable, "-c", OWN_HANDLERS_SCRIPT, tiny_target[0], noisy_draft], text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert p.stdout.readline().strip() == "ready", p.stderr.read()[-3000:]
+        time.sleep(0.5)  # inside a generation
+        p.send_signal(signal.SIGINT)
+        assert p.stdout.readline().strip() == "own handler ran", p.stderr.read()[-3000:]
+        time.sleep(0.3)
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=120)
+    finally:
+        p.kill()
+    assert (p.returncode, out.split()) == (0, ["handlers", "kept"]), err[-3000:]
+
+
 def test_careless_library_calls_are_one_line_errors_and_change_nothing(pipe, tiny_target, noisy_draft, tmp_path):
     """Found by a careless user of the library: each of these hung, ran something else than asked, or
     failed from deep inside."""
