@@ -11,6 +11,7 @@ to the handler its caller had in force (`pass_on`), rather than raising."""
 import functools
 import os
 import signal
+import sys
 import threading
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -28,12 +29,15 @@ class Signals:
         self.active = active and threading.current_thread() is threading.main_thread()
         self.hard_stop, self.got, self.old, self.final = hard_stop or self.pass_on, None, {}, final
         self.took = self.ours = None  # took_sigint once exited; the kernel's SIGINT handler once entered
+        self.kernel = None  # off the main thread: the kernel's SIGINT action when entered
 
     def __enter__(self):
         global _active
         if self.active:
             self.old = {s: signal.signal(s, self._record) for s in SIGNALS}
             self.ours = _os_handler(signal.SIGINT)
+        elif self.asked:  # off the main thread Python sets no handler: the kernel's action is put back instead
+            self.kernel = _sigaction(signal.SIGINT)
         if self.active or not self.asked:
             _active = self
         signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)  # if the command line held them back until now
@@ -88,6 +92,8 @@ class Signals:
         else:
             for s, h in self.old.items():
                 signal.signal(s, h)
+        if self.kernel is not None:
+            _sigaction(signal.SIGINT, self.kernel)
         if _active is self:
             _active = None
 
@@ -98,17 +104,25 @@ def _libc():
     return ctypes.CDLL(None, use_errno=True)
 
 
-def _os_handler(sig):
-    """The address of sig's handler as the kernel has it (None: unknown). signal.getsignal() gives only what
-    Python installed, not what C code installed since."""
+def _sigaction(sig, new=None):
+    """The kernel's action for sig (a struct sigaction's bytes; None: unknown), after setting `new` (such
+    bytes) if given. Unlike signal.signal(), from any thread, and it sees what C code installed."""
     import ctypes
     try:
-        buf = ctypes.create_string_buffer(512)  # (a struct sigaction: on Linux its handler comes first)
-        if _libc().sigaction(int(sig), None, buf) == 0:
-            return ctypes.c_void_p.from_buffer(buf).value
+        old = ctypes.create_string_buffer(512)  # (room for a struct sigaction)
+        if _libc().sigaction(int(sig), new, old) == 0:
+            return old.raw
     except (OSError, AttributeError):
         pass
     return None
+
+
+def _os_handler(sig):
+    """The address of sig's handler as the kernel has it (None: unknown); on Linux a struct sigaction
+    starts with it. signal.getsignal() gives only what Python installed, not what C code installed since."""
+    action = _sigaction(sig)
+    import ctypes
+    return None if action is None else int.from_bytes(action[:ctypes.sizeof(ctypes.c_void_p)], sys.byteorder)
 
 
 class _ExitNow:

@@ -393,6 +393,41 @@ def test_a_scripts_own_or_ignored_signal_handlers_are_its_own_during_library_cal
     assert (p.returncode, out.split()) == (0, ["handlers", "kept"]), err[-3000:]
 
 
+THREAD_SCRIPT = """
+import sys, threading, time, mindspec
+pipe = mindspec.load(target=sys.argv[1], draft=sys.argv[2], k=4, max_seq=128)
+t = threading.Thread(target=lambda: pipe.generate(prompt_ids=[5, 6, 7], max_new_tokens=12))
+t.start()
+t.join()
+print("ready", flush=True)
+try:
+    time.sleep(60)
+except KeyboardInterrupt:
+    print("caught while idle", flush=True)
+"""
+
+
+def test_ctrl_c_after_a_generation_on_another_thread_raises_keyboard_interrupt(tiny_target, noisy_draft):
+    """Found by a signals probe: after a generation on a thread other than the main one (a web app's
+    worker), Ctrl-C killed the script with SIGTERM (MindSpore's handler, which Python cannot reset from
+    there). The kernel's SIGINT action is now put back after every call, from any thread."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    p = subprocess.Popen([sys.executable, "-c", THREAD_SCRIPT, tiny_target[0], noisy_draft], text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as a terminal's
+    try:
+        assert p.stdout.readline().strip() == "ready", p.stderr.read()[-3000:]
+        time.sleep(0.2)
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert (p.returncode, out.strip()) == (0, "caught while idle"), (p.returncode, err[-3000:])
+
+
 def test_careless_library_calls_are_one_line_errors_and_change_nothing(pipe, tiny_target, noisy_draft, tmp_path):
     """Found by a careless user of the library: each of these hung, ran something else than asked, or
     failed from deep inside."""
