@@ -60,9 +60,12 @@ class Pipeline:
         self.set_draft(draft)
         self.fixed_max_seq = max_seq
         self.device_mem, self.tp = device_mem, tp  # bytes per device: refuse what cannot fit
-        # MindSpore only now (~3 s to import): a bad checkpoint, tokenizer or draft is refused before it
-        from mindspec.graphs.runner import init_mindspore
-        init_mindspore(self.device)
+        # MindSpore only now (~3 s to import): a bad checkpoint, tokenizer or draft is refused before it. A
+        # Ctrl-C meanwhile waits for the import's end (raised inside, it aborted the interpreter at exit).
+        def start():
+            from mindspec.graphs.runner import init_mindspore
+            init_mindspore(self.device)
+        _stop_here(self._held(start)[1])
         from .default import home
         self.cache_dir = os.path.join(home(), "compile_cache")  # see TargetModel.warmup
         if max_seq:

@@ -428,6 +428,37 @@ def test_ctrl_c_after_a_generation_on_another_thread_raises_keyboard_interrupt(t
     assert (p.returncode, out.strip()) == (0, "caught while idle"), (p.returncode, err[-3000:])
 
 
+LOAD_SCRIPT = """
+import sys, mindspec
+try:
+    pipe = mindspec.load(target=sys.argv[1], draft=sys.argv[2], k=4, max_seq=128)
+    print("loaded", flush=True)
+except KeyboardInterrupt:
+    print("caught while loading", flush=True)
+"""
+
+
+@pytest.mark.parametrize("delay", [0.5, 1.2])
+def test_ctrl_c_while_a_script_first_loads_raises_keyboard_interrupt(tiny_target, noisy_draft, delay):
+    """Found by a signals probe: a Ctrl-C while `mindspec.load` first imported MindSpore broke the import
+    half-way (ImportError or a lost signal; at exit `Fatal Python error`, exit 134). It now waits for the
+    import's end and then raises in the caller."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    p = subprocess.Popen([sys.executable, "-c", LOAD_SCRIPT, tiny_target[0], noisy_draft], text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as a terminal's
+    try:
+        time.sleep(delay)  # (MindSpore's import: ~0.2 to 2 s)
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=120)
+    finally:
+        p.kill()
+    assert (p.returncode, out.strip(), err) == (0, "caught while loading", ""), (p.returncode, out, err[-3000:])
+
+
 def test_careless_library_calls_are_one_line_errors_and_change_nothing(pipe, tiny_target, noisy_draft, tmp_path):
     """Found by a careless user of the library: each of these hung, ran something else than asked, or
     failed from deep inside."""
