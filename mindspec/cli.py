@@ -233,8 +233,8 @@ def cmd_serve(a):
 
 
 def _check_model_paths(a):
-    """A server binds its port before it loads (health answers 503 meanwhile): a model path that is not
-    there is refused before that, not after a "listening" line."""
+    """A model path that is not there, refused before a server binds its port (health answers 503 while it
+    loads: not after a "listening" line) or a data-parallel launcher starts its replicas."""
     from .config import load_config
     from mindspec.export.manifest import check_file
     if a.target is not None:
@@ -290,6 +290,7 @@ def cmd_batch(a):
 def launch_dp(argv, a):
     """`batch --dp N` in the user's process: N replicas, then the merge (mindspec.dp)."""
     from .dp import launch
+    _check_model_paths(a)  # (else each replica says it)
     return launch(argv, a.input, a.output, batch_job(a), a.dp, a.tp, a.nodes, a.node_rank)
 
 

@@ -843,6 +843,11 @@ def test_scale_out_flags_that_cannot_work_exit_2_with_one_line(setup, tmp_path):
     # two machines each forgetting --node-rank both ran as node 0
     _expect_usage_error(setup, out, "--nodes 2 needs --node-rank: this machine's index, 0..1",
                         extra=["--dp", "2", "--nodes", "2"])
+    # a model path that is not there: said by every replica (and a replica without lines left its summary)
+    _expect_usage_error(setup, out, f"draft model not found: {tmp_path / 'nope.onnx'}",
+                        extra=["--dp", "2", "--draft", str(tmp_path / "nope.onnx")])
+    _expect_usage_error(setup, out, f"model directory not found: {tmp_path / 'nope'}",
+                        extra=["--dp", "2", "--target", str(tmp_path / "nope")])
     assert not out.exists() and not list(tmp_path.glob("o.jsonl.part*"))
     (tmp_path / "o.jsonl.part1of3").write_bytes(b"")  # an unfinished --dp 3 run
     _expect_usage_error(setup, out, "unmerged parts of a --dp 3 run", extra=["--dp", "2"])
