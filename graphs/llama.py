@@ -214,8 +214,8 @@ class SampleStep(nn.Cell):
     temperature, top_k (int32), top_p, penalty [B]; seen [B, V] float32 (1: token committed); keys
     [W] as GreedyStep. Returns n_accepted [B], next [B], the logprobs of the tokens the step commits
     (lp [B, K+1]: the accepted drafts, then next at index n_accepted; top_lp, top_id [B, K+1,
-    TOP_LOGPROBS]: see token_logprobs) and exact (0-d bool: the top-k candidates held every row's kept set; when not,
-    run the cell with cap None, the exact bisection, on the same inputs)."""
+    TOP_LOGPROBS]: see token_logprobs), exact [B] bool (the top-k candidates held the row's kept set; when
+    not, its outputs are redone on the host: graphs/exact.py) and the logits [B, K+1, V] for that."""
 
     def __init__(self, decoder, cap=TOPK_CAP):
         super().__init__()
@@ -238,7 +238,7 @@ class SampleStep(nn.Cell):
             at = iota(T).reshape(1, T)
             committed = ops.select(at == n.reshape(B, 1), ops.broadcast_to(nxt.reshape(B, 1), (B, T)),
                                    ops.concat((drafts, ids[:, :1]), 1))
-        return (n, nxt) + token_logprobs(logits, committed) + (exact,)
+        return (n, nxt) + token_logprobs(logits, committed) + (exact, logits)
 
 
 class Prefill(nn.Cell):
@@ -246,7 +246,8 @@ class Prefill(nn.Cell):
     real tokens lands in stale positions: masked, later overwritten); each row's next token is sampled
     after its index last [B] with u [B] and the row's sampling parameters (as SampleStep; temperature
     0 = greedy); keys [W] as GreedyStep. Only those B positions go through the LM head. Returns next [B]
-    int32, its logprobs (lp [B, 1], top_lp and top_id [B, 1, TOP_LOGPROBS]) and exact (as SampleStep)."""
+    int32, its logprobs (lp [B, 1], top_lp and top_id [B, 1, TOP_LOGPROBS]), exact [B] and the logits
+    [B, 1, V] (as SampleStep)."""
 
     def __init__(self, decoder, cap=TOPK_CAP):
         super().__init__()
@@ -259,4 +260,4 @@ class Prefill(nn.Cell):
         logits = self.decoder.head_logits(ops.gather(self.decoder(ids, slots, pos, keys), rows, 0)).reshape(B, 1, V)
         p, exact = process(logits, temperature, top_k, top_p, penalty, (seen > 0).reshape(B, 1, V), self.cap)
         nxt = sample(p.reshape(B, V), u)
-        return (nxt,) + token_logprobs(logits, nxt.reshape(B, 1)) + (exact,)
+        return (nxt,) + token_logprobs(logits, nxt.reshape(B, 1)) + (exact, logits)

@@ -19,6 +19,7 @@ from mindspec.device import detect_device, device_id
 from mindspec.spec import PREFILL_CHUNK, attention_windows, cache_positions, round_up
 from .fuse import rot_rows_for
 from .llama import GreedyStep, LlamaDecoder, Logits, Prefill, SampleStep
+from .exact import redo_prefill, redo_step
 from .sampling import TOPK_CAP
 from .tp import all_reduce_sum, tp_layout, tp_size
 
@@ -142,11 +143,8 @@ class TargetModel:
         self._keys = {W: Tensor(np.arange(W, dtype=np.int32)) for W in self.windows}
         self.decoder = LlamaDecoder(self.cfg, ckpt.get, S, slots=max_batch, dtype=getattr(ms, dtype),
                                     rot_rows=self.rot_rows)
-        # *_exact: the rare rerun when the top-k candidates did not hold a row's kept set (graphs/sampling.py);
-        # compiled on first need
         self.cells = {"greedy": GreedyStep(self.decoder), "sample": SampleStep(self.decoder, TOPK_CAP),
-                      "sample_exact": SampleStep(self.decoder, None), "prefill": Prefill(self.decoder, TOPK_CAP),
-                      "prefill_exact": Prefill(self.decoder, None), "logits": Logits(self.decoder)}
+                      "prefill": Prefill(self.decoder, TOPK_CAP), "logits": Logits(self.decoder)}
         for cell in self.cells.values():
             cell.set_train(False)
         self.fingerprint = ckpt.fingerprint()
@@ -158,6 +156,7 @@ class TargetModel:
         self._cache = None  # (path, lock) of the compile cache the pending graphs go through
         self.load_error = None  # why the next pending graph did not compile (load_next)
         self.writes = 0  # graph runs (each writes K/V into cache slots): the engine's prefix cache checks it
+        self.host_rows = 0  # sampling rows redone on the host (_sampled)
         self._no_seen = {}  # B -> zeros [B, V]
 
     def _run(self, kind, shape, *args, dry=False):
@@ -184,13 +183,20 @@ class TargetModel:
         return out
 
     def _sampled(self, kind, shape, *args, dry=False):
-        """The outputs of a sampling graph, from its exact variant when the fast one's top-k candidates
-        did not hold a row's kept set (the same inputs again: the K/V it writes are the same)."""
+        """The outputs of a sampling graph as numpy arrays, the rows whose kept set its top-k candidates did
+        not hold redone on the host from the step's logits (graphs/exact.py; counted in host_rows)."""
         if dry:
             return self._run(kind, shape, *args, dry=True)
-        *out, exact = self._run(kind, shape, *args)
-        if not bool(exact.asnumpy()):
-            *out, _ = self._run(kind + "_exact", shape, *args)
+        *out, exact, logits = self._run(kind, shape, *args)
+        out = [np.array(x.asnumpy()) for x in out]
+        rows = np.flatnonzero(~exact.asnumpy())
+        if len(rows):
+            self.host_rows += len(rows)
+            inputs = [a.asnumpy() for a in args[:-1]]  # (the keys left out)
+            if kind == "prefill":
+                redo_prefill(rows, logits.asnumpy(), *inputs[4:], out)
+            else:
+                redo_step(rows, logits.asnumpy(), inputs[0], *inputs[3:], out)
         return out
 
     @staticmethod
@@ -252,8 +258,8 @@ class TargetModel:
         out = self._sampled("prefill", (B, C, W), *args, dry=dry)
         if dry:
             return None
-        tok = out[0].asnumpy()[:n].astype(np.int64)
-        return (tok, Logprobs(*(x.asnumpy()[:n] for x in out[1:4]))) if logprobs else tok
+        tok = out[0][:n].astype(np.int64)
+        return (tok, Logprobs(*(x[:n] for x in out[1:4]))) if logprobs else tok
 
     def step(self, ids, slots, pos, n_valid, s=None, dry=False, logprobs=False):
         """One decode (K = 0) or verify step over n rows: ids [n, K+1] (last committed token + K drafts),
@@ -288,8 +294,9 @@ class TargetModel:
                                 self._seen(None if s.seen is None else rows(s.seen), B), self._keys[W], dry=dry)
         if dry:
             return None
-        acc, nxt = out[0].asnumpy()[:n].astype(np.int64), out[1].asnumpy()[:n].astype(np.int64)
-        return (acc, nxt, Logprobs(*(x.asnumpy()[:n] for x in out[2:5]))) if logprobs else (acc, nxt)
+        out = [x if isinstance(x, np.ndarray) else x.asnumpy() for x in out]  # (the greedy graph's: Tensors)
+        acc, nxt = out[0][:n].astype(np.int64), out[1][:n].astype(np.int64)
+        return (acc, nxt, Logprobs(*(x[:n] for x in out[2:5]))) if logprobs else (acc, nxt)
 
     def _decode_k(self, B, K):
         """The K a step of batch bucket B and K drafts really runs (a one-row decode: a verify, see __init__)."""
@@ -343,7 +350,7 @@ class TargetModel:
 
         With `cache_dir`, the graphs are saved to / loaded from MindSpore's compile cache, but only
         when they are the first graphs compiled in this process: MindSpore numbers the graphs it compiles
-        with the cache on (graphs compiled with it off between them, e.g. an exact-sampling rerun while
+        with the cache on (graphs compiled with it off between them, e.g. a graph a request needed while
         some are pending, take no number) and reads the cache path once, so only a fixed compile order
         from a fresh process maps every cached file to the right graph (otherwise it handed a verify
         graph of another K to a run that compiled in another order). MindSpore also reads the entry

@@ -10,12 +10,13 @@ graphs the logprobs of the committed tokens (token_logprobs), never whole distri
 Top-k/top-p without a full sort (a CPU sort of the vocabulary costs ~20x the rest, and sorting float32
 is lossy on Ascend): the thresholds come from the `cap` largest logits (ops.topk) and the softmax
 normaliser over the whole vocabulary. That is exact whenever the kept set fits in the candidates
-(top_k <= cap, or the candidates hold top_p of the mass), and the graph says whether it did; when it
-did not (rare), the caller runs the exact variant (cap None), which finds the thresholds by bisection
-on the logit values: sort-free, the same kernels on every call, no branch inside the graph.
+(top_k <= cap, or the candidates hold top_p of the mass), and the graph says per row whether it did;
+a row where it did not (a flat distribution: a high temperature, top_p near 1) is redone on the host
+from the step's logits, which the graph returns too (graphs/exact.py). A graph variant doing it
+inside compiled per shape on first need: 15-40 s with every row waiting, and ~0.1-1 GB each.
 """
 import mindspore as ms
-from mindspore import Tensor, ops
+from mindspore import ops
 
 from mindspec.spec import TOP_LOGPROBS
 
@@ -24,22 +25,20 @@ from .prims import argmax, full_like, iota, largest, one_hot
 NEG = -1e9  # finite "minus infinity": exp() underflows to exactly 0 in float32
 BIG = 3e38  # "+infinity" for min-reductions
 TOPK_CAP = 2048  # topk costs ~6 ms at 1024-2048 on 5 x 49152 (2 CPU cores), a full sort ~55 ms
-BISECT_STEPS = 64  # halvings of the logit range: adjacent float32 values for any realistic range
 
 
 def wide(a, x):
     """a (e.g. [B, T, 1]) broadcast to x's shape, for an elementwise op with x. On CPU a broadcasting
     elementwise kernel keeps a workspace of its own, ~4x its output, for the life of the graph: in the
-    decoder's layers and the bisection's unrolled steps that adds up (elsewhere the copy costs more time
-    than the memory is worth)."""
+    decoder's layers that adds up (elsewhere the copy costs more time than the memory is worth)."""
     return ops.broadcast_to(a, x.shape)
 
 
 def _cut(s, x, top_k, top_p):
     """Truncation threshold from s [B, T, C], the C largest logits of x [B, T, V] (descending);
     top_k [B, 1, 1] int32 (0: off), top_p [B, 1, 1]. Returns (cut [B, T, 1]: keep x >= cut,
-    exact: 0-d bool, whether the C candidates sufficed for every row)."""
-    V, C = x.shape[-1], s.shape[-1]
+    exact [B] bool: whether the C candidates sufficed for every position of the row)."""
+    B, V, C = x.shape[0], x.shape[-1], s.shape[-1]
     k = top_k + (top_k <= 0).astype(ms.int32) * V  # 0 (off) -> V
     k = ops.minimum(k, V)  # [B, 1, 1]
     kk = ops.broadcast_to(ops.minimum(k, C) - 1, s.shape[:-1] + (1,))  # [B, T, 1]
@@ -56,62 +55,24 @@ def _cut(s, x, top_k, top_p):
     # exact: the k-th largest is a candidate, or top-k is off and the candidates hold the top-p set (a k
     # between C and V is not: its k-th largest is no candidate, and z summed the candidates only)
     fits = ops.logical_or(k <= C, ops.logical_and(k >= V, ops.logical_or(top_p >= 1, incl[..., C - 1:] >= top_p)))
-    return cut, fits.all()
-
-
-def _bisect(x, weight, target):
-    """The largest value v of x [B, T, V] with sum(weight[x >= v]) >= target [B, T, 1]: bisection on
-    the value (invariant: enough weight at or above lo, not enough at or above hi), then snapped to
-    the largest x below hi, which is v once [lo, hi) holds a single value of x."""
-    lo = x.min(-1, keepdims=True) - 1.0  # [B, T, 1]: every token at or above it
-    hi = x.max(-1, keepdims=True) + 1.0  # none at or above it
-    for _ in range(BISECT_STEPS):
-        mid = (lo + hi) * 0.5
-        ok = (weight * (x >= wide(mid, x)).astype(ms.float32)).sum(-1, keepdims=True) >= target
-        lo, hi = ops.select(ok, mid, lo), ops.select(ok, hi, mid)
-    return ops.select(x < wide(hi, x), x, full_like(x, -BIG)).max(-1, keepdims=True)
-
-
-def _exact_cut(x, top_k, top_p):
-    """_cut's threshold found without candidates (x [B, T, V]; top_k, top_p [B, 1, 1]): the k-th
-    largest logit, then the smallest logit of the smallest top set holding top_p of the mass."""
-    V = x.shape[-1]
-    k = top_k + (top_k <= 0).astype(ms.int32) * V  # 0 (off) -> V
-    k = ops.broadcast_to(ops.minimum(k, V), x.shape[:-1] + (1,)).astype(ms.float32)  # [B, T, 1]
-    kth = _bisect(x, ops.ones_like(x), k)
-    kth = ops.select(k >= V, full_like(kth, -BIG), kth)
-    m = x.max(-1, keepdims=True)
-    p = ops.exp(x - m) * (x >= kth).astype(ms.float32)
-    p = p / p.sum(-1, keepdims=True)  # [B, T, V] probabilities after top-k
-    cut_p = ops.minimum(_bisect(x, p, ops.broadcast_to(top_p, kth.shape)), m)  # the top token always stays
-    return ops.select(ops.broadcast_to(top_p < 1, kth.shape), ops.maximum(cut_p, kth), kth)
-
-
-def _truncate(x, top_k, top_p, cap):
-    """x [B, T, V] with every token below its row's top-k / top-p threshold set to NEG, and whether
-    that is exact (0-d bool): always with cap None (bisection, 2 x BISECT_STEPS unrolled steps: only
-    the rare rerun compiles it), else when the cap candidates held every row's kept set."""
-    V = x.shape[-1]
-    if cap is None:
-        cut, exact = _exact_cut(x, top_k, top_p), Tensor(True)
-    else:  # a vocabulary within the cap: every token is a candidate, always exact
-        cut, exact = _cut(largest(x, min(cap, V))[0], x, top_k, top_p)
-    return ops.select(x >= cut, x, full_like(x, NEG)), exact
+    return cut, ops.broadcast_to(fits, kth.shape).reshape(B, -1).all(-1)
 
 
 def process(x, temperature, top_k, top_p, penalty, seen, cap):
-    """logits x [B, T, V] float32 -> (probabilities [B, T, V], exact: 0-d bool, see _truncate). Per
-    row: temperature [B] (0: greedy, the one-hot argmax of the penalised logits), top_k [B] int32
-    (0: off), top_p [B], penalty [B] (1: off); seen [B, T, V] bool (token already in the sequence at
-    that position); cap: top-k candidates (None: the exact bisection)."""
-    B = x.shape[0]
+    """logits x [B, T, V] float32 -> (probabilities [B, T, V], exact [B] bool: the `cap` top-k candidates
+    held the row's kept set at every position, see _cut; a greedy row always). Per row: temperature [B]
+    (0: greedy, the one-hot argmax of the penalised logits), top_k [B] int32 (0: off), top_p [B], penalty
+    [B] (1: off); seen [B, T, V] bool (token already in the sequence at that position)."""
+    B, V = x.shape[0], x.shape[-1]
     temperature, penalty = temperature.reshape(B, 1, 1), penalty.reshape(B, 1, 1)
     x = ops.select(seen, ops.select(x > 0, x / penalty, x * penalty), x)
     hot = (temperature > 0).astype(ms.float32)  # [B, 1, 1]: 1 sampling, 0 greedy
-    greedy = one_hot(argmax(x), x.shape[-1])
+    greedy = one_hot(argmax(x), V)
     # greedy rows divide by 1; not (temperature + 1 - hot): 1 + 1e-8 rounds to 1 in float32, a division by 0
-    x, exact = _truncate(x / (temperature * hot + (1.0 - hot)), top_k.reshape(B, 1, 1), top_p.reshape(B, 1, 1), cap)
-    return ops.softmax(x, -1) * hot + greedy * (1.0 - hot), exact
+    x = x / (temperature * hot + (1.0 - hot))
+    cut, exact = _cut(largest(x, min(cap, V))[0], x, top_k.reshape(B, 1, 1), top_p.reshape(B, 1, 1))
+    x = ops.select(x >= cut, x, full_like(x, NEG))
+    return ops.softmax(x, -1) * hot + greedy * (1.0 - hot), ops.logical_or(exact, temperature.reshape(B) <= 0)
 
 
 def token_logprobs(logits, tokens):

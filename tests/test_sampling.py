@@ -11,6 +11,7 @@ from scipy.stats import chisquare, kstest
 from mindspec.acceptance import speculative_accept
 from mindspec.checkpoint import Checkpoint, write_checkpoint
 from mindspec.errors import MindspecError
+from mindspec.graphs.exact import redo_step
 from mindspec.reference import reference_logits
 from mindspec.sampling import SamplingParams, draft_token, process_logits, sample
 
@@ -18,7 +19,7 @@ from conftest import make_tiny_checkpoint
 
 V = 16  # vocabulary of the statistical tests: 256 cells for two tokens
 CONTEXT = [3, 7, 11, 5]
-CAP = 4  # top-k candidates in the graph: small, so both the fast path and the exact (bisection) rerun run
+CAP = 4  # top-k candidates in the graph: small, so both the fast path and the host's redo of a row run
 
 
 def _probs(*rows):
@@ -191,10 +192,10 @@ class Batch:
     def __init__(self, ckpt, rows):
         from mindspec.graphs.llama import LlamaDecoder, SampleStep
         self.decoder = LlamaDecoder(ckpt.config, ckpt.get, max_seq=32, slots=rows)
-        self.B, self.cell, self.exact = rows, SampleStep(self.decoder, cap=CAP), SampleStep(self.decoder, cap=None)
+        self.B, self.cell = rows, SampleStep(self.decoder, cap=CAP)
         self.cell.set_train(False)
-        self.exact.set_train(False)
-        self.reruns = 0  # calls whose candidates did not hold every row's kept set
+        self.reruns, self.redone = 0, []  # calls with rows whose candidates did not hold their kept set; the
+        # last call's rows, redone on the host
 
     def verify(self, ids, start, q, u, params, seen=None):
         """ids [B, K+1], q [B, K, V], u [B, K+1] (the last column: the sample uniform), params: one
@@ -210,11 +211,13 @@ class Batch:
                 f32(u[:, :K]), f32(np.repeat(u[:, K:], K + 1, 1)), f32([p.temperature for p in row]),
                 i32([p.top_k for p in row]), f32([p.top_p for p in row]), f32([p.repetition_penalty for p in row]),
                 f32(np.zeros((B, V)) if seen is None else seen), i32(np.arange(32)))
-        n, nxt, *_, exact = self.cell(*args)
-        if not exact.asnumpy():  # as TargetModel does
-            self.reruns += 1
-            n, nxt, *_ = self.exact(*args)
-        return n.asnumpy(), nxt.asnumpy()
+        *out, exact, logits = self.cell(*args)
+        out = [np.array(x.asnumpy()) for x in out]
+        rows = self.redone = np.flatnonzero(~exact.asnumpy())
+        self.reruns += len(rows) > 0
+        if len(rows):  # as TargetModel does
+            redo_step(rows, logits.asnumpy(), *[a.asnumpy() for a in args[:1] + args[3:-1]], out)
+        return out[0], out[1]
 
     def fill(self, ids):
         """Write ids [B, T] into the cache at positions 0..T-1 (two at a time, through the K=1 step;
@@ -238,7 +241,7 @@ def batch(pair):
 # ---- the fused graph equals the pure function ----------------------------------------------------
 
 GRAPH_CASES = [  # (K, params of the rows, in turn): one graph, any mix of rows; fast top-k path when
-    # top_k <= CAP and top-p sets within CAP, else the exact rerun
+    # top_k <= CAP and top-p sets within CAP, else the row redone on the host
     (1, [SamplingParams(1.0), SamplingParams(0.6), SamplingParams(0.0)]),
     (2, [SamplingParams(0.8, top_k=3, top_p=0.9), SamplingParams(0.8, top_k=6, top_p=0.9),
          SamplingParams(1.3, top_p=0.6), SamplingParams(1.0, top_k=2), SamplingParams(0.0)]),
@@ -266,6 +269,7 @@ def test_fused_verify_graph_equals_pure_function(pair, batch):
         seen = np.zeros((ROWS, V))
         np.put_along_axis(seen, prefix, 1, 1)
         n, nxt = batch.verify(np.concatenate([prefix[:, -1:], drafts], 1), 4, q, u, param_list, seen)
+        assert {r for r in range(ROWS) if CAP < param_list[r % len(param_list)].top_k < V} <= set(batch.redone)
         for r in range(CHECKED):
             params = param_list[r % len(param_list)]
             seq = list(prefix[r]) + list(drafts[r])
@@ -275,7 +279,7 @@ def test_fused_verify_graph_equals_pure_function(pair, batch):
             assert (n[r], nxt[r]) == want, (params, r, seq)
             outcomes.add(n[r] == k)
     assert outcomes == {True, False}  # both the recovered and the bonus path were compared
-    assert batch.reruns - reruns == 3  # the cases with top_k > CAP went through the exact bisection
+    assert batch.reruns - reruns == 3  # the cases with top_k > CAP (or top-p sets past it) went through the host
 
 
 # ---- statistical losslessness --------------------------------------------------------------------
@@ -351,6 +355,7 @@ def _chi2_pvalue(pairs, P):
 STAT_CASES = {  # name: (params, (K of the first step, K of the second))
     "t1": (SamplingParams(1.0), (1, 1)),
     "top_p+draft_t": (SamplingParams(1.0, top_p=0.8, draft_temperature=1.5), (2, 1)),
+    "top_k_past_the_candidates": (SamplingParams(1.2, top_k=CAP + 3), (2, 1)),  # every row redone on the host
 }
 
 
@@ -375,11 +380,19 @@ def test_fused_graph_is_lossless(logit_tables, batch, name):
 
 # ---- TargetModel's host side: prefill and step with per-row sampling -----------------------------
 
-@pytest.fixture(scope="module")
-def target(pair):
-    from mindspec.graphs.runner import TargetModel, init_mindspore
-    init_mindspore()
-    return TargetModel(pair[0], max_seq=32, k_buckets=(1, 2), batch_buckets=(2,), max_batch=2)
+@pytest.fixture(scope="module", params=["in the graph", "on the host"])
+def target(pair, request):
+    """A TargetModel; "on the host": its graphs' top-k candidates (4) cannot hold a row's top_k 6, so
+    every sampling row is redone on the host from the logits (graphs/exact.py)."""
+    from mindspec.graphs import runner
+    runner.init_mindspore()
+    cap = runner.TOPK_CAP
+    runner.TOPK_CAP = 4 if request.param == "on the host" else cap
+    try:
+        m = runner.TargetModel(pair[0], max_seq=32, k_buckets=(1, 2), batch_buckets=(2,), max_batch=2)
+    finally:
+        runner.TOPK_CAP = cap
+    return m, dict(top_k=6) if request.param == "on the host" else {}
 
 
 def _rows(params_list, u_acc, u_smp, q=None, seen=None):
@@ -391,11 +404,11 @@ def _rows(params_list, u_acc, u_smp, q=None, seen=None):
 
 
 def test_target_model_sampling_matches_the_pure_functions(pair, target):
-    ckpt, m = pair[0], target
+    (m, kw), ckpt = target, pair[0]
     rng = np.random.default_rng(11)
     ref = lambda seq: reference_logits(ckpt.config, ckpt.get, seq)[-1]  # noqa: E731
     for case in range(6):
-        params = SamplingParams(float(rng.uniform(0.5, 1.5)))
+        params = SamplingParams(float(rng.uniform(0.5, 1.5)), **kw)
         prefix = [int(x) for x in rng.integers(0, V, int(rng.integers(2, 7)))]
         u = rng.random(5, dtype=np.float32)
         first = int(m.prefill([0], [0], [prefix], _rows([params], [[0.5]], [[u[0]]]))[0])
@@ -410,5 +423,12 @@ def test_target_model_sampling_matches_the_pure_functions(pair, target):
                               q=np.stack([q, np.full((1, V), 1 / V)])))
         assert (int(n[0]), int(nxt[0])) == speculative_accept(p, q, drafts, u[1:2], u[2])
         seq += drafts[:n[0]] + [int(nxt[0])]
-        n, nxt = m.step([[seq[-1]]], [0], [len(seq) - 1], [0], _rows([params], [[0.5]], [[u[3]]]))
-        assert int(nxt[0]) == sample(params.process(ref(seq)), u[3])
+        n, nxt, lps = m.step([[seq[-1]]], [0], [len(seq) - 1], [0], _rows([params], [[0.5]], [[u[3]]]),
+                             logprobs=True)
+        x = ref(seq)
+        assert int(nxt[0]) == sample(params.process(x), u[3])
+        assert abs(lps.lp[0, 0] - (x[nxt[0]] - x.max() - np.log(np.exp(x - x.max()).sum()))) < 1e-4  # its logprob
+    assert m.host_rows == (18 if kw else 0)  # each case's prefill, verify and decode: its sampling row
+    # the soak prober's: a graph variant did this inside, compiled per shape on first need while serving
+    # (15-40 s with every row waiting, +0.1-1 GB each): the host needs no graph of its own
+    assert {key.split("(")[0] for key in m.compiled} == {"prefill", "sample"}

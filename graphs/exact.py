@@ -1,0 +1,51 @@
+"""The rows of a sampling step whose kept set the graph's top-k candidates did not hold (graphs/sampling.py:
+a flat distribution, e.g. a high temperature or top_p near 1), redone on the host from the step's
+logits with the reference functions (mindspec.sampling, mindspec.acceptance) and the row's own
+uniforms: the same draw rule (inverse CDF, u_smp at the stopping point), so still the target's
+distribution exactly and reproducible per seed. Rare, and ~16 ms a row (K = 4, 49,152 tokens, 2 cores):
+no graph to compile."""
+import numpy as np
+
+from mindspec.acceptance import speculative_accept
+from mindspec.sampling import process_logits, sample
+
+
+def _p(logits, prev, temperature, top_k, top_p, penalty):
+    """p [T, V] of one row: logits [T, V], position i seeing prev + what the row fed before it (prev [T])."""
+    return np.stack([process_logits(x, float(temperature), int(top_k), float(top_p), float(penalty), seen)
+                     for x, seen in zip(logits, prev)])
+
+
+def _logprob(logits, tokens):
+    """logits [T, V], tokens [T] -> the tokens' logprobs [T] (as token_logprobs in the graph)."""
+    x = logits.astype(np.float64)
+    m = x.max(-1, keepdims=True)
+    lse = (m + np.log(np.exp(x - m).sum(-1, keepdims=True)))[:, 0]
+    return (x[np.arange(len(tokens)), tokens] - lse).astype(np.float32)
+
+
+def redo_step(rows, logits, ids, n_valid, q, u_acc, u_smp, temperature, top_k, top_p, penalty, seen, out):
+    """SampleStep's outputs out = [n [B], next [B], lp [B, T], top_lp, top_id] (numpy, changed in place)
+    for rows, from logits [B, T, V] and the step's inputs (as SampleStep's, numpy)."""
+    T = ids.shape[1]
+    for b in rows:
+        drafts, prev = ids[b, 1:], list(np.flatnonzero(seen[b]))
+        p = _p(logits[b], [prev + list(drafts[:i]) for i in range(T)], temperature[b], top_k[b], top_p[b],
+               penalty[b])
+        if T == 1:
+            n, nxt = 0, sample(p[0], u_smp[b, 0])
+        else:  # (n does not depend on the sample uniform, which is the one of the stopping point n)
+            n, _ = speculative_accept(p, q[b], drafts, u_acc[b], u_smp[b, 0], n_valid[b])
+            n, nxt = speculative_accept(p, q[b], drafts, u_acc[b], u_smp[b, n], n_valid[b])
+        committed = np.concatenate([drafts, ids[b, :1]]) if T > 1 else np.array([nxt])
+        committed[n] = nxt
+        out[0][b], out[1][b], out[2][b] = n, nxt, _logprob(logits[b], committed)
+
+
+def redo_prefill(rows, logits, u, temperature, top_k, top_p, penalty, seen, out):
+    """Prefill's outputs out = [next [B], lp [B, 1], top_lp, top_id] (numpy, changed in place) for rows,
+    from logits [B, 1, V] and the chunk's inputs (as Prefill's, numpy)."""
+    for b in rows:
+        p = _p(logits[b], [list(np.flatnonzero(seen[b]))], temperature[b], top_k[b], top_p[b], penalty[b])
+        nxt = sample(p[0], u[b])
+        out[0][b], out[1][b] = nxt, _logprob(logits[b], [nxt])
