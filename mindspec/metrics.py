@@ -31,7 +31,7 @@ class Metrics:
         self.cached_tokens = Counter("mindspec_prompt_tokens_cached", "prompt tokens whose K/V a slot already held "
                                      "(prefix caching: not prefilled again)", registry=r)
         self.generated_tokens = Counter("mindspec_generation_tokens", "tokens generated", registry=r)
-        self.ttft = Histogram("mindspec_time_to_first_token_seconds", "from arrival to the first text",
+        self.ttft = Histogram("mindspec_time_to_first_token_seconds", "from arrival to the first token",
                               buckets=_SECONDS, registry=r)
         self.tpot = Histogram("mindspec_time_per_output_token_seconds", "after the first token, per token",
                               buckets=_SECONDS, registry=r)
@@ -51,7 +51,7 @@ class Metrics:
 
     def finish(self, prompt_tokens, res, ttft_s, last_s):
         """A generation ended (res: sequence.Result); ttft_s/last_s: seconds from arrival to its first
-        and last text (None when no text came)."""
+        token (None when none came) and to its end."""
         s, n = res.stats, len(res.token_ids)
         self.finished.labels(res.finish_reason).inc()
         self.prompt_tokens.inc(prompt_tokens)

@@ -83,6 +83,7 @@ class Request:
         self.policy = None  # the engine's per-request acceptance estimate (dynamic K)
         self.stats = Stats()
         self.added = self.started = time.perf_counter()
+        self.first_at = None  # when its first token came (time to the first token: text or not)
         self._stream = StreamDecoder(tokenizer) if tokenizer else None
         self.text, self._shown, self._cut = "", 0, False
         self._pushed = 0  # output tokens when the last one went to the stream decoder (min_tokens at the end)
@@ -100,6 +101,7 @@ class Request:
         """Append the tokens a step committed (1..K+1), stopping at EOS, a stop string or
         max_new_tokens (the last step may overshoot: the surplus is dropped); logprobs: one entry per
         token (see token_logprobs). Returns the text that can be streamed now."""
+        self.first_at = self.first_at or time.perf_counter()
         for i, tok in enumerate(tokens[:self.max_new_tokens - len(self.output)]):
             self.output.append(int(tok))
             if logprobs is not None:

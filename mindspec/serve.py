@@ -50,7 +50,7 @@ class _Job:
     def __init__(self, rid, kw, put, events, tag, probe=False):
         self.id, self.kw, self.cancelled, self.tag, self.probe = rid, kw, threading.Event(), tag, probe
         self.events, self._put = events, put
-        self.t0, self.first = time.perf_counter(), None  # arrival, first text (metrics)
+        self.t0 = time.perf_counter()  # arrival (metrics)
         self.sent = self.shown = 0  # tokens and characters handed to the HTTP side
 
     def put(self, event):
@@ -246,7 +246,6 @@ class App:
             return
         if kind == "text":
             delta, req = val
-            job.first = job.first or time.perf_counter()
             job.shown += len(delta)
             tokens = pieces(req, job.sent, job.shown, final=False)
             job.sent += len(tokens)
@@ -259,12 +258,13 @@ class App:
             return job.put(("fail", val))
         res = val.result()
         now = time.perf_counter()
-        self.metrics.finish(len(val.prompt_ids), res, job.first and job.first - job.t0, now - job.t0)
+        self.metrics.finish(len(val.prompt_ids), res, val.first_at and val.first_at - job.t0, now - job.t0)
         if res.finish_reason == "error":
             print(f"mindspec: request {rid} failed: {val.error}", file=sys.stderr)
             return job.put(("fail", val.error))
         if res.finish_reason == "abort":
-            print(f"mindspec: request {rid} aborted after {len(val.output)} tokens: the client went away",
+            n = len(val.output)
+            print(f"mindspec: request {rid} aborted after {n} token{'s' * (n != 1)}: the client went away",
                   file=sys.stderr, flush=True)
         else:
             every = pieces(val, 0, len(res.text), final=True)
