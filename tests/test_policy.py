@@ -101,6 +101,31 @@ def test_batch_k_switches_speculation_off_where_verify_stops_paying():
     assert rates[k] == pytest.approx(max(rates.values()))
 
 
+def test_a_batchs_plain_decode_is_costed_at_its_measured_v0():
+    """K = 0 costs v[0], the measured plain decode of the batch, not one batch-1 decode (found by mutation
+    testing: with 1.0 for it, a batch of 8 whose decode costs 1.8 never drafted where drafting pays)."""
+    c, v = calls(0.2), {0: 1.8, 1: 2.0, 2: 2.4, 4: 3.2, 8: 5.0}
+    # α = 0.8, K = 1: 8 · 1.8 / 2.2 = 6.5 tokens a unit against 8 / 1.8 = 4.4 plain (8 / 1.0 were the decode 1)
+    assert rate(0.8, 0, c, v) == pytest.approx(1 / 1.8)
+    assert batch_best_k([0.8] * 8, [1] * 8, c, v, BUCKETS) == 1
+    p = DynamicK(BUCKETS, {8: (c, v)}, alpha0=0.8)
+    assert p.choose([p.start() for _ in range(8)], [1] * 8, B=8) == 1
+
+
+def test_ties_go_to_the_smaller_k():
+    """Within a relative 1e-9 two rates are a tie, and the smaller K wins it: drafting that gains nothing
+    is not done (found by mutation testing: r >= best * (1 - 1e-9) gave ties to the larger K)."""
+    c, v = {1: 0.25, 2: 1.0}, {0: 1.0, 1: 1.25, 2: 2.0}
+    assert rate(0.5, 1, c, v) == rate(0.5, 0, c, v) == 1.0  # E = 1.5 for a cost of 1.5: exactly a tie
+    assert batch_best_k([0.5], [2], c, v, (1, 2)) == 0
+    # K = 2 ahead of K = 1 by a relative 1e-12: still a tie, K = 1; ahead by 1e-6: K = 2
+    c, v = {1: 0.1, 2: 0.5}, {0: 1.0, 1: 1.15}
+    r1 = rate(0.5, 1, c, v)
+    for ahead, k in ((1e-12, 1), (1e-6, 2)):
+        v[2] = expected_tokens(0.5, 2) / (r1 * (1 + ahead)) - c[2]
+        assert batch_best_k([0.5], [2], c, v, (1, 2)) == k, ahead
+
+
 def test_dynamic_k_lowers_after_rejections_and_raises_after_full_acceptances():
     p = One(dynamic(0.1, alpha0=0.8))
     k0 = p.choose(100)
@@ -136,6 +161,15 @@ def test_dynamic_k_switches_a_useless_draft_off_and_probes_now_and_then():
     assert tail.count(0) >= 0.75 * len(tail), seq  # mostly plain decoding...
     assert 1 in tail  # ...with a one-token probe every probe_every plain steps
     assert max(tail) == 1
+
+
+def test_a_probe_comes_after_exactly_probe_every_plain_steps():
+    """A useless draft: probe_every plain steps, then one probe of the smallest bucket, and again (found by
+    mutation testing: plain_steps > probe_every probed a step late)."""
+    for every in (16, 3):
+        p = dynamic(0.3, alpha0=0.0, probe_every=every)
+        est = p.start()
+        assert [p.choose([est], [100]) for _ in range(2 * (every + 1))] == ([0] * every + [1]) * 2, every
 
 
 def test_no_probe_where_even_full_acceptance_would_not_pay():
@@ -242,6 +276,7 @@ def test_dynamic_k_alpha_is_the_pooled_geometric_estimate():
 
 def test_stop_early():
     assert stop_early(0.2, 0.5) and not stop_early(0.6, 0.5) and not stop_early(0.01, None)
+    assert not stop_early(0.5, 0.5)  # strictly below (found by mutation testing: <= stopped at it)
 
 
 @pytest.fixture(scope="module")

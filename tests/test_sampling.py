@@ -48,13 +48,32 @@ def test_top_k_keeps_ties_and_top_p_keeps_the_smallest_set():
     assert np.allclose(process_logits(logp, 1.0, top_k=2, top_p=0.6), [1, 0, 0, 0])
 
 
+def test_top_p_boundary_a_mass_of_exactly_top_p_before_a_token_drops_it():
+    """Token i is kept when the mass ranked before it is < top_p, not <=: at a mass of exactly top_p the
+    set is already complete (found by mutation testing: <= kept one token too many). The masses are
+    exact in float64 here."""
+    logp = np.log([0.5, 0.3, 0.15, 0.05])  # masses before each token: 0, 0.5, 0.8, 0.95 exactly
+    keep = lambda top_p: (process_logits(logp, 1.0, top_p=top_p) > 0).tolist()  # noqa: E731
+    assert keep(0.5) == [True, False, False, False]
+    assert keep(0.8) == [True, True, False, False]
+    assert keep(0.95) == [True, True, True, False]
+
+
+def test_top_k_one_below_the_vocabulary_removes_exactly_one_token():
+    """top_k = V - 1 truncates (only k >= V is "off"; found by mutation testing: k = V - 1 kept all)."""
+    x = [0.3, -1.0, 2.0, 0.7, 1.1]
+    assert (process_logits(x, 1.0, top_k=4) > 0).tolist() == [True, False, True, True, True]
+    assert (process_logits(x, 1.0, top_k=5) > 0).all() and (process_logits(x, 1.0, top_k=6) > 0).all()
+
+
 @pytest.mark.parametrize("kw", [dict(temperature=-1), dict(temperature=float("nan")), dict(top_k=-2),
                                 dict(top_k=2.5), dict(top_p=0), dict(top_p=1.5), dict(repetition_penalty=0),
                                 dict(draft_temperature=-0.1), dict(seed=-1), dict(seed="x"),
                                 dict(temperature=True),
                                 # values that pass a sign check but overflow or vanish in the float32 graph
                                 dict(temperature=1e39), dict(repetition_penalty=1e-46), dict(top_k=2 ** 63),
-                                dict(top_p=float("inf")), dict(seed=2 ** 64)])
+                                dict(top_p=float("inf")), dict(seed=2 ** 64),
+                                dict(seed=2 ** 63)])  # (the bound is exclusive: found by mutation testing)
 def test_bad_sampling_params_raise_one_line(kw):
     with pytest.raises(MindspecError) as e:
         SamplingParams(**kw)
@@ -71,6 +90,20 @@ def test_sampling_params_draft_and_flags():
     assert not SamplingParams(1e-5).greedy
     tok, q = draft_token(np.log([0.1, 0.6, 0.3]), SamplingParams(1.0, draft_temperature=0.0), [], 0.99)
     assert tok == 1 and q.tolist() == [0, 1, 0]  # a greedy draft: one-hot q, still lossless
+
+
+def test_sampling_params_normalise_tiny_temperatures_vllm_top_k_and_the_seed_bound():
+    """Found by mutation testing: a draft_temperature below MIN_TEMPERATURE is stored as 0.0 like the
+    target's (not only once for_draft() re-checks it), top_k -1 (vLLM's off) is stored as 0, and the
+    largest seed accepted is 2**63 - 1 (2**63 is refused: see test_bad_sampling_params_raise_one_line)."""
+    from mindspec.sampling import MIN_TEMPERATURE
+    p = SamplingParams(1.0, draft_temperature=MIN_TEMPERATURE / 10)
+    assert p.draft_temperature == 0.0 and p.temperature == 1.0
+    assert SamplingParams(1.0, draft_temperature=MIN_TEMPERATURE).draft_temperature == MIN_TEMPERATURE
+    assert SamplingParams(MIN_TEMPERATURE / 10).temperature == 0.0
+    off = SamplingParams(1.0, top_k=-1)
+    assert off.top_k == 0 and not off.truncates
+    assert SamplingParams(seed=2 ** 63 - 1).seed == 2 ** 63 - 1
 
 
 def test_uniforms_are_keyed_by_seed_position_and_stream():
@@ -117,6 +150,30 @@ def test_partial_acceptance():
     assert speculative_accept(p, q, [0, 1], [0.99, 0.3], 0.0) == (2, 2)  # accepted: bonus from p_2
 
 
+NV_P = _probs([0.5, 0.5, 0.0], [0.5, 0.5, 0.0], [0.0, 0.0, 1.0])  # (p, q, drafts): both drafts would be
+NV_Q = _probs([0.5, 0.5, 0.0], [0.5, 0.0, 0.5])  # accepted at any u (p >= q at x); p_1 - q_1 = [0, .5, 0]
+NV_DRAFTS = [0, 1]
+
+
+def test_n_valid_below_k_stops_there_and_draws_the_bonus_from_p():
+    """A row of a batch drafting fewer than the bucket's K (n_valid = 1 of K = 2): draft 1 does not count
+    even where it would be accepted, and the token after draft 0 is a bonus drawn from p_1 itself, not
+    from the residual p_1 - q_1 (found by mutation testing: arange(K) <= n_valid accepted 2; dropping
+    the n < n_valid mask on q drew from the residual; greedy_accept with K for n_valid accepted 2)."""
+    from mindspec.acceptance import greedy_accept
+    for us, tok in ((0.1, 0), (0.9, 1)):  # from p_1 = [.5, .5, 0] (the residual would give 1 both times)
+        assert speculative_accept(NV_P, NV_Q, NV_DRAFTS, [0.5, 0.5], us, n_valid=1) == (1, tok)
+    assert speculative_accept(NV_P, NV_Q, NV_DRAFTS, [0.5, 0.5], 0.1) == (2, 2)  # all K valid: bonus from p_2
+    assert speculative_accept(NV_P, NV_Q, NV_DRAFTS, [0.5, 0.5], 0.1, n_valid=0) == (0, 0)  # none valid: from p_0
+    # batched, one n_valid per row
+    n, nxt = speculative_accept(np.stack([NV_P] * 3), np.stack([NV_Q] * 3), [NV_DRAFTS] * 3, [[0.5, 0.5]] * 3,
+                                [0.1] * 3, n_valid=[0, 1, 2])
+    assert n.tolist() == [0, 1, 2] and nxt.tolist() == [0, 0, 2]
+    assert greedy_accept([5, 6, 7], [5, 6], n_valid=1) == (1, 6)  # the bonus after n_valid drafts
+    assert greedy_accept([5, 6, 7], [5, 6], n_valid=0) == (0, 5)
+    assert greedy_accept([5, 6, 7], [5, 6]) == (2, 7) and greedy_accept([5, 9, 7], [5, 6], n_valid=2) == (1, 9)
+
+
 def test_q_zero_where_p_positive_is_accepted_and_p_zero_is_rejected():
     p = _probs([0.3, 0.7, 0.0], [0.2, 0.2, 0.6])
     q = _probs([0.0, 0.5, 0.5])
@@ -148,6 +205,82 @@ def test_truncation_applies_to_p_so_outside_tokens_never_come_out():
     assert outs <= {0, 1}
     p = process_logits(logits, 1.0, top_p=0.5)  # keeps {0, 1}: 0.4 alone is not enough
     assert (p[0] > 0).tolist() == [True, True, False, False]
+
+
+# ---- graphs/sampling.py's functions on hand-built inputs -------------------------------------------
+
+@pytest.fixture(scope="module")
+def graph_fns():
+    """(process, accept): graphs/sampling.py's processing (with seen_mask) and accept steps, each compiled
+    alone in a graph of its own, called with numpy arrays: tensors of hand-built values, no model."""
+    from mindspore import Tensor, nn
+    from mindspec.graphs import sampling as gs
+    from mindspec.graphs.runner import init_mindspore
+    init_mindspore()
+
+    class Process(nn.Cell):
+        def construct(self, x, temperature, top_k, top_p, penalty, seen, drafts):
+            mask = gs.seen_mask(seen, drafts, x.shape[-1])
+            return gs.process(x, temperature, top_k, top_p, penalty, mask, 8) + (mask,)
+
+    class Accept(nn.Cell):
+        def construct(self, p, q, drafts, n_valid, u_acc, u_smp, g, ids):
+            return gs.speculative_accept(p, q, drafts, n_valid, u_acc, u_smp) + gs.greedy_accept(g, ids, n_valid)
+
+    def run(cell):
+        cell.set_train(False)
+        def conv(a):  # ints as int32, the rest float32
+            a = np.asarray(a)
+            return Tensor(np.ascontiguousarray(a, np.int32 if a.dtype.kind in "iu" else np.float32))
+        return lambda *args: [x.asnumpy() for x in cell(*map(conv, args))]
+    return run(Process()), run(Accept())
+
+
+def test_graph_processing_equals_the_pure_function_on_hand_built_logits(graph_fns):
+    """graphs/sampling.py's process and seen_mask against process_logits, where the answer turns on a
+    detail (found by mutation testing, each survived the model-based tests): a seen token's negative
+    logit is multiplied by the penalty (pushed down), not divided; a draft counts as seen at every later
+    position of the step; top-p's boundary (a mass of exactly top_p before a token drops it; the masses
+    of [.5, .25, .125, .125] are exact in float32)."""
+    process, _ = graph_fns
+    K, Vs = 2, 4
+    rows = [  # (logits [V], params, committed ids, drafts [K])
+        ([2.0, -2.0, 1.0, 0.5], SamplingParams(1.0, repetition_penalty=4.0), [0, 1], [3, 3]),
+        ([-1.0, -2.0, -3.0, -3.5], SamplingParams(0.0, repetition_penalty=4.0), [0], [1, 2]),  # greedy: 1, 2, 3
+        ([1.0, 0.5, 2.0, 0.0], SamplingParams(1.0, repetition_penalty=100.0), [], [2, 2]),  # a repeated draft
+        (np.log([0.5, 0.25, 0.125, 0.125]), SamplingParams(1.0, top_p=0.5), [], [0, 1]),
+        (np.log([0.5, 0.25, 0.125, 0.125]), SamplingParams(1.0, top_p=0.75), [], [0, 1]),
+    ]
+    seen = np.zeros((len(rows), Vs))
+    for r, (_, _, prev, _) in enumerate(rows):
+        seen[r, prev] = 1
+    probs, exact, mask = process(np.array([np.tile(x, (K + 1, 1)) for x, *_ in rows]),
+                                 [p.temperature for _, p, _, _ in rows], [p.top_k for _, p, _, _ in rows],
+                                 [p.top_p for _, p, _, _ in rows], [p.repetition_penalty for _, p, _, _ in rows],
+                                 seen, [d for *_, d in rows])
+    assert exact.all()
+    for r, (x, params, prev, drafts) in enumerate(rows):
+        for i in range(K + 1):
+            ids = prev + drafts[:i]
+            assert mask[r, i].tolist() == [t in ids for t in range(Vs)], (r, i)
+            assert np.allclose(probs[r, i], params.process(x, ids), atol=1e-6), (r, i, probs[r, i])
+    assert [probs[1, i].argmax() for i in range(K + 1)] == [1, 2, 3]  # each seen -x * 4 fell below the next
+    assert (probs[3] > 0).sum(-1).tolist() == [1] * (K + 1) and (probs[4] > 0).sum(-1).tolist() == [2] * (K + 1)
+
+
+def test_graph_accept_with_n_valid_below_k_equals_the_pure_function(graph_fns):
+    """graphs/sampling.py's speculative_accept and greedy_accept with per-row n_valid (0, 1 and 2 of K = 2)
+    against mindspec.acceptance on test_n_valid_below_k_stops_there_and_draws_the_bonus_from_p's p/q."""
+    from mindspec.acceptance import greedy_accept
+    _, accept = graph_fns
+    n_valid, u_smp = [0, 1, 2, 1, 0, 2], [0.1, 0.1, 0.1, 0.9, 0.9, 0.9]
+    B, g, ids = len(n_valid), [[5, 6, 7]] * 6, [[4, 5, 6]] * 6
+    n, nxt, gn, gnxt = accept(np.stack([NV_P] * B), np.stack([NV_Q] * B), [NV_DRAFTS] * B, n_valid,
+                              [[0.5, 0.5]] * B, np.tile(np.array(u_smp)[:, None], (1, 3)), g, ids)
+    want = [speculative_accept(NV_P, NV_Q, NV_DRAFTS, [0.5, 0.5], u, n_valid=nv) for nv, u in zip(n_valid, u_smp)]
+    assert list(zip(n.tolist(), nxt.tolist())) == want == [(0, 0), (1, 0), (2, 2), (1, 1), (0, 1), (2, 2)]
+    assert list(zip(gn.tolist(), gnxt.tolist())) == [greedy_accept(g[0], ids[0][1:], nv) for nv in n_valid]
+    assert gn.tolist() == n_valid
 
 
 # ---- shared tiny models for the graph and statistical tests --------------------------------------
@@ -197,9 +330,10 @@ class Batch:
         self.reruns, self.redone = 0, []  # calls with rows whose candidates did not hold their kept set; the
         # last call's rows, redone on the host
 
-    def verify(self, ids, start, q, u, params, seen=None):
+    def verify(self, ids, start, q, u, params, seen=None, n_valid=None):
         """ids [B, K+1], q [B, K, V], u [B, K+1] (the last column: the sample uniform), params: one
-        SamplingParams or a list, row r taking params[r % len] -> (n_accepted [B], next_token [B])."""
+        SamplingParams or a list, row r taking params[r % len], n_valid [B] (None: K every row) ->
+        (n_accepted [B], next_token [B])."""
         from mindspore import Tensor
         B, K = self.B, len(ids[0]) - 1
         ps = params if isinstance(params, list) else [params]
@@ -207,8 +341,9 @@ class Batch:
         f32 = lambda a: Tensor(np.ascontiguousarray(a, np.float32))  # noqa: E731
         i32 = lambda a: Tensor(np.ascontiguousarray(a, np.int32))  # noqa: E731
         u = np.asarray(u, np.float32)
-        args = (i32(ids), i32(np.arange(B)), i32(np.full(B, start)), i32(np.full(B, K)), f32(q),
-                f32(u[:, :K]), f32(np.repeat(u[:, K:], K + 1, 1)), f32([p.temperature for p in row]),
+        n_valid = np.full(B, K) if n_valid is None else n_valid
+        args = (i32(ids), i32(np.arange(B)), i32(np.full(B, start)), i32(n_valid), f32(q), f32(u[:, :K]),
+                f32(np.repeat(u[:, K:], K + 1, 1)), f32([p.temperature for p in row]),
                 i32([p.top_k for p in row]), f32([p.top_p for p in row]), f32([p.repetition_penalty for p in row]),
                 f32(np.zeros((B, V)) if seen is None else seen), i32(np.arange(32)))
         *out, exact, logits = self.cell(*args)
@@ -268,17 +403,20 @@ def test_fused_verify_graph_equals_pure_function(pair, batch):
         u = rng.random((ROWS, k + 1), dtype=np.float32)
         seen = np.zeros((ROWS, V))
         np.put_along_axis(seen, prefix, 1, 1)
-        n, nxt = batch.verify(np.concatenate([prefix[:, -1:], drafts], 1), 4, q, u, param_list, seen)
+        # some rows draft fewer than the bucket (found by mutation testing: every call passed n_valid = K)
+        n_valid = np.where(np.arange(ROWS) % 3 == 1, np.arange(ROWS) % k, k)
+        n, nxt = batch.verify(np.concatenate([prefix[:, -1:], drafts], 1), 4, q, u, param_list, seen, n_valid)
         assert {r for r in range(ROWS) if CAP < param_list[r % len(param_list)].top_k < V} <= set(batch.redone)
         for r in range(CHECKED):
             params = param_list[r % len(param_list)]
             seq = list(prefix[r]) + list(drafts[r])
             logits = reference_logits(ckpt.config, ckpt.get, seq)[4:]  # [K+1, V]
             p = np.stack([params.process(logits[i], seq[:5 + i]) for i in range(k + 1)])
-            want = speculative_accept(p, q[r], drafts[r], u[r, :k], u[r, k])
+            want = speculative_accept(p, q[r], drafts[r], u[r, :k], u[r, k], n_valid[r])
             assert (n[r], nxt[r]) == want, (params, r, seq)
-            outcomes.add(n[r] == k)
-    assert outcomes == {True, False}  # both the recovered and the bonus path were compared
+            outcomes.add((n[r] == n_valid[r], n_valid[r] < k))
+    assert outcomes == {(True, False), (False, False), (True, True), (False, True)}  # both the recovered and
+    # the bonus path were compared, with every draft valid and with fewer
     assert batch.reruns - reruns == 3  # the cases with top_k > CAP (or top-p sets past it) went through the host
 
 
