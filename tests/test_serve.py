@@ -529,6 +529,11 @@ def test_seeded_sampling_repeats(server):
     del tgi["parameters"]["temperature"]
     assert post(base, "/generate", tgi)["generated_text"] == at_one
     assert at_one != post(base, "/generate", dict(tgi, parameters={"max_new_tokens": N}))["generated_text"]  # sampled
+    # do_sample false is greedy whatever the other fields say, as TGI's and MindIE's (found by mutation
+    # testing: nothing sent it)
+    greedy = post(base, "/generate", {"inputs": TEXT, "parameters": {"max_new_tokens": N}})["generated_text"]
+    tgi["parameters"].update(do_sample=False, temperature=3.0, top_p=0.5)
+    assert post(base, "/generate", tgi)["generated_text"] == greedy != at_one
 
 
 def test_unmodified_client_libraries(server, pipe):

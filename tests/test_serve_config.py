@@ -323,3 +323,17 @@ def test_a_config_that_is_not_a_regular_small_file_is_one_line(tmp_path):
         p = subprocess.run([sys.executable, "-m", "mindspec", "serve", "--config", str(path)], capture_output=True,
                            text=True, timeout=60)
         assert p.returncode == 2 and p.stderr == f"mindspec: error: {line}\n", p.stderr
+
+
+def test_time_per_output_token_is_the_time_after_the_first_over_the_tokens_after_it():
+    """Found by mutation testing: nothing checked its divisor (n, not n - 1, would read low)."""
+    from types import SimpleNamespace
+    from mindspec.metrics import Metrics
+    m = Metrics()
+    stats = dict(drafted=4, accepted=2, target_calls=2, accepted_at=[1, 1], k_used={"2": 2}, acceptance_rate=0.5,
+                 tokens_per_target_call=1.5)
+    m.finish(5, SimpleNamespace(finish_reason="length", token_ids=[7, 8, 9], stats=stats), 1.0, 3.0)
+    assert m.registry.get_sample_value("mindspec_time_per_output_token_seconds_sum") == 1.0  # (3 - 1) / 2
+    assert m.registry.get_sample_value("mindspec_time_to_first_token_seconds_sum") == 1.0
+    m.finish(5, SimpleNamespace(finish_reason="stop", token_ids=[7], stats=stats), 0.5, 0.5)  # one token: no tpot
+    assert m.registry.get_sample_value("mindspec_time_per_output_token_seconds_count") == 1
