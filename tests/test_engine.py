@@ -12,7 +12,7 @@ from scipy.stats import chisquare
 import mindspec
 from mindspec.checkpoint import Checkpoint
 from mindspec.reference import reference_logits
-from mindspec.sequence import FINISHED
+from mindspec.sequence import FINISHED, PREFILL
 
 PROMPTS = [[5, 6, 7], [100, 3, 250, 17, 9], [42], list(range(10, 50)), [300, 301, 302, 7, 7, 7, 7],
            [9, 8, 7, 6, 5, 4, 3], [200, 100], [60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70]]
@@ -590,3 +590,65 @@ def test_graphs_run_outside_the_engine_void_the_prefix_cache(pipe, alone):
     pipe.target.step(np.ones((4, 5)), np.arange(4), np.zeros(4), np.full(4, 4))  # positions 0..4 of every slot
     after = pipe.generate(prompt_ids=PROMPTS[3], max_new_tokens=MAX_NEW[3], speculate=False)
     assert after.stats["cached_tokens"] == 0 and after.token_ids == alone[3]
+
+
+def test_a_repetition_penalty_sees_the_generated_tokens_too(pipe, tiny_target):
+    """Found by mutation testing: the penalty's seen ids taken from the prompt alone (generated tokens
+    repeated freely) kept every test green. Greedy rows with repetition_penalty 1.3, beside a row without,
+    give token for token the numpy reference stepped a token at a time, penalising prompt + generated."""
+    from mindspec.sampling import process_logits
+    ck = Checkpoint(tiny_target[0])
+
+    def reference(prompt, n, prev):
+        seq = list(prompt)
+        for _ in range(n):
+            x = reference_logits(ck.config, ck.get, seq)[-1]
+            seq.append(int(np.argmax(process_logits(x, 0.0, repetition_penalty=1.3, prev_ids=prev(seq)))))
+        return seq[len(prompt):]
+    kws = [dict(prompt_ids=PROMPTS[i], max_new_tokens=20, k=k, repetition_penalty=1.3) for i, k in ((0, 4), (5, 2))]
+    res = pipe.generate_many(kws + [dict(prompt_ids=PROMPTS[1], max_new_tokens=12, k=4)])
+    for kw, r in zip(kws, res):
+        p = kw["prompt_ids"]
+        want = reference(p, 20, lambda seq: seq)
+        assert r.token_ids == want, p
+        assert want != reference(p, 20, lambda seq: p)  # the generated tokens' penalty changes the text
+        assert r.token_ids != pipe.generate(prompt_ids=p, max_new_tokens=20, speculate=False).token_ids
+    assert res[2].token_ids == pipe.generate(prompt_ids=PROMPTS[1], max_new_tokens=12, speculate=False).token_ids
+
+
+def test_abort_ends_a_row_still_reading_its_prompt(pipe):
+    """Found by mutation testing: aborts reaped only running rows, so a row still prefilling a long prompt
+    read it to the end (and got its first token) before it ended. Aborted mid-prompt, it ends at the next
+    step with no output, and its slot is free."""
+    eng = pipe.engine
+    pipe.prepare([], max_batch=4)
+    r = pipe.request(prompt_ids=list(range(10, 110)), max_new_tokens=10, k=4)  # 100 tokens: 4 prompt chunks
+    eng.add(r)
+    eng.step()
+    assert r.state == PREFILL and 0 < r.pos < len(r.prompt_ids)
+    eng.abort(r.id)
+    events = eng.step()
+    assert r.finish_reason == "abort" and r.output == [] and [x for x, _ in events] == [r]
+    assert not eng.rows and not eng.has_work and sorted(eng.free_slots) == [0, 1, 2, 3]
+
+
+def test_a_failed_rows_slot_is_not_offered_as_a_cached_prefix(pipe, alone, monkeypatch):
+    """Found by mutation testing: a slot whose request ended with an error kept its tokens as a cached
+    prefix (after a failed call its K/V are unknown). The same prompt after the failure prefills whole and
+    gives the tokens it gives alone (and a prompt after a request that ended well is cached)."""
+    eng = pipe.engine
+    failed = pipe.request(prompt_ids=PROMPTS[3], max_new_tokens=MAX_NEW[3], k=2)
+    pipe.prepare([failed], max_batch=4)  # (its graphs warmed up: the engine's calls below are the requests')
+    eng.cached.clear()
+    eng.parked.clear()
+    _fail_for(monkeypatch, pipe.target, "step", lambda ids: True, "simulated graph failure")
+    eng.add(failed)
+    _run_out(eng)
+    assert failed.finish_reason == "error" and len(failed.output) == 1  # its prompt was read, then the step failed
+    monkeypatch.undo()
+    assert not eng.cached
+    for cached in (0, len(PROMPTS[3]) - 1):
+        again = pipe.request(prompt_ids=PROMPTS[3], max_new_tokens=MAX_NEW[3], k=2)
+        eng.add(again)
+        _run_out(eng)
+        assert again.stats.cached_tokens == cached and again.output == alone[3]
