@@ -10,10 +10,13 @@ from mindspec.acceptance import speculative_accept
 from mindspec.sampling import process_logits, sample
 
 
-def _p(logits, prev, temperature, top_k, top_p, penalty):
-    """p [T, V] of one row: logits [T, V], position i seeing prev + what the row fed before it (prev [T])."""
-    return np.stack([process_logits(x, float(temperature), int(top_k), float(top_p), float(penalty), seen)
-                     for x, seen in zip(logits, prev)])
+def _p(logits, prev, temperature, top_k, top_p, penalty, upto=None):
+    """p [T, V] of one row: logits [T, V], position i seeing prev[i] (the seen tokens and what the row fed
+    before it); positions past `upto` (none of the step's outcomes can reach them) left 0."""
+    p = np.zeros(logits.shape)
+    for i, (x, seen) in enumerate(zip(logits[:None if upto is None else upto + 1], prev)):
+        p[i] = process_logits(x, float(temperature), int(top_k), float(top_p), float(penalty), seen)
+    return p
 
 
 def _logprob(logits, tokens):
@@ -31,7 +34,7 @@ def redo_step(rows, logits, ids, n_valid, q, u_acc, u_smp, temperature, top_k, t
     for b in rows:
         drafts, prev = ids[b, 1:], list(np.flatnonzero(seen[b]))
         p = _p(logits[b], [prev + list(drafts[:i]) for i in range(T)], temperature[b], top_k[b], top_p[b],
-               penalty[b])
+               penalty[b], upto=n_valid[b])  # (a one-row decode, widened to dummy drafts: position 0 alone)
         if T == 1:
             n, nxt = 0, sample(p[0], u_smp[b, 0])
         else:  # (n does not depend on the sample uniform, which is the one of the stopping point n)

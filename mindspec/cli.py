@@ -556,6 +556,7 @@ def parse(argv):
 
 
 def main(argv=None):
+    console = argv is None  # (the `mindspec` command: it ends the process itself, see the end)
     # no KeyboardInterrupt inside the imports to come (numpy, MindSpore: a half-imported MindSpore crashes
     # the interpreter at exit): signals wait for _run / run_batch
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
@@ -587,10 +588,10 @@ def main(argv=None):
     # still prints its summary. (Under TP the launcher stops the ranks.)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     code = _run(args)
-    if "mindspore" in sys.modules:  # done, nothing left to keep: no teardown of the pipeline's graphs, which
-        for f in (sys.stdout, sys.stderr):  # took 0.6 s after a generate, 11 s for a server holding every
-            try:                            # graph, 45 s at 13.8 GB (an orchestrator's 30 s grace kills it)
-                f.flush()
+    if console and "mindspore" in sys.modules:  # done, nothing left to keep: no teardown of the pipeline's
+        for f in (sys.stdout, sys.stderr):  # graphs, which took 0.65 s after a generate, 5 s for a server
+            try:                            # holding every graph, 45 s at 13.8 GB (an orchestrator's 30 s
+                f.flush()                   # grace kills it)
             except (OSError, ValueError):
                 pass
         os._exit(code)

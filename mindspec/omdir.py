@@ -7,6 +7,9 @@ import tempfile
 
 
 class OmDir:
+    def __init__(self):
+        self.path = None  # (remove() may come first: a second signal before __enter__)
+
     def __enter__(self):
         self.path = None
         if "MS_OM_PATH" not in os.environ:

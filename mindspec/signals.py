@@ -8,6 +8,7 @@ process SIGTERM.) Safe points: `check()` — the batch job's between records and
 between turns, a library call's between engine steps (Pipeline.stream), and before each graph compile
 (graphs.runner). A second signal stops at once (`hard_stop`). A library call passes what it recorded on
 to the handler its caller had in force (`pass_on`), rather than raising."""
+import ctypes
 import functools
 import os
 import signal
@@ -25,11 +26,11 @@ class Signals:
         a library call's: pass_on at once). final: a command's (only its exit follows a stop): once a stop
         was recorded, a later signal exits at once, quietly (raised in the teardown, it printed tracebacks
         from MindSpore's Cell.__del__ after the summary)."""
-        self.asked = active
+        self.asked, self.command = active, hard_stop is not None
         self.active = active and threading.current_thread() is threading.main_thread()
         self.hard_stop, self.got, self.old, self.final = hard_stop or self.pass_on, None, {}, final
         self.took = self.ours = None  # took_sigint once exited; the kernel's SIGINT handler once entered
-        self.kernel = None  # off the main thread: the kernel's SIGINT action when entered
+        self.off_main = False  # a library call off the main thread (_OffMain puts the kernel's action back)
 
     def __enter__(self):
         global _active
@@ -37,7 +38,7 @@ class Signals:
             self.old = {s: signal.signal(s, self._record) for s in SIGNALS}
             self.ours = _os_handler(signal.SIGINT)
         elif self.asked:  # off the main thread Python sets no handler: the kernel's action is put back instead
-            self.kernel = _sigaction(signal.SIGINT)
+            self.off_main = _OFF_MAIN.enter()
         if self.active or not self.asked:
             _active = self
         signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)  # if the command line held them back until now
@@ -55,7 +56,10 @@ class Signals:
         self.got = sig
 
     def check(self):
+        """A command's recorded stop raised (KeyboardInterrupt); a library call's passed on."""
         if self.got is not None:
+            if not self.command:
+                return self.pass_on()
             raise KeyboardInterrupt
 
     def pass_on(self):
@@ -64,8 +68,10 @@ class Signals:
         sig, self.got = self.got, None
         if sig is None:
             return
-        if sig == signal.SIGTERM and self.took_sigint:  # (most likely a Ctrl-C: MindSpore's handler sent it)
-            sig = signal.SIGINT
+        if sig == signal.SIGTERM and self.took_sigint and self.old.get(signal.SIGTERM) == signal.SIG_DFL \
+                and self.old.get(signal.SIGINT) != signal.SIG_IGN:
+            sig = signal.SIGINT  # most likely a Ctrl-C MindSpore's handler sent as SIGTERM: taken as one where
+            # the script leaves SIGTERM alone and heeds SIGINT (else its own SIGTERM handling stays in force)
         h = self.old.get(sig)
         if h is None:  # (not Python's: MindSpore's, which a graph run set outside a call, or nothing recorded)
             h = signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL
@@ -73,7 +79,7 @@ class Signals:
             signal.signal(sig, h)
             signal.raise_signal(sig)
         elif h != signal.SIG_IGN:
-            h(sig, None)
+            h(sig, sys._getframe(1))
 
     @property
     def took_sigint(self):
@@ -92,22 +98,20 @@ class Signals:
         else:
             for s, h in self.old.items():
                 signal.signal(s, h)
-        if self.kernel is not None:
-            _sigaction(signal.SIGINT, self.kernel)
+        if self.off_main:
+            _OFF_MAIN.exit()
         if _active is self:
             _active = None
 
 
 @functools.lru_cache(maxsize=1)
 def _libc():
-    import ctypes
     return ctypes.CDLL(None, use_errno=True)
 
 
 def _sigaction(sig, new=None):
     """The kernel's action for sig (a struct sigaction's bytes; None: unknown), after setting `new` (such
     bytes) if given. Unlike signal.signal(), from any thread, and it sees what C code installed."""
-    import ctypes
     try:
         old = ctypes.create_string_buffer(512)  # (room for a struct sigaction)
         if _libc().sigaction(int(sig), new, old) == 0:
@@ -121,8 +125,31 @@ def _os_handler(sig):
     """The address of sig's handler as the kernel has it (None: unknown); on Linux a struct sigaction
     starts with it. signal.getsignal() gives only what Python installed, not what C code installed since."""
     action = _sigaction(sig)
-    import ctypes
     return None if action is None else int.from_bytes(action[:ctypes.sizeof(ctypes.c_void_p)], sys.byteorder)
+
+
+class _OffMain:
+    """Library calls off the main thread, which may overlap (two pipelines): the first to start saves the
+    kernel's SIGINT action, the last to end puts it back (each its own, one put back another's stale one)."""
+
+    def __init__(self):
+        self.lock, self.calls, self.saved = threading.Lock(), 0, None
+
+    def enter(self):
+        with self.lock:
+            if self.calls == 0:
+                self.saved = _sigaction(signal.SIGINT)
+            self.calls += 1
+        return True
+
+    def exit(self):
+        with self.lock:
+            self.calls -= 1
+            if self.calls == 0 and self.saved is not None:
+                _sigaction(signal.SIGINT, self.saved)
+
+
+_OFF_MAIN = _OffMain()
 
 
 class _ExitNow:

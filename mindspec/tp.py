@@ -321,7 +321,7 @@ def _wind_down(proc, main):
     """A stopped job: msrun stops its workers on SIGINT, given 5 s. A second signal meanwhile skips the wait
     (_stop kills what is left); raised here, it left the job's directory behind."""
     hurry = []
-    old = {s: signal.signal(s, lambda *_: hurry.append(s)) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
+    old = {s: signal.signal(s, lambda *_: hurry.append(True)) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
     try:
         _signal_group(proc, signal.SIGINT)
         deadline = time.monotonic() + 5
