@@ -299,6 +299,32 @@ def test_a_call_its_callback_interrupts_leaves_the_pipeline_clean(pipe):
     assert pipe.generate(prompt_ids=[5, 6, 7], max_new_tokens=12).token_ids == want
 
 
+def _script(code, tiny_target, draft, terminal=False, home=None):
+    """A library script (`python -c code TARGET DRAFT`), its stdout and stderr piped (text); terminal: SIGINT at
+    its default, as in a terminal's job (not ignored, as a background job's); home: its MINDSPEC_HOME."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, **({"MINDSPEC_HOME": str(home)} if home else {}))
+    return subprocess.Popen([sys.executable, "-c", code, tiny_target[0], draft], text=True, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)) if terminal else None)
+
+
+def _ctrl_c(p, first, delay, timeout=120):
+    """Wait for the script p's line `first` (None: none), then `delay` s, and send it SIGINT: (its stdout,
+    its stderr) once it ended (killed if it has not)."""
+    import time
+    try:
+        if first is not None:
+            assert p.stdout.readline().strip() == first, p.stderr.read()[-3000:]
+        time.sleep(delay)
+        p.send_signal(signal.SIGINT)
+        return p.communicate(timeout=timeout)
+    finally:
+        p.kill()
+
+
 CTRL_C_SCRIPT = """
 import sys, time, mindspec
 pipe = mindspec.load(target=sys.argv[1], draft=sys.argv[2], k=4, max_seq=128)
@@ -322,12 +348,8 @@ def test_ctrl_c_in_a_library_script_raises_keyboard_interrupt(tiny_target, noisy
     (MindSpore's own SIGINT handler, set on every graph run, sends the process SIGTERM): exit -15, no
     KeyboardInterrupt, whether the script was generating or sleeping."""
     import signal
-    import subprocess
-    import sys
     import time
-    p = subprocess.Popen([sys.executable, "-c", CTRL_C_SCRIPT, tiny_target[0], noisy_draft], text=True,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as a terminal's
+    p = _script(CTRL_C_SCRIPT, tiny_target, noisy_draft, terminal=True)
     lines = []
 
     def until(word):
@@ -384,11 +406,8 @@ def test_a_scripts_own_or_ignored_signal_handlers_are_its_own_during_library_cal
     handler the script set, after the step it came in (a reviewer's: a SIGTERM too, where the script
     handles SIGTERM itself, though MindSpore's handler sends a Ctrl-C as SIGTERM)."""
     import signal
-    import subprocess
-    import sys
     import time
-    p = subprocess.Popen([sys.executable, "-c", OWN_HANDLERS_SCRIPT, tiny_target[0], noisy_draft], text=True,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p = _script(OWN_HANDLERS_SCRIPT, tiny_target, noisy_draft)
     try:
         assert p.stdout.readline().strip() == "ready", p.stderr.read()[-3000:]
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -421,20 +440,8 @@ def test_ctrl_c_after_a_generation_on_another_thread_raises_keyboard_interrupt(t
     """Found by a signals probe: after a generation on a thread other than the main one (a web app's
     worker), Ctrl-C killed the script with SIGTERM (MindSpore's handler, which Python cannot reset from
     there). The kernel's SIGINT action is now put back after every call, from any thread."""
-    import signal
-    import subprocess
-    import sys
-    import time
-    p = subprocess.Popen([sys.executable, "-c", THREAD_SCRIPT, tiny_target[0], noisy_draft], text=True,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as a terminal's
-    try:
-        assert p.stdout.readline().strip() == "ready", p.stderr.read()[-3000:]
-        time.sleep(0.2)
-        p.send_signal(signal.SIGINT)
-        out, err = p.communicate(timeout=60)
-    finally:
-        p.kill()
+    p = _script(THREAD_SCRIPT, tiny_target, noisy_draft, terminal=True)
+    out, err = _ctrl_c(p, "ready", 0.2)
     assert (p.returncode, out.strip()) == (0, "caught while idle"), (p.returncode, err[-3000:])
 
 
@@ -454,19 +461,8 @@ def test_ctrl_c_while_a_script_first_loads_raises_keyboard_interrupt(tiny_target
     """Found by a signals probe: a Ctrl-C while `mindspec.load` first imported MindSpore broke the import
     half-way (ImportError or a lost signal; at exit `Fatal Python error`, exit 134). It now waits for the
     import's end and then raises in the caller."""
-    import signal
-    import subprocess
-    import sys
-    import time
-    p = subprocess.Popen([sys.executable, "-c", LOAD_SCRIPT, tiny_target[0], noisy_draft], text=True,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as a terminal's
-    try:
-        time.sleep(delay)  # (MindSpore's import: ~0.2 to 2 s)
-        p.send_signal(signal.SIGINT)
-        out, err = p.communicate(timeout=120)
-    finally:
-        p.kill()
+    p = _script(LOAD_SCRIPT, tiny_target, noisy_draft, terminal=True)
+    out, err = _ctrl_c(p, None, delay)  # (MindSpore's import: ~0.2 to 2 s)
     assert (p.returncode, out.split()[-1:], err) == (0, ["caught"], ""), (p.returncode, out, err[-3000:])
 
 
@@ -482,21 +478,8 @@ print(len(pipe.generate(prompt_ids=[5, 6, 7], max_new_tokens=12).token_ids), flu
 def test_an_ignored_ctrl_c_while_a_call_compiles_is_ignored(tiny_target, noisy_draft, tmp_path):
     """A reviewer's: a library call's stop check before each graph compile raised KeyboardInterrupt in a
     script that ignores SIGINT; it now passes the signal on too (here: to nothing)."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-    p = subprocess.Popen([sys.executable, "-c", IGNORING_SCRIPT, tiny_target[0], noisy_draft], text=True,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         env=dict(os.environ, MINDSPEC_HOME=str(tmp_path)))  # (its graphs compile: seconds)
-    try:
-        assert p.stdout.readline().strip() == "loaded", p.stderr.read()[-3000:]
-        time.sleep(1.0)
-        p.send_signal(signal.SIGINT)
-        out, err = p.communicate(timeout=120)
-    finally:
-        p.kill()
+    p = _script(IGNORING_SCRIPT, tiny_target, noisy_draft, home=tmp_path)  # (its graphs compile: seconds)
+    out, err = _ctrl_c(p, "loaded", 1.0)
     assert (p.returncode, out.split()) == (0, ["12"]), err[-3000:]
 
 
