@@ -60,16 +60,18 @@ class Pipeline:
         self.set_draft(draft)
         self.fixed_max_seq = max_seq
         self.device_mem, self.tp = device_mem, tp  # bytes per device: refuse what cannot fit
+        from .default import home
+        self.cache_dir = os.path.join(home(), "compile_cache")  # see TargetModel.warmup
+
         # MindSpore only now (~3 s to import): a bad checkpoint, tokenizer or draft is refused before it. A
-        # Ctrl-C meanwhile waits for the import's end (raised inside, it aborted the interpreter at exit).
+        # Ctrl-C meanwhile waits for the end of its import and onnxruntime's (the draft's session, built
+        # here with max_seq): raised inside, it aborted the interpreter at exit or failed the import
         def start():
             from mindspec.graphs.runner import init_mindspore
             init_mindspore(self.device)
+            if max_seq:
+                self._build(max_seq, max_batch)
         _stop_here(self._held(start)[1])
-        from .default import home
-        self.cache_dir = os.path.join(home(), "compile_cache")  # see TargetModel.warmup
-        if max_seq:
-            self._build(max_seq, max_batch)
 
     # ---- what callers may read
 
@@ -415,8 +417,8 @@ class Pipeline:
 def _stop_here(held):
     """A signal held back during the last call passed on (held: the library's Signals), or a command's stop
     raised (KeyboardInterrupt)."""
-    if held is not None and held.got is not None:
-        held.pass_on()
+    if held is not None:
+        held.check()
     signals.check()
 
 
