@@ -188,10 +188,11 @@ class TargetModel:
         if dry:
             return self._run(kind, shape, *args, dry=True)
         *out, exact, logits = self._run(kind, shape, *args)
-        out = [np.array(x.asnumpy()) for x in out]
+        out = [x.asnumpy() for x in out]
         rows = np.flatnonzero(~exact.asnumpy())
         if len(rows):
             self.host_rows += len(rows)
+            out = [np.array(x) for x in out]  # (changed in place)
             inputs = [a.asnumpy() for a in args[:-1]]  # (the keys left out)
             if kind == "prefill":
                 redo_prefill(rows, logits.asnumpy(), *inputs[4:], out)
@@ -294,7 +295,8 @@ class TargetModel:
                                 self._seen(None if s.seen is None else rows(s.seen), B), self._keys[W], dry=dry)
         if dry:
             return None
-        out = [x if isinstance(x, np.ndarray) else x.asnumpy() for x in out]  # (the greedy graph's: Tensors)
+        if s is None:
+            out = [x.asnumpy() for x in out]  # (_sampled's are numpy already)
         acc, nxt = out[0][:n].astype(np.int64), out[1][:n].astype(np.int64)
         return (acc, nxt, Logprobs(*(x[:n] for x in out[2:5]))) if logprobs else (acc, nxt)
 

@@ -404,7 +404,7 @@ def _run(args):
     if args.cmd == "generate" and args.prompt is None and args.prompt_ids is None:
         args.prompt = "Once upon a time"
     if args.cmd in HELD:
-        code = _exit_code(lambda: _held(args))
+        code = _exit_code(lambda: _run_held(args))
     else:
         if args.cmd != "batch":  # batch unblocks them in run_batch, once it can still print its summary
             signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
@@ -413,7 +413,7 @@ def _run(args):
     return code
 
 
-def _held(args):
+def _run_held(args):
     """A HELD command's run: a Ctrl-C or SIGTERM waits for a safe point (mindspec.signals: raised inside
     MindSpore's import or compiler, it aborted the interpreter, was swallowed or dumped errors into
     ./rank_0), a second one exits at once."""

@@ -66,8 +66,6 @@ class Signals:
         """A library call's recorded signal, after its step: to the handler the caller had in force (Python's
         KeyboardInterrupt, a script's own, or nothing for an ignored one; SIGTERM's default ends the process)."""
         sig, self.got = self.got, None
-        if sig is None:
-            return
         if sig == signal.SIGTERM and self.took_sigint and self.old.get(signal.SIGTERM) == signal.SIG_DFL \
                 and self.old.get(signal.SIGINT) != signal.SIG_IGN:
             sig = signal.SIGINT  # most likely a Ctrl-C MindSpore's handler sent as SIGTERM: taken as one where
