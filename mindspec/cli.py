@@ -512,6 +512,7 @@ def _stdin_prompt(args):
     CRLF too), and a byte-order mark (Windows editors write one), as batch reads its input."""
     if args.tp > 1 or args.nodes > 1:  # (msrun's ranks do not share the user's stdin)
         raise MindspecError("the prompt on stdin (-) cannot reach tensor-parallel ranks: give it as an argument")
+    term = signal.signal(signal.SIGTERM, signal.default_int_handler)  # (as later: 130, not killed)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})  # while it waits (nothing imports)
     try:
         text = sys.stdin.buffer.read().decode("utf-8").removeprefix("\ufeff")
@@ -520,6 +521,7 @@ def _stdin_prompt(args):
         raise MindspecError("the prompt on stdin is not UTF-8 text") from None
     finally:
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        signal.signal(signal.SIGTERM, term)
 
 
 def parse(argv):

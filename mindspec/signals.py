@@ -93,7 +93,7 @@ class Signals:
         self.took = self.took_sigint
         if self.final and self.got is not None:
             stopping()
-        else:
+        elif not self.final:  # (a command's go on recording until its exit code is known: stopping(code))
             for s, h in self.old.items():
                 signal.signal(s, h)
         if self.off_main:

@@ -108,20 +108,44 @@ def test_ctrl_c_while_generate_loads_or_compiles_exits_130_quietly(pair, tmp_pat
     assert set(os.listdir(tmp_path)) <= {"home", "tmp"} and not os.listdir(tmp_path / "tmp")  # (no ./rank_0)
 
 
-def test_ctrl_c_while_generate_waits_for_its_prompt_on_stdin_exits_130(pair):
-    """Found by a signals probe: `generate -` read stdin with the signals held back, deaf to Ctrl-C."""
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_ctrl_c_while_generate_waits_for_its_prompt_on_stdin_exits_130(pair, sig):
+    """Found by a signals probe: `generate -` read stdin with the signals held back, deaf to Ctrl-C; a SIGTERM
+    there killed it (-15) where elsewhere it exits 130 as a Ctrl-C does."""
     import signal
     import time
     target, draft, _ = pair
     p = subprocess.Popen([sys.executable, "-m", "mindspec", "generate", "-", "--target", target, "--draft", draft],
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     time.sleep(1)  # (the command starts in ~0.1 s; then it waits on stdin, which stays open)
-    p.send_signal(signal.SIGINT)
+    p.send_signal(getattr(signal, sig))
     try:
         out, err = p.communicate(timeout=30)
     finally:
         p.kill()
     assert (p.returncode, out, err) == (130, "", ""), (p.returncode, out, err[-3000:])
+
+
+def test_a_signal_after_a_command_ended_and_before_it_exits_changes_nothing():
+    """Left from a signals round: between a command's `with Signals(...)` and `stopping(code)` (its exit code
+    known) the caller's handlers were back, and a Ctrl-C there raised KeyboardInterrupt (a traceback, exit 1).
+    A command's signals are now recorded until then; a second one still stops it at once."""
+    code = """if 1:
+        import os, signal, sys
+        from mindspec.signals import Signals, stopping
+        with Signals(True, lambda: os._exit(9), final=True):
+            print("ran")
+        os.kill(os.getpid(), signal.SIGINT)  # the command ended: its code is being worked out
+        print("went on", flush=True)
+        if sys.argv[1] == "twice":
+            os.kill(os.getpid(), signal.SIGTERM)
+        stopping(3)
+        os.kill(os.getpid(), signal.SIGINT)  # once the code is known: exit at once with it
+        print("not reached")
+    """
+    for how, want in (("once", (3, "ran\nwent on\n")), ("twice", (9, "ran\nwent on\n"))):
+        p = subprocess.run([sys.executable, "-c", code, how], capture_output=True, text=True, timeout=60)
+        assert (p.returncode, p.stdout, p.stderr) == (*want, ""), (how, p.returncode, p.stdout, p.stderr[-2000:])
 
 
 def _bad(d, name, breaker):

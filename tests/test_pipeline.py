@@ -542,15 +542,17 @@ def test_careless_library_calls_are_one_line_errors_and_change_nothing(pipe, tin
 
 def test_signals_after_a_commands_stop_exit_quietly_and_a_ranks_command_keeps_library_calls_out():
     """Signals(final=True) (batch, serve): after a recorded stop a later signal exits at once (os._exit(130);
-    it raised in MindSpore's Cell.__del__ during the teardown), and with none recorded the handlers are put
-    back. A command's inactive Signals (a tensor-parallel rank: its launcher handles signals) counts as in
+    it raised in MindSpore's Cell.__del__ during the teardown), and with none recorded it goes on recording until
+    the command's exit code is known (stopping(code); a Ctrl-C there raised KeyboardInterrupt). A command's inactive Signals (a tensor-parallel rank: its launcher handles signals) counts as in
     force, so a library call inside it installs no handler of its own."""
     from mindspec import signals
     before = {s: signal.getsignal(s) for s in signals.SIGNALS}
     try:
-        with signals.Signals(True, lambda: None, final=True):
+        with signals.Signals(True, lambda: None, final=True) as sig:
             pass
-        assert {s: signal.getsignal(s) for s in signals.SIGNALS} == before
+        assert all(signal.getsignal(s) == sig._record for s in signals.SIGNALS)
+        for s, h in before.items():
+            signal.signal(s, h)
         with signals.Signals(True, lambda: None, final=True) as sig:
             sig._record(signal.SIGINT, None)
         assert all(signal.getsignal(s).code == 130 for s in signals.SIGNALS)
