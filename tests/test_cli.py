@@ -87,6 +87,21 @@ def test_generate_into_a_pipe_that_closed_ends_quietly(pair, extra):
     assert p.returncode == 141 and "Traceback" not in err and "Error" not in err, (p.returncode, err)
 
 
+def _started(p, timeout=60):
+    """Wait for the command p's main() to hold its signals (blocked, or SIGTERM handled): sent before, a signal
+    lands in Python's start-up, which on a busy machine can outlast a test's delay."""
+    import signal
+    import time
+    t = time.monotonic()
+    while time.monotonic() - t < timeout:
+        with open(f"/proc/{p.pid}/status") as f:
+            st = dict(line.split(":", 1) for line in f if ":" in line)
+        if int(st["SigBlk"], 16) >> (signal.SIGINT - 1) & 1 or int(st["SigCgt"], 16) >> (signal.SIGTERM - 1) & 1:
+            return
+        time.sleep(0.005)
+    raise AssertionError(f"the command never held its signals: {p.args}")
+
+
 @pytest.mark.parametrize("delays", [[0.3], [1.0], [4.0], [1.0, 0.05], [4.0, 0.05]])  # import 0.1-2 s, then compiles
 def test_ctrl_c_while_generate_loads_or_compiles_exits_130_quietly(pair, tmp_path, delays):
     """Found by a signals probe: Ctrl-C while `generate` imported MindSpore or compiled was lost (the
@@ -100,6 +115,7 @@ def test_ctrl_c_while_generate_loads_or_compiles_exits_130_quietly(pair, tmp_pat
     p = subprocess.Popen([sys.executable, "-m", "mindspec", "generate", "hi", "--target", target, "--draft", draft,
                           "--max-new-tokens", "8"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          env=env, cwd=tmp_path)
+    _started(p)
     for d in delays:
         time.sleep(d)
         p.send_signal(signal.SIGINT)
@@ -117,7 +133,8 @@ def test_ctrl_c_while_generate_waits_for_its_prompt_on_stdin_exits_130(pair, sig
     target, draft, _ = pair
     p = subprocess.Popen([sys.executable, "-m", "mindspec", "generate", "-", "--target", target, "--draft", draft],
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(1)  # (the command starts in ~0.1 s; then it waits on stdin, which stays open)
+    _started(p)
+    time.sleep(1)  # (then it waits on stdin, which stays open)
     p.send_signal(getattr(signal, sig))
     try:
         out, err = p.communicate(timeout=30)

@@ -336,14 +336,15 @@ CTRL_C_SCRIPT = """
 import sys, time, mindspec
 pipe = mindspec.load(target=sys.argv[1], draft=sys.argv[2], k=4, max_seq=128)
 want = pipe.generate(prompt_ids=[5, 6, 7], max_new_tokens=12).token_ids
-print("ready", flush=True)
-try:
+try:  # (each line printed where the Ctrl-C it announces will be caught: the test sends it once it reads it)
+    print("ready", flush=True)
     while True:
         pipe.generate(prompt_ids=[5, 6, 7], max_new_tokens=100)
 except KeyboardInterrupt:
     print("caught while generating", flush=True)
-print("same" if pipe.generate(prompt_ids=[5, 6, 7], max_new_tokens=12).token_ids == want else "differs", flush=True)
+again = pipe.generate(prompt_ids=[5, 6, 7], max_new_tokens=12).token_ids
 try:
+    print("same" if again == want else "differs", flush=True)
     time.sleep(60)
 except KeyboardInterrupt:
     print("caught while idle", flush=True)
@@ -389,17 +390,16 @@ pipe.generate(prompt_ids=[5, 6, 7], max_new_tokens=4)
 print("ready", flush=True)
 
 
-def until(sig):
+def until(sig, then):
     t = time.monotonic()
     while sig not in got and time.monotonic() - t < 60:
         pipe.generate(prompt_ids=[5, 6, 7], max_new_tokens=100)
+    signal.signal(signal.SIGTERM, then)  # (in force before the test reads the line and sends the next signal)
     print("ran" if got[-1:] == [sig] else "not run", flush=True)
 
 
-until(signal.SIGINT)
-signal.signal(signal.SIGTERM, mine)  # its own SIGTERM handler: a SIGTERM stays one
-until(signal.SIGTERM)
-signal.signal(signal.SIGTERM, signal.SIG_IGN)  # and one it ignores
+until(signal.SIGINT, mine)  # then its own SIGTERM handler: a SIGTERM stays one
+until(signal.SIGTERM, signal.SIG_IGN)  # then one it ignores
 for _ in range(10):
     pipe.generate(prompt_ids=[5, 6, 7], max_new_tokens=100)
 ok = signal.getsignal(signal.SIGINT) is mine and signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
@@ -435,8 +435,8 @@ pipe = mindspec.load(target=sys.argv[1], draft=sys.argv[2], k=4, max_seq=128)
 t = threading.Thread(target=lambda: pipe.generate(prompt_ids=[5, 6, 7], max_new_tokens=12))
 t.start()
 t.join()
-print("ready", flush=True)
 try:
+    print("ready", flush=True)
     time.sleep(60)
 except KeyboardInterrupt:
     print("caught while idle", flush=True)
@@ -453,8 +453,8 @@ def test_ctrl_c_after_a_generation_on_another_thread_raises_keyboard_interrupt(t
 
 
 LOAD_SCRIPT = """
-import sys, time, mindspec
 try:
+    import sys, time, mindspec
     pipe = mindspec.load(target=sys.argv[1], draft=sys.argv[2], k=4, max_seq=128)
     print("loaded", flush=True)
     time.sleep(60)  # (a busy machine may take longer than the delay to import MindSpore, or less)

@@ -209,7 +209,9 @@ def test_tp_equals_tp1_and_reads_only_its_shard(pair, reference, n):
     else:
         assert code == 1
         assert err.splitlines()[-1].startswith("mindspec: error: tensor-parallel rank 3 of 4 died (killed by signal 9)")
-        assert time.time() - float((root / "tp4.died").read_text()) < 20
+        # seen, not waited out: well inside the launch's 60 s cluster time-out (a few seconds here; on a busy
+        # machine msrun's polls and the kill of four ranks and a scheduler take longer)
+        assert time.time() - float((root / "tp4.died").read_text()) < 45
     assert out.count("rank0 of") == 1 and f"rank0 of {n}:" in out  # rank 0's stdout only, streamed back
     total = sum(v.nbytes for v in tensors.values())
     norms = {k for k in tensors if k.endswith("norm.weight")}
