@@ -5,6 +5,7 @@ Costs are in units of one plain target decode call at batch 1:  c(B, K) = the dr
 step over B rows, v(B, K) = one verify call of bucket K over B rows (v(B, 0): a plain decode).
 K = 0 means "do not speculate": one token per row.
 """
+import fcntl
 import json
 import os
 import statistics
@@ -230,14 +231,16 @@ def _read_costs():
 def _write_costs(entries):
     path = _costs_path()
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    data = _read_costs()  # re-read: another process may have added its own pair meanwhile
-    # forget pairs whose draft file is gone (temporary test drafts), so the file stays small
-    data = {k: e for k, e in data.items() if len(k.split("|")) > 1 and os.path.exists(k.split("|")[1])}
-    data.update(entries)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
-    os.replace(tmp, path)  # readers never see a half-written file
+    with open(f"{path}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # (two processes measuring at once each dropped the other's pair)
+        data = _read_costs()  # re-read: another process may have added its own pair meanwhile
+        # forget pairs whose draft file is gone (temporary test drafts), so the file stays small
+        data = {k: e for k, e in data.items() if len(k.split("|")) > 1 and os.path.exists(k.split("|")[1])}
+        data.update(entries)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(data, f, indent=1)
+        os.replace(tmp, path)  # readers never see a half-written file
 
 
 def measure_costs(pipe, batch_sizes=(1,), reps=5, cache=True):

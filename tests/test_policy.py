@@ -1,6 +1,7 @@
 """K policy: the cost model's argmax, K=0 for a useless draft, EMA reactions, measured costs cached."""
 import json
 import math
+import os
 
 import pytest
 
@@ -285,6 +286,23 @@ def pipe(tiny_target, tiny_draft_ckpt, tmp_path_factory):
     export_draft(tiny_draft_ckpt[0], path)
     return mindspec.load(target=tiny_target[0], draft=path, k=4, max_seq=128, buckets=(1, 2, 4), max_batch=2,
                          batch_buckets=(1, 2))
+
+
+def test_processes_measuring_at_once_keep_each_others_costs(tmp_path):
+    """Found by a review of the suite: costs.json's update (read, add its pair, replace) was not locked, so two
+    processes measuring at once (a server and a batch job started together) dropped each other's pairs,
+    measured again at their next start."""
+    import subprocess
+    import sys
+    draft = tmp_path / "d.onnx"
+    draft.write_bytes(b"")  # (a pair is kept while its draft file exists)
+    code = ("import sys\nfrom mindspec.policy import _write_costs\n"
+            "for i in range(40):\n"
+            f"    _write_costs({{f'fp{{sys.argv[1]}}-{{i}}|{draft}|0|0': {{'c': {{}}, 'v': {{}}}}}})\n")
+    env = dict(os.environ, MINDSPEC_HOME=str(tmp_path))
+    ps = [subprocess.Popen([sys.executable, "-c", code, str(w)], env=env) for w in range(4)]
+    assert [p.wait(timeout=120) for p in ps] == [0] * 4
+    assert len(json.loads((tmp_path / "costs.json").read_text())) == 4 * 40
 
 
 def test_measure_costs_and_cache(pipe, tmp_path, monkeypatch):
