@@ -70,6 +70,8 @@ def count_params(cfg, layers=None):
     """Weights of a LlamaConfig (optionally only its first `layers` layers)."""
     d, hd = cfg.hidden_size, cfg.head_dim
     attn = d * hd * 2 * (cfg.num_attention_heads + cfg.num_key_value_heads)  # q, o + k, v
+    if cfg.qkv_bias:                                                         # Qwen2: + q, k, v biases
+        attn += hd * (cfg.num_attention_heads + 2 * cfg.num_key_value_heads)
     per_layer = attn + 3 * d * cfg.intermediate_size + 2 * d                 # + gate/up/down + 2 norms
     emb = cfg.vocab_size * d * (1 if cfg.tie_word_embeddings else 2)
     return emb + (cfg.num_hidden_layers if layers is None else layers) * per_layer + d
@@ -132,7 +134,8 @@ def host_bytes_per_row(cfg, dtype_bytes, positions, draft=None, chunk=PREFILL_CH
 def target_per_device(target, tp):
     """(weight bytes, KV bytes per token) of the target on its fullest device at TP=tp."""
     if target.cfg is None:  # bare numbers: an estimate
-        return target.weight_bytes / tp, kv_bytes_per_token(target) * math.ceil(target.kv_heads / tp) / target.kv_heads
+        kv_local = math.ceil(target.kv_heads / tp)  # (exact bytes: no float division)
+        return target.weight_bytes / tp, 2 * target.layers * kv_local * target.head_dim * target.kv_dtype_bytes
     from mindspec.graphs.fuse import rank_weight_elements
     from mindspec.graphs.tp import shard_plan
     plans = [shard_plan(target.cfg, tp, r) for r in range(tp)]
@@ -229,7 +232,8 @@ def memory_plan(target, draft, *, tp, devices, device_mem, reserve=0.0, seq_len=
         "kv_gb": devices * (usable - shard - d_w) / GB,
         "kv_gb_without_draft": devices * (usable - shard) / GB,
         "draft_device_free_gb": free_draft_dev / GB, "device_free_gb_without_draft": free_other / GB,
-        "kv_bytes_per_token": {"target": kv_bytes_per_token(target), "target_per_device": t_kv,
+        # target: over all tp devices, KV heads replicated past kv_heads counted on each (what a token costs)
+        "kv_bytes_per_token": {"target": t_kv * tp, "target_per_device": t_kv,
                                "draft": d_kv},
         "kv_tokens": int(groups * tokens), "kv_tokens_without_draft": int(groups * tokens_nd),
         "max_sequences": int(groups * (tokens // seq_len)),

@@ -45,6 +45,15 @@ def test_seed_example_memory(capsys):
     assert 1 - p["draft_device_free_gb"] / p["device_free_gb_without_draft"] == pytest.approx(0.30, abs=0.011)
 
 
+def test_weight_dtypes_and_an_fp16_kv_cache(capsys):
+    """Found by mutation testing: no plan was made in bf16 (at 4 bytes the 70B took 280 GB) or with quantized
+    weights, whose KV cache stays fp16 (sized at the weights' 1 byte, a token read 163,840 bytes)."""
+    _, bf16 = run_plan(["plan", *TARGET_70B, "--dtype", "bf16", "--tp", "8", "--device-mem", "64GB", "--json"], capsys)
+    assert bf16["target_gb"] == 140
+    _, int8 = run_plan(["plan", *TARGET_70B, "--dtype", "int8", "--tp", "8", "--device-mem", "64GB", "--json"], capsys)
+    assert int8["target_gb"] == 70 and int8["kv_bytes_per_token"]["target"] == 327_680
+
+
 def test_both_kv_caches_are_counted(capsys):
     _, p = run_plan(SEED + ["--json", "--seq-len", "4096"], capsys)
     kv = p["kv_bytes_per_token"]
@@ -64,6 +73,17 @@ def test_groups_and_reserve(capsys):
     assert p["total_gb"] == pytest.approx(512) and p["usable_gb"] == pytest.approx(460.8)
     assert p["kv_gb"] == pytest.approx(460.8 - 2 * 140 - 8 * 14)    # two TP=4 groups, a draft on every device
     assert p["max_sequences"] == 2 * (p["kv_tokens"] // 2 // 4096)
+    # whole sequences per group (found by mutation testing: 2 * 24,743 // 5000 counted 9, a sequence split
+    # over the two groups)
+    _, p = run_plan(SEED + ["--tp", "4", "--seq-len", "5000", "--json"], capsys)
+    assert p["kv_tokens"] == 2 * 24_743 and p["max_sequences"] == 8
+    # the fit check holds the reserve back too (found by mutation testing: it was ignored there, and half of
+    # 64 GB accepted with 0 sequences)
+    with pytest.raises(MindspecError) as e:
+        run_plan(SEED + ["--reserve", "0.5"], capsys)
+    assert str(e.value) == ("does not fit: each device needs 17.5 GB target shard + 14.0 GB draft + 2.32 GB KV cache "
+                            "for one 4096-token sequence = 33.8 GB > 32.0 GB usable; try --tp 16 (on as many devices), "
+                            "or --seq-len 884 or less, or a smaller or quantized draft, or devices with more memory")
 
 
 def test_refusal_says_what_to_change(capsys):
@@ -80,9 +100,19 @@ def test_refusal_says_what_to_change(capsys):
         plan.check_fits(t, d, tp=8, device_mem=64e9, seq_len=100_000)
     with pytest.raises(MindspecError, match="does not fit"):
         run_plan(["plan", *TARGET_70B, "--tp", "1", "--device-mem", "64GB"], capsys)
+    # the bounds (found by mutation testing): a plan that fits exactly fits, --tp up to the 64 heads assumed
+    # without a config and a one-token sequence are offered
+    exact = 17.5e9 + 4096 * 40_960  # the 70B's shard and one sequence's KV cache on each of 8 devices
+    assert plan.fits(t, tp=8, device_mem=exact, seq_len=4096) and not plan.fits(t, tp=8, device_mem=exact - 1,
+                                                                                  seq_len=4096)
+    with pytest.raises(MindspecError, match=r"> 3\.0 GB usable; try --tp 64 \(on as many devices\), or devices"):
+        plan.check_fits(t, tp=8, device_mem=3e9, seq_len=4096)
+    with pytest.raises(MindspecError, match=r"try --tp 16 \(on as many devices\), or --seq-len 1 or less, or devices"):
+        plan.check_fits(t, tp=8, device_mem=17.5e9 + 1.5 * 40_960, seq_len=2)
 
 
 @pytest.mark.parametrize("bad, match", [(["--device-mem", "64"], "bad size"), (["--device-mem", "lots"], "bad size"),
+                                        (["--device-mem", "0GB"], "bad size '0GB' for --device-mem"),
                                         (["--device-bw", "fast"], "bad size"), (["--devices", "12"], "multiple of"),
                                         (["--reserve", "1"], "reserve"), (["--draft-layers", "-1"], "--draft-layers must be an integer in 1.."),
                                         (["--device-tflops", "0"], "device-tflops"),
@@ -112,6 +142,13 @@ def test_bad_input(bad, match, capsys):
         run_plan(SEED + bad, capsys)                # argparse: the last value given wins
 
 
+def test_counts_up_to_max_count():
+    """Found by mutation testing: nothing asked for MAX_COUNT itself, which is in range."""
+    m = plan.shape(1e9, plan.MAX_COUNT, plan.MAX_COUNT, plan.MAX_COUNT)
+    assert (m.layers, m.kv_heads, m.head_dim) == (plan.MAX_COUNT,) * 3
+    plan._check_layout(plan.MAX_COUNT, plan.MAX_COUNT, 0.0, 10 ** 9)
+
+
 def test_sizes():
     assert plan.parse_size("64GB", "x") == 64e9
     assert plan.parse_size("64GiB", "x") == 64 * 2 ** 30
@@ -134,7 +171,10 @@ def test_worked_speed_example(capsys):
     _, small = run_plan(["plan", *TARGET_70B, *DRAFT_1B, *CARDS, "--json"], capsys)
     assert small["draft_params"] == 1e9 and 0.08 <= small["c"] <= 0.13
     assert small["speedup"]["0.8"]["4"] == pytest.approx(2.2, abs=0.3)         # ~2x at a = 0.8, K = 4
-    assert not any("slower" in w for w in small["warnings"])
+    # the draft's cut warns from 25% (found by mutation testing: only past 50%)
+    assert small["warnings"] == ["the draft's weights and KV cache on every device cut the KV tokens that fit by "
+                                 "47% (603,569 vs 1,135,253): a smaller draft, or one with fewer KV heads, leaves "
+                                 "more room"]
     # the estimate's formula: E(a,K) / (K*c + v(K)), E = (1 - a^(K+1)) / (1 - a)
     e = (1 - 0.8 ** 5) / 0.2
     assert small["speedup"]["0.8"]["4"] == pytest.approx(e / (4 * small["c"] + small["verify_cost"]["4"]))
@@ -147,17 +187,25 @@ def test_verify_roofline():
     v = s["verify_cost"]
     assert v["1"] == pytest.approx(1.0, abs=0.01) and v["8"] > v["4"] > 1.5
     assert s["allreduces_per_token"] == 0 and s["speedup"] is None
+    # a rank computes params/tp of the FLOPs (found by mutation testing: all of them): at 1 TFLOPS the 70B's
+    # 17.5 ms of FLOPs per rank outweigh its 11 ms of bytes, + 160 AllReduces of 10 us
+    s = plan.speed_estimate(plan.shape(70e9, 80, 8, 128), None, tp=8, device_tflops=1)
+    assert s["target_ms"] == pytest.approx(17.5 + 1.6)
 
 
 def test_table(capsys):
     out, _ = run_plan(SEED, capsys)
     for text in ("512.0", "140.0", "112.0", "260.0", "372.0", "57,496", "c = 0.75", "a=0.8", "K=4", "warning:"):
         assert text in out
+    # the cut column is the share lost (found by mutation testing: the share kept, 70%, passed)
+    free = next(line for line in out.splitlines() if line.startswith("  free per device"))
+    assert free.split() == ["free", "per", "device", "32.5", "46.5", "30%"]
 
 
 def test_count_params_matches_checkpoint(tmp_path):
-    for tie in (False, True):
-        d, tensors = make_tiny_checkpoint(tmp_path / f"t{tie}", tie=tie)
+    # (Qwen2's q/k/v biases were left out: 102,720 of its 102,976 weights)
+    for tie, arch in ((False, "LlamaForCausalLM"), (True, "LlamaForCausalLM"), (False, "Qwen2ForCausalLM")):
+        d, tensors = make_tiny_checkpoint(tmp_path / f"{arch}{tie}", tie=tie, arch=arch)
         assert plan.count_params(Checkpoint(d).config) == sum(t.size for t in tensors.values())
 
 
@@ -221,10 +269,18 @@ def test_missing_numbers(capsys):
         run_plan(["plan", "--device-mem", "64GB"], capsys)
 
 
-def test_kv_heads_replicated_beyond_tp():
+def test_kv_heads_replicated_beyond_tp(capsys):
     t = plan.shape(70e9, 80, 8, 128, "fp16")
     _, kv16, _, _ = plan._per_device(t, None, 16)      # 8 KV heads over 16 devices: one head each
     assert kv16 == plan.kv_bytes_per_token(t) / 8
+    # and a token costs the 16 of them twice the model's 327,680 bytes (the table showed 327,680; the
+    # JSON's per-device figure was found untested by mutation testing)
+    args = ["plan", *TARGET_70B, "--tp", "16", "--device-mem", "64GB"]
+    _, p = run_plan(args + ["--json"], capsys)
+    assert p["kv_bytes_per_token"] == {"target": 655_360, "target_per_device": 40_960, "draft": 0}
+    out, _ = run_plan(args, capsys)
+    row = next(line for line in out.splitlines() if line.startswith("  KV bytes/token, target"))
+    assert row.split()[-2:] == ["-", "655,360"]
 
 
 def test_llama2_70b_config_count():
