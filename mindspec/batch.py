@@ -47,6 +47,16 @@ def _key(rid):
     return json.dumps(rid)  # 1 and "1" are different ids
 
 
+def check_asked(asked, items, input_path, path):
+    """Refuse a line edited since `path` got its result ({id key: request hash}). A bad line (no request
+    hash) whose id has one was edited too: results come from good lines only."""
+    for item in items:
+        was = asked.get(_key(item.rid))
+        if was is not None and was != item.asked:
+            raise MindspecError(f"{input_path}:{item.line}: this line (id {_key(item.rid)[:40]}) changed since "
+                                f"{path} got its result; give the new request a new id, or another --output")
+
+
 # ---- input ----
 
 def _read_lines(path):
@@ -217,6 +227,7 @@ class Output:
 
     def __init__(self, path, job, input_path, wait=False):
         self.path, self.job, self.fd, self.created, self.wrote = path, job, None, False, False
+        self.input_path = input_path  # (a merge checks the parts' results against its lines)
         self.wait = wait  # for the lock (machines merging one shared output), instead of refusing
         self.done, self.errors, self.asked = set(), {}, {}  # asked: {id: request hash} of the results
         if path is None:
@@ -282,11 +293,7 @@ class Output:
 
     def check_asked(self, items, input_path):
         """Refuse a line edited since its result was written (its id would keep the old result)."""
-        for item in items:
-            was = self.asked.get(_key(item.rid))
-            if was is not None and item.asked is not None and was != item.asked:
-                raise MindspecError(f"{input_path}:{item.line}: this line (id {_key(item.rid)[:40]}) changed since "
-                                    f"{self.path} got its result; give the new request a new id, or another --output")
+        check_asked(self.asked, items, input_path, self.path)
 
     def absorb(self, done, errors):
         """Count another file's finished ids and error messages as this output's (a replica's part: the
@@ -571,20 +578,20 @@ def part_path(output_path, i, d):
 
 
 def read_records(path, job):
-    """(records, done ids, {id: error messages}) of a batch output that may not exist, read without taking
-    its lock (a data-parallel launcher holds it); a torn last line is left out. Refused like any output
-    when it holds anything but this job's records."""
+    """(records, done ids, {id: error messages}, {id: its result's request hash}) of a batch output that may
+    not exist, read without taking its lock (a data-parallel launcher holds it); a torn last line is left
+    out. Refused like any output when it holds anything but this job's records."""
     try:
         with open(path, "rb") as f:
             data = f.read()
     except FileNotFoundError:
-        return [], set(), {}
+        return [], set(), {}, {}
     except OSError as e:
         raise MindspecError(f"cannot read output {path}: {e.strerror}") from None
-    done, errors, _, keep = _scan(data, path, job)
-    return [json.loads(line) for line in data[:keep].split(b"\n") if line.strip()], done, errors
+    done, errors, asked, keep = _scan(data, path, job)
+    return [json.loads(line) for line in data[:keep].split(b"\n") if line.strip()], done, errors, asked
 
 
 def earlier(output_path, job):
     """(done ids, {id: error messages}) the output already holds."""
-    return read_records(output_path, job)[1:]
+    return read_records(output_path, job)[1:3]

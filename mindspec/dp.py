@@ -25,7 +25,7 @@ import subprocess
 import sys
 import time
 
-from .batch import Output, Tally, _key, _read_lines, _rows, part_path, read_records
+from .batch import Output, Tally, _key, _read_lines, _rows, check_asked, part_path, read_records
 from .device import check_tp, detect_device
 from .errors import MindspecError
 from .request import SEED_ENV
@@ -92,7 +92,7 @@ def _collect(output, d):
     """{id key: (first result record or None, [error records])} of the d parts."""
     got = {}
     for i in range(d):
-        recs, _, _ = read_records(part_path(output.path, i, d), output.job)
+        recs = read_records(part_path(output.path, i, d), output.job)[0]
         for rec in recs:
             res, errs = got.get(_key(rec["id"]), (None, []))
             if "error" in rec:
@@ -107,10 +107,21 @@ def _body(rec):
     return {k: v for k, v in rec.items() if k not in ("mindspec_batch", "job", "id")}
 
 
+def check_edits(output, rows, d):
+    """Refuse a line edited since the output or one of the d parts got its result: a merge would give it the
+    old one (a line inserted above moves the lines below to other replicas' shares)."""
+    output.check_asked(rows, output.input_path)
+    for i in range(d):
+        path = part_path(output.path, i, d)
+        check_asked(read_records(path, output.job)[3], rows, output.input_path, path)
+
+
 def merge(output, rows, d):
     """Append to the (open, locked) output, in input order, each id's record from the d parts unless the
     output has it, then remove the parts; returns the number of input ids with no record anywhere (then
-    nothing is written). Running again after a cut-short merge writes nothing twice."""
+    nothing is written). A line edited since its result was written is refused first. Running again after
+    a cut-short merge writes nothing twice."""
+    check_edits(output, rows, d)
     got = _collect(output, d)
     left = [r for r in rows if _key(r.rid) not in got and _key(r.rid) not in output.done
             and _key(r.rid) not in output.errors]
@@ -122,7 +133,7 @@ def merge(output, rows, d):
         if k in output.done:
             continue
         if res is not None:
-            output.put(row, _body(res))
+            output.put(row._replace(asked=res.get("request")), _body(res))  # its own request hash, as the part holds
             output.done.add(k)
         for rec in ([] if res is not None else errs):
             output.put(row, _body(rec))  # an error already in the output in those words is not written again
@@ -247,9 +258,9 @@ def _unfinished(rcs, rows, output_path, job, dp):
     The parts are read before the output: a part that another node merged (and removed) is then in it."""
     have = {}
     for i in rcs:
-        _, done, errors = read_records(part_path(output_path, i, dp), job)
+        _, done, errors, _ = read_records(part_path(output_path, i, dp), job)
         have[i] = done | set(errors)
-    _, done, errors = read_records(output_path, job)
+    _, done, errors, _ = read_records(output_path, job)
     for i, rc in sorted(rcs.items()):
         mine, got = rows[i::dp], have[i] | done | set(errors)
         left = sum(_key(r.rid) not in got for r in mine)
@@ -270,9 +281,9 @@ def launch(argv, input_path, output_path, job, dp, tp=1, nodes=1, node_rank=0):
     check_parts(output_path, dp)
     out = Output(output_path, job, input_path, wait=nodes > 1)  # checked, and locked from here on (one machine)
     try:
-        out.check_asked(rows, input_path)
+        check_edits(out, rows, dp)  # (the parts too: a re-run's replicas would keep their results)
     except MindspecError:
-        out.close()
+        out.close(failed=True)  # (an output this made is not left behind, as without --dp)
         raise
     if nodes > 1:
         out.close()  # several machines share the output: each locks it only to check it and to merge

@@ -1042,3 +1042,281 @@ def test_an_output_that_is_a_symlink_to_a_file_not_yet_made_is_made_there(tmp_pa
     nowhere.symlink_to(tmp_path / "no-such-dir" / "o.jsonl")
     with pytest.raises(MindspecError, match=r"cannot write output .*nowhere.jsonl: No such file or directory"):
         _batch(inp, nowhere)
+
+
+def _changed(inp, line, rid, path):
+    return (f"{inp}:{line}: this line (id {rid}) changed since {path} got its result; give the new request a new id, "
+            "or another --output")
+
+
+def test_a_line_edited_into_a_bad_line_is_refused_like_any_edited_line(tmp_path, capsys, monkeypatch):
+    """Found by a review: a line edited into a bad one (a typo'd field, broken JSON, a bad id) whose id had
+    a result was skipped, exit 0, "2 skipped": a bad line has no request to compare, so the old result
+    stood for the new line. Results come from good lines only, so it was edited: refused, exit 2."""
+    inp, out = tmp_path / "in.jsonl", tmp_path / "o.jsonl"
+    inp.write_text('{"id": "a", "prompt_ids": [1]}\n{"prompt_ids": [2]}\n')
+    ran = driver(monkeypatch)
+    assert _batch(str(inp), out) == 0 and ran == [1, 2]
+    before = out.read_bytes()
+    capsys.readouterr()
+    for edited, line, rid in (('{"id": "a", "prompt_ids": [99], "temprature": 0.7}\n{"prompt_ids": [3]\n', 1, '"a"'),
+                              ('{"id": "a", "prompt_ids": [1]}\n{"prompt_ids": [3]\n', 2, "2"),
+                              ('{"id": "a", "prompt_ids": [1]}\n{"id": true, "prompt_ids": [2]}\n', 2, "2")):
+        inp.write_text(edited)
+        with pytest.raises(MindspecError) as e:
+            _batch(str(inp), out)
+        assert str(e.value) == _changed(inp, line, rid, out)
+        assert out.read_bytes() == before and ran == [1, 2] and capsys.readouterr().err == ""  # not begun: no summary
+    # a result written before records kept their request is taken as it is (the docs' rule), bad line or not
+    out.write_bytes(_rec("a", B.job_id(DEFAULTS), **OK) + _rec(2, B.job_id(DEFAULTS), **OK))
+    assert _batch(str(inp), out) == 0 and ran == [1, 2]
+
+
+def test_a_merge_refuses_a_line_edited_since_a_part_got_its_result(tmp_path, capsys, monkeypatch):
+    """Found by a review: `--merge` after a line was edited wrote the part's old result under the new line's
+    request hash (exit 0; the next run skipped it too), and a line moved to the other replica's share (a
+    line inserted above it) and edited was given the stale result of the part it had been in. The launcher
+    and every merge now compare the parts' results with the lines, as a resume compares the output's."""
+    from mindspec import dp
+    inp, out, job = tmp_path / "in.jsonl", tmp_path / "o.jsonl", B.job_id(DEFAULTS)
+    line = lambda rid, p: json.dumps({"id": rid, "prompt_ids": p}) + "\n"
+    inp.write_text(line("a", [1]) + line("b", [2]))
+    ran = driver(monkeypatch)
+    assert _batch(str(inp), out, part=(0, 2)) == 0 and _batch(str(inp), out, part=(1, 2)) == 0 and ran == [1, 2]
+    parts = {p: p.read_bytes() for p in tmp_path.glob("o.jsonl.part*")}
+    inp.write_text(line("a", [1]) + line("b", [22]))  # b edited before the merge
+    with pytest.raises(MindspecError) as e:
+        dp.merge_command(str(inp), str(out), job)
+    assert str(e.value) == _changed(inp, 2, '"b"', f"{out}.part1of2")
+    assert not out.exists() and {p: p.read_bytes() for p in tmp_path.glob("o.jsonl.part*")} == parts
+    inp.write_text(line("a", [1]) + line("b", [2]))
+    assert dp.merge_command(str(inp), str(out), job) == 0
+    assert records(out) == [json.loads(parts[tmp_path / f"o.jsonl.part{i}of2"]) for i in (0, 1)]  # as the parts hold
+    # a line inserted at the top moves "b" to replica 0's share; "b" edited: the launcher refuses first
+    out.unlink()
+    assert _batch(str(inp), out, part=(1, 2)) == 0 and ran == [1, 2, 2]  # b, in part 1
+    inp.write_text(line("x", [0]) + line("a", [1]) + line("b", [22]))
+    monkeypatch.setattr(dp, "_start", lambda *a: pytest.fail("a replica started"))
+    capsys.readouterr()
+    with pytest.raises(MindspecError) as e:
+        dp.launch([], str(inp), str(out), job, 2)
+    assert str(e.value) == _changed(inp, 3, '"b"', f"{out}.part1of2") and not out.exists()
+    # replicas run by hand anyway (x and b in part 0, a in part 1): the merge refuses part 1's stale "b"
+    assert _batch(str(inp), out, part=(0, 2)) == 0 and _batch(str(inp), out, part=(1, 2)) == 0
+    assert ran == [1, 2, 2, 0, 22, 1]
+    with pytest.raises(MindspecError) as e:
+        dp.merge_command(str(inp), str(out), job)
+    assert str(e.value) == _changed(inp, 3, '"b"', f"{out}.part1of2") and not out.exists()
+
+
+def test_a_node_that_finishes_first_leaves_the_merge_to_the_node_still_writing(tmp_path, capsys, monkeypatch):
+    """Found by a review: only the two-node subprocess test covered a node that finishes while another
+    node's replica still writes its part, and only when timing made it so. Its part is locked here."""
+    from mindspec import dp
+    inp, out, job = _input(tmp_path / "in.jsonl", 2), tmp_path / "o.jsonl", B.job_id(DEFAULTS)
+    driver(monkeypatch, fail={2})
+    assert _batch(inp, out, part=(0, 2)) == 0 and _batch(inp, out, part=(1, 2)) == 1
+    parts = {p: p.read_bytes() for p in tmp_path.glob("o.jsonl.part*")}
+    rows = B._rows(B._read_lines(inp), inp)
+    capsys.readouterr()
+    with open(tmp_path / "o.jsonl.part1of2", "rb") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # the other node's replica 1 still retries id 2
+        o = B.Output(str(out), job, inp)
+        try:
+            assert dp._finish(o, rows, 2, node=True) == 0
+        finally:
+            o.close()
+    assert capsys.readouterr().err == ("mindspec batch: this node's replicas are done; 2 of 2 lines are left to other "
+                                       "nodes: the last to finish merges (or run the job with --merge)\n")
+    assert out.read_bytes() == b"" and {p: p.read_bytes() for p in tmp_path.glob("o.jsonl.part*")} == parts
+
+
+def _in_process_replicas(monkeypatch, inp, out):
+    """The launcher's replicas run here, one after another, instead of as subprocesses."""
+    from mindspec import dp
+    monkeypatch.setattr(dp, "_start", lambda argv, here, tp: {i: _batch(inp, out, part=(i, len(here))) for i in here})
+    monkeypatch.setattr(dp, "_wait", lambda procs: procs)
+
+
+def test_a_data_parallel_rerun_of_a_merged_job_runs_only_its_failed_lines(tmp_path, capsys, monkeypatch):
+    """Found by mutation testing: nothing re-ran a merged --dp job; a replica that ignored the output's
+    results (or its errors' words) would run or write every line again."""
+    from mindspec import dp
+    inp, out, job = _input(tmp_path / "in.jsonl", 4), tmp_path / "o.jsonl", B.job_id(DEFAULTS)
+    _in_process_replicas(monkeypatch, inp, out)
+    merged = f"mindspec batch: 4 lines: 3 done, 1 failed, 0 left -> {out} (merged from 2 parts)"
+    ran = driver(monkeypatch, fail={3})
+    assert dp.launch([], inp, str(out), job, 2) == 1 and ran == [1, 3, 2, 4]
+    assert last(capsys.readouterr().err) == merged
+    first = out.read_bytes()
+    assert [(r["id"], r.get("error")) for r in records(out)] == [(1, None), (2, None), (3, "line 3: nope"), (4, None)]
+    ran = driver(monkeypatch, fail={3})
+    assert dp.launch([], inp, str(out), job, 2) == 1 and ran == [3]
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith(f"mindspec batch: 2 lines: 1 done, 1 failed, 0 left -> {out}.part0of2; this run: 0 done, "
+                             "1 failed, 1 skipped; ") and err[-1] == merged
+    assert out.read_bytes() == first and not list(tmp_path.glob("o.jsonl.part*"))  # the same error: not again
+    ran = driver(monkeypatch)
+    assert dp.launch([], inp, str(out), job, 2) == 0 and ran == [3]
+    assert [(r["id"], r.get("error")) for r in records(out)][4:] == [(3, None)]
+
+
+def test_the_summary_line_exactly(tmp_path, capsys, monkeypatch):
+    """Found by mutation testing: no test read the summary's acceptance or tokens per target call, nor the
+    words when nothing was drafted."""
+    inp, out = _input(tmp_path / "in.jsonl", 2), tmp_path / "o.jsonl"
+    clock = [1000.0]
+    monkeypatch.setattr(B, "time", type("Clock", (), {"monotonic": staticmethod(lambda: clock[0])}))
+    stats = dict(STATS, new_tokens=6, target_calls=2, drafted=4, accepted=3)
+
+    def drive(pipe, items, check=lambda: None, max_batch=1, ready=lambda: None):
+        ready()
+        for item in items:
+            clock[0] += 1.5
+            yield item, dict(OK, stats=dict(stats)) if item.kw["prompt_ids"][0] != 9 else {"error": "line 1: nope"}
+
+    monkeypatch.setattr(B, "generate_records", drive)
+    assert _batch(inp, out) == 0
+    assert capsys.readouterr().err == (f"mindspec batch: 2 lines: 2 done, 0 failed, 0 left -> {out}; this run: 2 done, "
+                                       "0 failed, 0 skipped; 12 tokens in 3.00 s = 4.0 tok/s; acceptance 0.75; 3.00 "
+                                       "tokens per target call\n")
+    (tmp_path / "in2.jsonl").write_text('{"prompt_ids": [9]}\n')
+    assert _batch(str(tmp_path / "in2.jsonl"), tmp_path / "o2.jsonl") == 1
+    assert capsys.readouterr().err == (f"mindspec batch: 1 lines: 0 done, 1 failed, 0 left -> {tmp_path / 'o2.jsonl'}; "
+                                       "this run: 0 done, 1 failed, 0 skipped; 0 tokens in 1.50 s = - tok/s; no "
+                                       "drafts; - tokens per target call\n")
+
+
+def test_a_model_that_fails_to_load_leaves_no_new_output_and_no_summary(tmp_path, capsys, monkeypatch):
+    """Found by mutation testing: nothing checked that a job whose model cannot load (it never began)
+    removes the output it made, keeps one it did not, and prints no summary (only the error line)."""
+    inp, out, job = _input(tmp_path / "in.jsonl", 2), tmp_path / "o.jsonl", B.job_id(DEFAULTS)
+
+    def load():
+        raise MindspecError("model directory is unusable: config.json missing")
+
+    for before in (None, _rec(1, job, **OK)):
+        if before is not None:
+            out.write_bytes(before)
+        with pytest.raises(MindspecError) as e:
+            B.run_batch(load, DEFAULTS, inp, str(out))
+        assert str(e.value) == "model directory is unusable: config.json missing"
+        assert (out.read_bytes() if out.exists() else None) == before and capsys.readouterr().err == ""
+
+
+def test_ids_a_bool_id_an_int_and_its_string_and_a_byte_order_mark(tmp_path, capsys, monkeypatch):
+    """Found by mutation testing: nothing pinned a bool id's error record (True is an int to Python), that 1
+    and "1" are two ids (on resume too), or that a first line after a UTF-8 byte-order mark runs."""
+    inp, out, job = tmp_path / "in.jsonl", tmp_path / "o.jsonl", B.job_id(DEFAULTS)
+    ran = driver(monkeypatch)
+    inp.write_text('{"id": true, "prompt_ids": [1]}\n{"prompt_ids": [2]}\n')
+    assert _batch(str(inp), out) == 1 and ran == [2]
+    assert records(out) == [{"mindspec_batch": 1, "job": job, "id": 1,
+                             "error": "line 1: id must be a string or an integer, got True"},
+                            {"mindspec_batch": 1, "job": job, "id": 2, **OK, "request": B._asked({"prompt_ids": [2]})}]
+    out.unlink()
+    inp.write_text('{"id": 1, "prompt_ids": [1]}\n{"id": "1", "prompt_ids": [2]}\n')
+    assert _batch(str(inp), out) == 0 and ran == [2, 1, 2] and [r["id"] for r in records(out)] == [1, "1"]
+    assert _batch(str(inp), out) == 0 and ran == [2, 1, 2]  # resumed: each has its own result
+    out.unlink()
+    inp.write_bytes(b'\xef\xbb\xbf{"id": "a", "prompt_ids": [3]}\n')
+    assert _batch(str(inp), out) == 0 and ran == [2, 1, 2, 3] and [r["id"] for r in records(out)] == ["a"]
+
+
+def test_each_record_carries_the_compile_time_since_the_record_before(monkeypatch):
+    """Found by mutation testing: nothing checked that a record's stats.compile_s is the compiling since the
+    previous record (the pipeline's is the job's running total), so that their sum is the job's."""
+    from types import SimpleNamespace as NS
+    total = iter([5.0, 5.0, 7.0])  # the job's compile time when each line finished
+
+    class Req:
+        error, done, prompt_ids = None, True, [1]
+
+        def result(self):
+            return NS(text="t", token_ids=[1], finish_reason="length", logprobs=None, stats=dict(self.stats.__dict__))
+
+    class Pipe:
+        def stream(self, reqs, max_batch, ready):
+            ready()
+            for r in reqs:
+                r.stats = NS(compile_s=next(total))
+                yield r, None
+
+    monkeypatch.setattr(B, "make", lambda pipe, kw: Req())
+    items = [B.Item(i, i, {"prompt_ids": [i]}) for i in (1, 2, 3)]
+    assert [(item.rid, body["stats"]["compile_s"]) for item, body in B.generate_records(Pipe(), items)] == \
+        [(1, 5.0), (2, 0.0), (3, 2.0)]
+
+
+def test_a_merge_keeps_other_files_and_the_parts_records_as_they_are(tmp_path, capsys, monkeypatch):
+    """Found by mutation testing: nothing checked that a merge removes only the parts (a user's
+    o.jsonl.part0of2.bak matches a looser pattern). Found by a review: a merged record took the line's
+    request hash, which a part's result written before records kept one never had."""
+    from mindspec import dp
+    inp, out, job = _input(tmp_path / "in.jsonl", 2), tmp_path / "o.jsonl", B.job_id(DEFAULTS)
+    driver(monkeypatch)
+    assert _batch(inp, out, part=(0, 2)) == 0
+    part0 = records(tmp_path / "o.jsonl.part0of2")
+    (tmp_path / "o.jsonl.part1of2").write_bytes(_rec(2, job, **OK))  # no "request"
+    (tmp_path / "o.jsonl.part0of2.bak").write_text("my backup\n")
+    assert dp.merge_command(inp, str(out), job) == 0
+    assert sorted(os.listdir(tmp_path)) == ["in.jsonl", "o.jsonl", "o.jsonl.part0of2.bak"]
+    assert (tmp_path / "o.jsonl.part0of2.bak").read_text() == "my backup\n"
+    assert records(out) == part0 + [json.loads(_rec(2, job, **OK))]
+
+
+def test_a_data_parallel_launcher_refuses_an_edited_line_and_stops_at_a_replica_that_ended_with_2(
+        tmp_path, capsys, monkeypatch):
+    """Found by mutation testing: nothing checked that the launcher refuses a line edited since its result
+    before any replica starts, or that a replica ending with exit 2 (it printed its own line) stops the
+    merge: exit 2, nothing merged, the parts kept."""
+    from mindspec import dp
+    inp, out, job = tmp_path / "in.jsonl", tmp_path / "o.jsonl", B.job_id(DEFAULTS)
+    driver(monkeypatch)
+    inp.write_text('{"id": "a", "prompt_ids": [1]}\n')
+    assert _batch(str(inp), out) == 0
+    before = out.read_bytes()
+    inp.write_text('{"id": "a", "prompt_ids": [99]}\n')
+    monkeypatch.setattr(dp, "_start", lambda *a: pytest.fail("a replica started"))
+    with pytest.raises(MindspecError) as e:
+        dp.launch([], str(inp), str(out), job, 2)
+    assert str(e.value) == _changed(inp, 1, '"a"', out) and out.read_bytes() == before
+    out.unlink()
+    inp.write_text('{"prompt_ids": [1]}\n{"prompt_ids": [2]}\n')
+    assert _batch(str(inp), out, part=(0, 2)) == 0 and _batch(str(inp), out, part=(1, 2)) == 0
+    parts = {p: p.read_bytes() for p in tmp_path.glob("o.jsonl.part*")}
+    capsys.readouterr()
+    monkeypatch.setattr(dp, "_start", lambda *a: {})
+    monkeypatch.setattr(dp, "_wait", lambda procs: {0: 2, 1: 0})  # replica 0 refused (exit 2), its part complete
+    assert dp.launch([], str(inp), str(out), job, 2) == 2
+    assert capsys.readouterr().err == "" and not out.exists()
+    assert {p: p.read_bytes() for p in tmp_path.glob("o.jsonl.part*")} == parts
+
+
+def test_what_an_output_record_counts_for(tmp_path, capsys, monkeypatch):
+    """Found by mutation testing: nothing pinned that a later duplicate result's request hash is not the one
+    compared (the first result wins), that an empty error message is still an error (retried), that a
+    record without the marker, of another format version or with a bool id is refused, or what an empty
+    input does (exit 0, an empty output)."""
+    inp, out, job = _input(tmp_path / "in.jsonl", 1), tmp_path / "o.jsonl", B.job_id(DEFAULTS)
+    ran = driver(monkeypatch)
+    first = _rec(1, job, **OK, request=B._asked({"prompt_ids": [1]}))
+    out.write_bytes(first + _rec(1, job, **dict(OK, text="later"), request=B._asked({"prompt_ids": [9]})))
+    assert _batch(inp, out) == 0 and ran == []
+    out.write_bytes(_rec(1, job, error=""))
+    assert _batch(inp, out) == 0 and ran == [1]
+    for foreign in (b'{"id": 1, "job": "train-7", "text": "hi"}\n',
+                    json.dumps({"mindspec_batch": 2, "job": job, "id": 1, **OK}).encode() + b"\n",
+                    _rec(True, job, **OK)):
+        out.write_bytes(foreign)
+        with pytest.raises(MindspecError) as e:
+            _batch(inp, out)
+        assert str(e.value) == f"{out}:1 is not a mindspec batch record; not writing to that file"
+        assert out.read_bytes() == foreign and ran == [1]
+    (tmp_path / "empty.jsonl").write_text("\n")
+    capsys.readouterr()
+    assert _batch(str(tmp_path / "empty.jsonl"), tmp_path / "o2.jsonl") == 0 and ran == [1]
+    assert (tmp_path / "o2.jsonl").read_bytes() == b""
+    assert capsys.readouterr().err == (f"mindspec batch: 0 lines: 0 done, 0 failed, 0 left -> {tmp_path}/o2.jsonl; "
+                                       "this run: 0 done, 0 failed, 0 skipped; 0 tokens in 0.00 s = - tok/s; no "
+                                       "drafts; - tokens per target call\n")
