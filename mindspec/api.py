@@ -215,7 +215,7 @@ class Api:
                 if kind in ("text", "done"):
                     if kind == "done":
                         done[tag] = val
-                    for ev in (fmt.chunk(*val) if kind == "text" else fmt.last(*val[:3])) if stream else ():
+                    for ev in (fmt.chunk(*val) if kind == "text" else fmt.last(done)) if stream else ():
                         resp = await _sse(request, resp, ev)
                     continue
                 status, msg = {"error": (getattr(val, "status", 400), val),

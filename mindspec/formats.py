@@ -1,7 +1,8 @@
 """Response bodies and stream events of `mindspec serve`'s APIs: OpenAI (as MindIE's vLLM-style
 interface) and TGI 0.9.4 / MindIE's native /infer. A formatter turns the engine's output of one
-request into its API's JSON: `chunk(delta, tokens)` per step, `last(ids, res, tokens)` at the end
-of a stream, `response(ids, res)` for a non-streamed answer. `tokens` are (id, text, logprob)
+request into its API's JSON: `chunk(delta, tokens)` per step, `last(done)` at the end of a choice's
+stream, `response(done)` for a non-streamed answer (done: each choice's (prompt ids, Result, tokens not
+streamed, every token), None for a choice still running). `tokens` are (id, text, logprob)
 triples whose texts concatenate to the generated text (logprob: the request's entry for that token,
 (logprob, [(id, logprob)] of its best alternatives), None when it asked none)."""
 import time
@@ -72,7 +73,7 @@ def token(pipe, i, text=None):
 
 class OpenAI:
     """/v1/completions and /v1/chat/completions bodies and SSE chunks (usage in the final chunk, then
-    `data: [DONE]`)."""
+    `data: [DONE]`; with n > 1, in the last choice's final chunk: one usage, as the non-streamed answer's)."""
     family, done_marker = "openai", True
 
     def __init__(self, app, chat, index=0, head=None):
@@ -99,27 +100,22 @@ class OpenAI:
     def _stream_head(self):
         return dict(self.head, object="chat.completion.chunk") if self.chat else self.head
 
-    def _tail(self, ids, res):
-        usage = {"prompt_tokens": len(ids), "completion_tokens": len(res.token_ids),
-                 "total_tokens": len(ids) + len(res.token_ids),
-                 "prompt_tokens_details": {"cached_tokens": res.stats.get("cached_tokens", 0)}}
-        return {"usage": usage, "mindspec": res.stats}
+    def _tail(self, done):
+        """usage (the prompt once, every choice's tokens) and "mindspec" (a list of each one's stats when n > 1)."""
+        ids, results = done[0][0], [res for _, res, _, _ in done]
+        n = sum(len(r.token_ids) for r in results)
+        usage = {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n,
+                 "prompt_tokens_details": {"cached_tokens": results[0].stats.get("cached_tokens", 0)}}
+        return {"usage": usage, "mindspec": [r.stats for r in results] if len(results) > 1 else results[0].stats}
 
     def response(self, done):
         """done: (prompt ids, Result, tokens not streamed, every token) of each choice (tokens: the
-        streams' (id, text, logprob), so text_offset counts the same streamed or not). With several
-        choices, usage adds them up and "mindspec" lists each one's stats."""
-        ids, results = done[0][0], [res for _, res, _, _ in done]
+        streams' (id, text, logprob), so text_offset counts the same streamed or not)."""
         choices = []
         for i, (_, r, _, every) in enumerate(done):
             self.offset = 0
             choices.append(self._choice(r.text, r.finish_reason, index=i, tokens=every))
-        out = dict(self.head, choices=choices, **self._tail(ids, results[0]))
-        if len(results) > 1:
-            n = sum(len(r.token_ids) for r in results)
-            out["usage"] = dict(out["usage"], completion_tokens=n, total_tokens=len(ids) + n)
-            out["mindspec"] = [r.stats for r in results]
-        return out
+        return dict(self.head, choices=choices, **self._tail(done))
 
     def _role(self):
         """The chat stream's first chunk, once (also when no text comes at all)."""
@@ -132,9 +128,12 @@ class OpenAI:
     def chunk(self, delta, tokens):
         return self._role() + [dict(self._stream_head(), choices=[self._choice(delta, None, True, tokens=tokens)])]
 
-    def last(self, ids, res, tokens):
+    def last(self, done):
+        """This choice's final chunk; the last choice's carries the usage of them all (found: each its own)."""
+        _, res, tokens, _ = done[self.index]
         choice = self._choice(None if self.chat else "", res.finish_reason, True, tokens=tokens)
-        return self._role() + [dict(self._stream_head(), choices=[choice], **self._tail(ids, res))]
+        tail = self._tail(done) if None not in done else {}
+        return self._role() + [dict(self._stream_head(), choices=[choice], **tail)]
 
 
 class TGI:
@@ -198,7 +197,8 @@ class TGI:
         self.pending = timed[-1]
         return [self._event(t) for t in timed[:-1]]
 
-    def last(self, ids, res, tokens):
+    def last(self, done):
+        ids, res, tokens, _ = done[0]
         timed = ([self.pending] if self.pending else []) + self._timed(tokens)
         if not timed:  # nothing generated at all (cannot happen: a request makes >= 1 token)
             timed = self._timed([(0, "", None)])

@@ -133,10 +133,17 @@ def test_greedy_equals_target_only(server, pipe):
     assert tgi["details"]["generated_tokens"] == len(by_text.token_ids)
     # each token's text as the stream gives it (formats.pieces), so they add up to the text
     assert "".join(t["text"] for t in tgi["details"]["tokens"] if not t["special"]) == tgi["generated_text"]
+    # Found by mutation testing: nothing asked for the prompt's tokens, nor checked they come only when asked
+    assert tgi["details"]["prefill"] == []
+    prefill = post(base, "/generate", {"inputs": TEXT, "parameters": {"max_new_tokens": 1, "details": True,
+                                                                      "decoder_input_details": True}})
+    assert prefill["details"]["prefill"] == [{"id": i, "text": pipe.tokenizer.decode([i]), "logprob": None,
+                                              "special": False} for i in pipe.encode(TEXT)]
 
     c = post(base, "/v1/completions", {"model": "tiny", "prompt": IDS, "max_tokens": N})
-    assert c["object"] == "text_completion" and c["choices"][0]["text"] == by_ids.text
-    assert c["choices"][0]["finish_reason"] == by_ids.finish_reason
+    # (found by mutation testing: nothing checked stop_reason, vLLM's field: None after EOS or the length)
+    assert c["object"] == "text_completion" and c["choices"] == [{
+        "index": 0, "text": by_ids.text, "logprobs": None, "stop_reason": None, "finish_reason": by_ids.finish_reason}]
     usage = dict(c["usage"])
     assert 0 <= usage.pop("prompt_tokens_details")["cached_tokens"] < len(IDS)
     assert usage == {"prompt_tokens": len(IDS), "completion_tokens": len(by_ids.token_ids),
@@ -147,6 +154,8 @@ def test_greedy_equals_target_only(server, pipe):
     native = post(base, "/infer", {"inputs": TEXT, "stream": False,
                                    "parameters": {"max_new_tokens": N, "details": True}})
     assert native["generated_text"] == by_text.text
+    # MindIE's details: no tokens (found by mutation testing: TGI's full details passed unnoticed)
+    assert native["details"] == {k: tgi["details"][k] for k in ("finish_reason", "generated_tokens", "seed")}
     assert native["details"]["generated_tokens"] == len(by_text.token_ids)
 
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
@@ -302,6 +311,83 @@ def test_a_full_queue_answers_429_at_once(pipe, monkeypatch):
     _serve_in_process(pipe, monkeypatch, base, check, max_batch=max_batch, max_queue=max_queue)
 
 
+def test_while_loading_or_stopping_inference_is_a_503_in_each_apis_shape():
+    """Found by mutation testing: only OpenAI's 503 while loading was checked (test_serve_config), not TGI's
+    and MindIE's, whose kind is "overloaded". An App without a pipeline behind the real HTTP stack: loading;
+    then stopping, where a new request is refused before it is queued."""
+    from mindspec.api import Api
+    from mindspec.http import HttpServer
+    from mindspec.serve import App
+    app = App({}, model_name="tiny")
+    http = HttpServer(Api(app).handle, "127.0.0.1", 0)
+    app.call = http.call
+    base = f"http://127.0.0.1:{http.start()}"
+    asks = [("/v1/completions", {"prompt": "hi"}), ("/v1/chat/completions", {"messages": HI}),
+            ("/generate", {"inputs": "hi"}), ("/generate_stream", {"inputs": "hi"}), ("/", {"inputs": "hi"}),
+            ("/infer", {"inputs": "hi", "stream": False})]
+
+    def answers(message):
+        openai = {"error": {"message": message, "type": "server_error", "param": None, "code": 503}}
+        got = [(path, *call(base, path, body)) for path, body in asks]
+        assert [(path, status, json.loads(text)) for path, status, text in got] == [
+            (path, 503, openai if path.startswith("/v1/") else {"error": message, "error_type": "overloaded"})
+            for path, _ in asks]
+
+    try:
+        answers("the model is still loading")
+        app.ready.set()
+        app.stopping.set()
+        answers("the server is shutting down")
+    finally:
+        http.stop()
+
+
+def test_requests_in_flight_when_the_server_stops_get_a_503(pipe, monkeypatch):
+    """SIGTERM with one request running and one queued (an in-process server, --max-batch 1, the engine's step
+    held until the signal is recorded): each answers 503 "the server is shutting down" in its API's shape.
+    Found by mutation testing: nothing reached the worker's "unavailable" event (a 500 passed)."""
+    import mindspec.signals
+    real_step, real_record = pipe.target.step, mindspec.signals.Signals._record
+    stopped, got = [], {}
+
+    def record(self, sig, frame):
+        real_record(self, sig, frame)
+        stopped.append(sig)
+
+    def held(*a, **kw):
+        deadline = time.time() + 120  # (a backstop: _serve_in_process sends SIGTERM once check returns)
+        while not stopped and time.time() < deadline:
+            time.sleep(0.01)  # (the signal's handler runs on this thread, between the sleeps)
+        return real_step(*a, **kw)
+
+    base = _free_base()
+    asks = {"/v1/completions": {"prompt": IDS, "max_tokens": N},
+            "/generate": {"inputs": TEXT, "parameters": {"max_new_tokens": N}}}
+    threads = {path: threading.Thread(target=lambda p=path: got.__setitem__(p, call(base, p, asks[p])), daemon=True)
+               for path in asks}
+
+    def check():  # both in flight, then _serve_in_process's SIGTERM
+        def gauge(name):
+            return _metrics(base)[(name, ())]
+        threads["/v1/completions"].start()
+        assert _wait_for(lambda: gauge("mindspec_requests_running") == 1, 60)
+        threads["/generate"].start()
+        assert _wait_for(lambda: gauge("mindspec_requests_waiting") == 1, 60)
+
+    monkeypatch.setattr(pipe.target, "step", held)
+    monkeypatch.setattr(mindspec.signals.Signals, "_record", record)
+    try:
+        _serve_in_process(pipe, monkeypatch, base, check)
+    finally:
+        pipe.engine.reset()  # the running request stays in the module's engine (the next server would run it)
+    for t in threads.values():
+        t.join(60)
+    message = "the server is shutting down"
+    assert {path: (status, json.loads(text)) for path, (status, text) in got.items()} == {
+        "/v1/completions": (503, {"error": {"message": message, "type": "server_error", "param": None, "code": 503}}),
+        "/generate": (503, {"error": message, "error_type": "overloaded"})}
+
+
 def test_a_non_streamed_request_is_aborted_when_its_client_leaves(pipe, monkeypatch, capsys):
     """A client that leaves while its (non-streamed) request runs (an in-process server): the row is aborted,
     the log says so and /metrics counts it, and the server serves on. The engine's steps are held from the
@@ -390,6 +476,8 @@ def test_streams_concatenate_to_the_full_text(server):
     full = post(base, "/v1/chat/completions", chat)["choices"][0]["message"]["content"]
     evs = events(base, "/v1/chat/completions", dict(chat, stream=True))
     assert evs[0]["object"] == "chat.completion.chunk" and evs[0]["choices"][0]["delta"]["role"] == "assistant"
+    # Found by mutation testing: nothing checked the role is sent once, in the first chunk alone
+    assert [i for i, e in enumerate(evs[:-1]) if "role" in e["choices"][0]["delta"]] == [0]
     assert "".join(e["choices"][0]["delta"].get("content", "") for e in evs[:-1]) == full
 
     tgi = {"inputs": TEXT, "parameters": {"max_new_tokens": N}}
@@ -397,6 +485,7 @@ def test_streams_concatenate_to_the_full_text(server):
     evs = events(base, "/generate_stream", tgi)
     assert "".join(e["token"]["text"] for e in evs) == full == evs[-1]["generated_text"]
     assert all(e["generated_text"] is None for e in evs[:-1]) and "[DONE]" not in evs
+    assert all(e["details"] is None for e in evs)  # (found by mutation testing: the last one's was unchecked)
     evs = events(base, "/infer", {"inputs": TEXT, "stream": True, "parameters": {"max_new_tokens": N}})
     assert "".join(e["token"]["text"] for e in evs) == full == evs[-1]["generated_text"]
     assert evs[0]["prefill_time"] is not None and all(e["decode_time"] is not None for e in evs[1:])
@@ -539,6 +628,7 @@ def test_bad_requests_get_one_line_json_errors(server, path, body, status, needl
     err = json.loads(text)
     if not path.startswith(("/generate", "/infer")):  # OpenAI's shape
         assert err["error"]["type"] == "invalid_request_error" and needle in err["error"]["message"], err
+        assert err["error"]["code"] == status, err  # (found by mutation testing: the code was unchecked)
         field = re.match(r"(?:unknown field ')?(\w+)[=' ]", err["error"]["message"])
         if status == 400 and field and field.group(1) in str(body):  # the field at fault, as OpenAI names it
             assert err["error"]["param"] == field.group(1), err
@@ -704,6 +794,21 @@ def test_logprobs_are_the_engines_own_in_every_openai_shape(server, pipe):
     # counted each token decoded alone, U+FFFD for a character's first bytes, the stream the real text)
     offsets = [x for e in chunks if e["choices"][0]["logprobs"] for x in e["choices"][0]["logprobs"]["text_offset"]]
     assert offsets == lp["text_offset"] and lp["text_offset"][-1] <= len(c["text"])
+    # Found by mutation testing: logprobs 0 (no alternatives) was never asked, and text_offset was only
+    # compared with itself. Over 48 tokens some end inside a character, whose text goes to the token that
+    # completes it: a token starts where the text decoded before it ends, a character's first bytes held back
+    ids = pipe.generate(prompt=TEXT, max_new_tokens=4 * N, speculate=False).token_ids
+    start, starts = 0, []
+    for i in range(len(ids)):
+        before = pipe.tokenizer.decode(ids[:i])
+        start = start if before.endswith("\ufffd") else len(before)
+        starts.append(start)
+    assert any(pipe.tokenizer.decode(ids[:i]).endswith("\ufffd") for i in range(1, len(ids)))  # (a case)
+    zero = post(server[0], "/v1/completions", {"prompt": TEXT, "max_tokens": 4 * N, "logprobs": 0})
+    zero = zero["choices"][0]["logprobs"]
+    assert zero["tokens"] == [text(i) for i in ids] and zero["top_logprobs"] == [{}] * len(ids)
+    assert zero["token_logprobs"][:N] == pytest.approx(lp["token_logprobs"], abs=1e-5)
+    assert len(zero["token_logprobs"]) == len(ids) and zero["text_offset"] == starts
 
     msgs = [{"role": "user", "content": "Hi"}]
     ref = pipe.generate(prompt="Hi", chat=True, max_new_tokens=N, logprobs=3)
@@ -724,6 +829,12 @@ def test_logprobs_are_the_engines_own_in_every_openai_shape(server, pipe):
     assert streamed == pytest.approx([x for x, _ in ref.logprobs], abs=1e-5)
     plain = post(server[0], "/v1/chat/completions", {"messages": msgs, "max_tokens": N, "logprobs": False})
     assert plain["choices"][0]["logprobs"] is None and plain["choices"][0]["message"]["content"] == ref.text
+    # logprobs true without top_logprobs: each token's logprob, no alternatives (found by mutation testing:
+    # taken for "off", a null)
+    four = post(server[0], "/v1/chat/completions", {"messages": msgs, "max_tokens": 4, "logprobs": True})
+    content = four["choices"][0]["logprobs"]["content"]
+    assert [(e["token"], e["top_logprobs"]) for e in content] == [(text(i), []) for i in ref.token_ids[:4]]
+    assert [e["logprob"] for e in content] == pytest.approx([x for x, _ in ref.logprobs[:4]], abs=1e-5)
 
 
 def test_native_stream_events_carry_token_ids(server, pipe):
@@ -742,19 +853,39 @@ def test_native_stream_events_carry_token_ids(server, pipe):
 
 
 def test_n_choices_run_side_by_side(server):
-    """n = 2: choice i is what one request with seed + i gives, streamed or not; greedy choices are equal."""
+    """n = 2: choice i is what one request with seed + i gives, streamed or not; greedy choices are equal.
+    One usage, streamed or not: the prompt once and every choice's tokens."""
     base = server[0]
-    body = {"prompt": TEXT, "max_tokens": N, "temperature": 2.0, "seed": 40}
-    one = [post(base, "/v1/completions", dict(body, seed=40 + i))["choices"][0]["text"] for i in range(2)]
+    body = {"prompt": TEXT, "max_tokens": N, "temperature": 2.0, "seed": 40, "logprobs": 1}
+    one = [post(base, "/v1/completions", dict(body, seed=40 + i)) for i in range(2)]
+    texts = [o["choices"][0]["text"] for o in one]
+    offsets = [o["choices"][0]["logprobs"]["text_offset"] for o in one]
     both = post(base, "/v1/completions", dict(body, n=2))
-    assert [c["index"] for c in both["choices"]] == [0, 1] and [c["text"] for c in both["choices"]] == one
-    assert both["usage"]["completion_tokens"] == sum(s["new_tokens"] for s in both["mindspec"])
-    assert both["usage"]["prompt_tokens_details"]["cached_tokens"] == both["mindspec"][0]["cached_tokens"]
+    assert [c["index"] for c in both["choices"]] == [0, 1] and [c["text"] for c in both["choices"]] == texts
+    # Found by mutation testing: nothing checked the prompt is counted once (not once a choice), nor that
+    # each choice's text_offset starts at its own text's start
+    prompt, new = one[0]["usage"]["prompt_tokens"], sum(o["usage"]["completion_tokens"] for o in one)
+    assert both["usage"] == {"prompt_tokens": prompt, "completion_tokens": new, "total_tokens": prompt + new,
+                             "prompt_tokens_details": {"cached_tokens": both["mindspec"][0]["cached_tokens"]}}
+    assert new == sum(s["new_tokens"] for s in both["mindspec"])
+    assert [c["logprobs"]["text_offset"] for c in both["choices"]] == offsets and offsets[1][0] == 0
     evs = events(base, "/v1/completions", dict(body, n=2, stream=True))
     assert evs[-1] == "[DONE]" and len({e["id"] for e in evs[:-1]}) == 1
-    assert ["".join(e["choices"][0]["text"] for e in evs[:-1] if e["choices"][0]["index"] == i) for i in (0, 1)] == one
+    streamed = [[e["choices"][0] for e in evs[:-1] if e["choices"][0]["index"] == i] for i in (0, 1)]
+    assert ["".join(c["text"] for c in cs) for cs in streamed] == texts
+    assert [[x for c in cs if c["logprobs"] for x in c["logprobs"]["text_offset"]] for cs in streamed] == offsets
+    # one usage, the non-streamed one's, in the last chunk (found: each choice's last chunk had its own
+    # usage, the prompt counted in each; cached_tokens: this request's own)
+    assert [i for i, e in enumerate(evs) if "usage" in e] == [len(evs) - 2]
+    usage = evs[-2]["usage"]
+    assert dict(usage, prompt_tokens_details=None) == dict(both["usage"], prompt_tokens_details=None)
+    assert usage["prompt_tokens_details"] == {"cached_tokens": evs[-2]["mindspec"][0]["cached_tokens"]}
     chat = post(base, "/v1/chat/completions", {"messages": HI, "max_tokens": N, "n": 2})
     assert chat["choices"][0]["message"] == chat["choices"][1]["message"] and chat["choices"][1]["index"] == 1
+    evs = events(base, "/v1/chat/completions", {"messages": HI, "max_tokens": N, "n": 2, "stream": True})
+    assert sorted(e["choices"][0]["index"] for e in evs[:-1] if "role" in e["choices"][0]["delta"]) == [0, 1]
+    assert [i for i, e in enumerate(evs) if "usage" in e] == [len(evs) - 2]
+    assert dict(evs[-2]["usage"], prompt_tokens_details=None) == dict(chat["usage"], prompt_tokens_details=None)
     # the largest seed: choice 1 wraps to seed 0 (it was a 400 for a valid request)
     top = post(base, "/v1/completions", dict(body, seed=2 ** 63 - 1, n=2))["choices"]
     assert top[1]["text"] == post(base, "/v1/completions", dict(body, seed=0))["choices"][0]["text"]
@@ -801,6 +932,18 @@ def test_ignore_eos_and_min_tokens_rules(pipe):
     assert r.max_new_tokens == MAX_SEQ - 100
     with pytest.raises(MindspecError, match="give one of max_new_tokens or max_tokens, not both"):
         parse({"prompt_ids": IDS, "max_tokens": 3, "max_new_tokens": 4})  # a batch line once silently took 4
+
+
+def test_a_token_is_sent_once_its_text_is_shown():
+    """Found by mutation testing: pieces' boundary was untested (a token whose text ends exactly where the
+    characters shown end is out), and logprobs 0 (no alternatives) taken for "off"."""
+    from types import SimpleNamespace
+    from mindspec.formats import pieces
+    req = SimpleNamespace(text="abc", ends=[1, 2, 3], output=[10, 11, 12], token_logprobs=None, logprobs=None)
+    assert pieces(req, 0, 2, False) == [(10, "a", None), (11, "b", None)]
+    assert pieces(req, 1, 2, False) == [(11, "b", None)]
+    req.logprobs, req.token_logprobs = 0, [(-1.0, []), (-2.0, []), (-3.0, [])]
+    assert pieces(req, 2, 3, True) == [(12, "c", (-3.0, []))]
 
 
 def _metrics(base):
