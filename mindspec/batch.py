@@ -166,8 +166,19 @@ def _ours(line):
 
 
 def _torn(tail):
-    """A last line without its newline that starts like our records: a write cut short."""
-    return HEAD.startswith(tail[:len(HEAD)])
+    """A last line without its newline that starts like our records but is no whole JSON: a write cut short
+    (a whole one is checked like any record), or blanks (an editor's)."""
+    if not tail.strip():
+        return True
+    if not HEAD.startswith(tail[:len(HEAD)]):
+        return False
+    try:
+        json.loads(tail)
+    except ValueError:
+        return True
+    except RecursionError:  # (nested past Python's stack: not a record of ours, whole or cut)
+        return False
+    return False
 
 
 def _scan(data, path, job):

@@ -603,6 +603,10 @@ def test_a_torn_last_line_is_cut_only_when_the_file_is_ours(tmp_path, monkeypatc
     assert [r["text"] for r in records(out)] == ["ok", "kept"] and out.read_bytes().endswith(b"}\n")
     out.write_bytes(_rec(1, job, **OK) + b"\n" + _rec(2, job, **OK) + b"\n")
     assert _batch(inp, out) == 0 and [r["id"] for r in records(out)] == [1, 2]
+    # found by mutation testing: a last line of blanks without its newline refused the file (with it: fine)
+    for blank in (b"  ", b"\r", b"\t"):
+        out.write_bytes(_rec(1, job, **OK) + _rec(2, job, **OK) + blank)
+        assert _batch(inp, out) == 0 and [r["id"] for r in records(out)] == [1, 2], blank
     other = _rec(1, "0123456789ab", **OK)[:-1]
     for foreign, words in ((other, "holds the results of another job"),
                            (_rec(1, job, error=["x"]), "o.jsonl:1 is not a mindspec batch record"),
@@ -610,6 +614,13 @@ def test_a_torn_last_line_is_cut_only_when_the_file_is_ours(tmp_path, monkeypatc
                             "o.jsonl:2 is not a mindspec batch record")):
         out.write_bytes(foreign)
         with pytest.raises(MindspecError, match=words):
+            _batch(inp, out)
+        assert out.read_bytes() == foreign
+    # found by mutation testing: such a hand-edited record as the last line, its newline lost, was cut as torn
+    for last in (_rec(2, job, error=["x"])[:-1], _rec(True, job, **OK)[:-1]):
+        foreign = _rec(1, job, **OK) + last
+        out.write_bytes(foreign)
+        with pytest.raises(MindspecError, match="o.jsonl:2 is not a mindspec batch record"):
             _batch(inp, out)
         assert out.read_bytes() == foreign
     for foreign in (b'{"id": 1, "text": "ok"}\n{"mi', b"hello", b'{"mindspec_batch": 1}\n'):
