@@ -177,7 +177,7 @@ def _torn(tail):
     except ValueError:
         return True
     except RecursionError:  # (nested past Python's stack: not a record of ours, whole or cut)
-        return False
+        pass
     return False
 
 
@@ -238,7 +238,7 @@ class Output:
 
     def __init__(self, path, job, input_path, wait=False):
         self.path, self.job, self.fd, self.created, self.wrote = path, job, None, False, False
-        self.input_path = input_path  # (a merge checks the parts' results against its lines)
+        self.input_path = input_path  # (whose lines its results are checked against)
         self.wait = wait  # for the lock (machines merging one shared output), instead of refusing
         self.done, self.errors, self.asked = set(), {}, {}  # asked: {id: request hash} of the results
         if path is None:
@@ -302,9 +302,9 @@ class Output:
         except OSError as e:
             raise MindspecError(f"cannot write output {self.path}: {e.strerror}") from None
 
-    def check_asked(self, items, input_path):
+    def check_asked(self, items):
         """Refuse a line edited since its result was written (its id would keep the old result)."""
-        check_asked(self.asked, items, input_path, self.path)
+        check_asked(self.asked, items, self.input_path, self.path)
 
     def absorb(self, done, errors):
         """Count another file's finished ids and error messages as this output's (a replica's part: the
@@ -565,7 +565,7 @@ def run_batch(load, defaults, input_path, output_path, share=None, model=None, m
             job.out.absorb(*earlier(output_path, job_key))
         ok = False
         try:
-            job.out.check_asked(rows, input_path)
+            job.out.check_asked(rows)
             done = share(job.out.done) if share else job.out.done  # before rank 0 writes anything
             job.tally = Tally(rows, done, job.out.errors)
             job.run(load, [_parse(i, defaults) for i in rows if _key(i.rid) not in done], sig, max_batch)

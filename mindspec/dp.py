@@ -88,11 +88,16 @@ def check_parts(output_path, dp):
                             f"--dp {other[0]}, or merge them with --merge")
 
 
-def _collect(output, d):
-    """{id key: (first result record or None, [error records])} of the d parts."""
+def _collect(output, rows, d):
+    """{id key: (first result record or None, [error records])} of the d parts. Refuses a line edited since the
+    output or a part got its result: a merge would give it the old one (a line inserted above moves the lines
+    below to other replicas' shares)."""
+    output.check_asked(rows)
     got = {}
     for i in range(d):
-        recs = read_records(part_path(output.path, i, d), output.job)[0]
+        path = part_path(output.path, i, d)
+        recs, _, _, asked = read_records(path, output.job)
+        check_asked(asked, rows, output.input_path, path)
         for rec in recs:
             res, errs = got.get(_key(rec["id"]), (None, []))
             if "error" in rec:
@@ -107,22 +112,12 @@ def _body(rec):
     return {k: v for k, v in rec.items() if k not in ("mindspec_batch", "job", "id")}
 
 
-def check_edits(output, rows, d):
-    """Refuse a line edited since the output or one of the d parts got its result: a merge would give it the
-    old one (a line inserted above moves the lines below to other replicas' shares)."""
-    output.check_asked(rows, output.input_path)
-    for i in range(d):
-        path = part_path(output.path, i, d)
-        check_asked(read_records(path, output.job)[3], rows, output.input_path, path)
-
-
 def merge(output, rows, d):
     """Append to the (open, locked) output, in input order, each id's record from the d parts unless the
     output has it, then remove the parts; returns the number of input ids with no record anywhere (then
     nothing is written). A line edited since its result was written is refused first. Running again after
     a cut-short merge writes nothing twice."""
-    check_edits(output, rows, d)
-    got = _collect(output, d)
+    got = _collect(output, rows, d)
     left = [r for r in rows if _key(r.rid) not in got and _key(r.rid) not in output.done
             and _key(r.rid) not in output.errors]
     if left:
@@ -281,7 +276,7 @@ def launch(argv, input_path, output_path, job, dp, tp=1, nodes=1, node_rank=0):
     check_parts(output_path, dp)
     out = Output(output_path, job, input_path, wait=nodes > 1)  # checked, and locked from here on (one machine)
     try:
-        check_edits(out, rows, dp)  # (the parts too: a re-run's replicas would keep their results)
+        _collect(out, rows, dp)  # its lines checked against the parts too: a re-run's replicas would keep theirs
     except MindspecError:
         out.close(failed=True)  # (an output this made is not left behind, as without --dp)
         raise

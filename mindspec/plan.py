@@ -134,8 +134,8 @@ def host_bytes_per_row(cfg, dtype_bytes, positions, draft=None, chunk=PREFILL_CH
 def target_per_device(target, tp):
     """(weight bytes, KV bytes per token) of the target on its fullest device at TP=tp."""
     if target.cfg is None:  # bare numbers: an estimate
-        kv_local = math.ceil(target.kv_heads / tp)  # (exact bytes: no float division)
-        return target.weight_bytes / tp, 2 * target.layers * kv_local * target.head_dim * target.kv_dtype_bytes
+        kv_local = math.ceil(target.kv_heads / tp)  # (multiplied first: exact bytes, no float division)
+        return target.weight_bytes / tp, kv_bytes_per_token(target) * kv_local // target.kv_heads
     from mindspec.graphs.fuse import rank_weight_elements
     from mindspec.graphs.tp import shard_plan
     plans = [shard_plan(target.cfg, tp, r) for r in range(tp)]

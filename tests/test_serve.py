@@ -355,9 +355,7 @@ def test_requests_in_flight_when_the_server_stops_get_a_503(pipe, monkeypatch):
         stopped.append(sig)
 
     def held(*a, **kw):
-        deadline = time.time() + 120  # (a backstop: _serve_in_process sends SIGTERM once check returns)
-        while not stopped and time.time() < deadline:
-            time.sleep(0.01)  # (the signal's handler runs on this thread, between the sleeps)
+        _wait_for(lambda: stopped, 120)  # (the signal's handler runs on this thread, between its sleeps)
         return real_step(*a, **kw)
 
     base = _free_base()
@@ -1342,10 +1340,8 @@ def test_http_head_options_chunked_and_limits(server):
         except OSError:  # refused while the server had not yet seen the idle ones close
             return None
 
-    deadline = time.time() + 10  # (the server sees the closes when its loop next runs: late on a busy machine)
-    while (got := health()) != (200, "") and time.time() < deadline:
-        time.sleep(0.1)
-    assert got == (200, ""), got
+    # (the server sees the closes when its loop next runs: late on a busy machine)
+    assert _wait_for(lambda: health() == (200, ""), 10), health()
 
 
 def test_sigterm_stops_cleanly(server):
