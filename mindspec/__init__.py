@@ -1,5 +1,7 @@
 """mindspec: speculative decoding for Llama-family models (MindSpore target, ONNX draft)."""
+import importlib
 import os
+import sys
 
 os.environ.setdefault("GLOG_v", "3")  # MindSpore's C++ logging: errors only
 
@@ -8,7 +10,10 @@ from .errors import MindspecError  # noqa: E402
 
 def __getattr__(name):  # the pipeline (numpy...) on first use: the CLI reaches main() in ~40 ms
     if name in ("load", "Pipeline", "Result"):
-        from . import pipeline
+        pipeline = sys.modules.get("mindspec.pipeline")
+        if pipeline is None:
+            from .signals import holding  # (a Ctrl-C waits for the imports' end: see mindspec.signals)
+            pipeline = holding(importlib.import_module)("mindspec.pipeline")
         return getattr(pipeline, name)
     raise AttributeError(f"module 'mindspec' has no attribute {name!r}")
 

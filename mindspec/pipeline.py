@@ -1,7 +1,6 @@
 """`mindspec.load(...)` -> Pipeline: target + draft + tokenizer, and thin drivers over the one engine:
 generate (one request), generate_many (many, continuously batched) and run (what serve and batch
 use)."""
-import contextlib
 import inspect
 import os
 import threading
@@ -26,6 +25,8 @@ __all__ = ["Pipeline", "Result", "load"]
 
 
 class Pipeline:
+    @signals.holding  # a Ctrl-C meanwhile waits for the load's end (its imports: numpy's, tokenizers', MindSpore's,
+    # onnxruntime's; see mindspec.signals), or for a safe point (before each graph compile)
     def __init__(self, target, draft=None, k="auto", max_seq=None, buckets=K_BUCKETS, device=None,
                  device_mem=None, tp=1, max_batch=1, batch_buckets=BATCH_BUCKETS, dtype=None, prefix_cache=True):
         target = _path("target", target)
@@ -63,15 +64,12 @@ class Pipeline:
         from .default import home
         self.cache_dir = os.path.join(home(), "compile_cache")  # see TargetModel.warmup
 
-        # MindSpore only now (~3 s to import): a bad checkpoint, tokenizer or draft is refused before it. A
-        # Ctrl-C meanwhile waits for the end of its import and onnxruntime's (the draft's session, built
-        # here with max_seq): raised inside, it aborted the interpreter at exit or failed the import
-        def start():
-            from mindspec.graphs.runner import init_mindspore
-            init_mindspore(self.device)
-            if max_seq:
-                self._build(max_seq, max_batch)
-        _stop_here(self._held(start)[1])
+        # MindSpore only now (~3 s to import): a bad checkpoint, tokenizer or draft is refused before it
+        # (raised inside its import, a Ctrl-C aborted the interpreter at exit or failed the import)
+        from mindspec.graphs.runner import init_mindspore
+        init_mindspore(self.device)
+        if max_seq:
+            self._build(max_seq, max_batch)
 
     # ---- what callers may read
 
@@ -309,7 +307,7 @@ class Pipeline:
         (request.done). ready() is called once the warm-up (compiling, measuring costs) is done. Calls from
         several threads take turns (the graphs and caches are one: a stream holds them until it ends or is
         closed); one left by an exception (Ctrl-C, a consumer that raised) or closed half-way leaves the
-        engine empty. A Ctrl-C is held back only while MindSpore runs (each warm-up and step, see _stops):
+        engine empty. A Ctrl-C is held back only while MindSpore runs (each warm-up and step, see _held):
         the consumer's own code between steps gets it as usual. The loop every caller shares."""
         if self._holder == threading.get_ident():
             raise MindspecError("generate was called from inside its own callback, or while a stream of this "
@@ -333,19 +331,9 @@ class Pipeline:
             finally:
                 self._holder = None
 
-    @staticmethod
-    def _stops():
-        """A library call's Ctrl-C or SIGTERM (the main thread's, where no command holds the signals) during
-        a warm-up or a step: recorded, and passed on after it to the handler the caller had (Python's raises
-        KeyboardInterrupt; a script's own handler or an ignored signal stay the script's), and MindSpore's
-        own SIGINT handler, which a graph run sets and which sends the process SIGTERM, undone then (a
-        script died on Ctrl-C, even in a time.sleep after its last generation). A second one passes on at
-        once."""
-        return contextlib.nullcontext() if signals.active() else signals.Signals(True)
-
     def _steps(self, reqs, max_batch, ready):
         warm_up, held = self._held(lambda: self.prepare(reqs, max_batch))
-        _stop_here(held)
+        signals.stop_here(held)
         compile_s = self.target.compile_s
         if ready is not None:
             ready()
@@ -361,12 +349,17 @@ class Pipeline:
                     r.stats.compile_s = warm_up + self.target.compile_s - compile_s  # (+ compiled on first need)
                 if text or r.done:
                     yield r, text
-            _stop_here(held)  # (after the step's results went out: a batch job writes their records first)
+            signals.stop_here(held)  # (after the step's results went out: a batch job writes their records first)
 
     def _held(self, fn):
-        """(fn(), the library's Signals, holding what came meanwhile): the library's Ctrl-C is held back while
-        fn runs (MindSpore inside); under a command's signal handling nothing is installed here (None)."""
-        with self._stops() as held:
+        """(fn(), the library's Signals, holding what came meanwhile): a library call's Ctrl-C or SIGTERM (the
+        main thread's, where no command holds the signals) during a warm-up or a step is recorded, and passed
+        on after it (signals.stop_here) to the handler the caller had (Python's raises KeyboardInterrupt; a
+        script's own handler or an ignored signal stay the script's), and MindSpore's own SIGINT handler,
+        which a graph run sets and which sends the process SIGTERM, undone then (a script died on Ctrl-C,
+        even in a time.sleep after its last generation). A second one passes on at once. Under a command's
+        signal handling nothing is installed here (None)."""
+        with signals.held() as held:
             out = fn()
         return out, held
 
@@ -412,14 +405,6 @@ class Pipeline:
                 raise MindspecError(f"requests[{i}]: {e}") from None
         self.run(reqs, max_batch=self.spec.max_batch if max_batch is None else max_batch)
         return [r.result() for r in reqs]
-
-
-def _stop_here(held):
-    """A signal held back during the last call passed on (held: the library's Signals), or a command's stop
-    raised (KeyboardInterrupt)."""
-    if held is not None:
-        held.check()
-    signals.check()
 
 
 def _known(kw, fn):

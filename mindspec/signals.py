@@ -7,7 +7,11 @@ dump and rank_0/om/analyze_fail.ir. (MindSpore's own SIGINT handler, set on ever
 process SIGTERM.) Safe points: `check()` — the batch job's between records and steps, the server's
 between turns, a library call's between engine steps (Pipeline.stream), and before each graph compile
 (graphs.runner). A second signal stops at once (`hard_stop`). A library call passes what it recorded on
-to the handler its caller had in force (`pass_on`), rather than raising."""
+to the handler its caller had in force (`pass_on`), rather than raising; so do the library's first
+imports (`holding`): raised inside an import, a KeyboardInterrupt breaks it for the rest of the process
+(numpy's: ImportError), and raised inside an exec() of a string (dataclasses, namedtuple, scipy) it is
+remembered as unhandled: the script that caught it is killed by SIGINT at its exit."""
+import contextlib
 import ctypes
 import functools
 import os
@@ -166,6 +170,31 @@ def stopping(code=130):
     if threading.current_thread() is threading.main_thread():
         for s in SIGNALS:
             signal.signal(s, _ExitNow(code))
+
+
+def held():
+    """A library call's Signals, holding a Ctrl-C or SIGTERM back until it ends (passed on by stop_here);
+    under a command's, which holds them already, nothing (None)."""
+    return contextlib.nullcontext() if active() else Signals(True)
+
+
+def stop_here(held):
+    """A signal held back during the last call passed on (held: held()'s Signals), or a command's stop
+    raised (KeyboardInterrupt)."""
+    if held is not None:
+        held.check()
+    check()
+
+
+def holding(fn):
+    """fn as a library call that holds a Ctrl-C or SIGTERM until it returns (then passes it on)."""
+    @functools.wraps(fn)
+    def call(*args, **kw):
+        with held() as h:
+            out = fn(*args, **kw)
+        stop_here(h)
+        return out
+    return call
 
 
 def active():
