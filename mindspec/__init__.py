@@ -6,14 +6,15 @@ import sys
 os.environ.setdefault("GLOG_v", "3")  # MindSpore's C++ logging: errors only
 
 from .errors import MindspecError  # noqa: E402
+from .signals import holding as _holding  # noqa: E402  (stdlib only: ~5 ms)
 
 
-def __getattr__(name):  # the pipeline (numpy...) on first use: the CLI reaches main() in ~40 ms
+def __getattr__(name):  # the pipeline (numpy...) on first use: the CLI reaches main() in ~40 ms. A Ctrl-C during
+    # those imports waits for their end (see mindspec.signals)
     if name in ("load", "Pipeline", "Result"):
         pipeline = sys.modules.get("mindspec.pipeline")
         if pipeline is None:
-            from .signals import holding  # (a Ctrl-C waits for the imports' end: see mindspec.signals)
-            pipeline = holding(importlib.import_module)("mindspec.pipeline")
+            pipeline = _holding(importlib.import_module)("mindspec.pipeline")
         return getattr(pipeline, name)
     raise AttributeError(f"module 'mindspec' has no attribute {name!r}")
 
