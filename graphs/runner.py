@@ -143,10 +143,7 @@ class TargetModel:
         self._keys = {W: Tensor(np.arange(W, dtype=np.int32)) for W in self.windows}
         self.decoder = LlamaDecoder(self.cfg, ckpt.get, S, slots=max_batch, dtype=getattr(ms, dtype),
                                     rot_rows=self.rot_rows)
-        self.cells = {"greedy": GreedyStep(self.decoder), "sample": SampleStep(self.decoder, TOPK_CAP),
-                      "prefill": Prefill(self.decoder, TOPK_CAP), "logits": Logits(self.decoder)}
-        for cell in self.cells.values():
-            cell.set_train(False)
+        self.cells = {kind: self._cell(kind) for kind in ("greedy", "sample", "prefill", "logits")}
         self.fingerprint = ckpt.fingerprint()
         self.compiled, self.compile_s = set(), 0.0
         # graphs run at least once, and how many calls were a graph's first run (one costs ~0.3-0.9 s more
@@ -159,12 +156,28 @@ class TargetModel:
         self.host_rows = 0  # sampling rows redone on the host (_sampled)
         self._no_seen = {}  # B -> zeros [B, V]
 
+    def _cell(self, kind):
+        """A cell of the graphs of one kind (one compiled graph per input shape), over the shared decoder."""
+        cell = {"greedy": lambda: GreedyStep(self.decoder), "sample": lambda: SampleStep(self.decoder, TOPK_CAP),
+                "prefill": lambda: Prefill(self.decoder, TOPK_CAP), "logits": lambda: Logits(self.decoder)}[kind]()
+        cell.set_train(False)
+        return cell
+
     def _run(self, kind, shape, *args, dry=False):
         """Call a graph; the first call of each (graph, shape) compiles it. Every input is a Tensor
         (a Python number would recompile per value). dry: compile (or load from the compile cache)
         without running, returns None (warm-up compiles only; each graph's first run, ~0.3-0.9 s more
         than the next, is left to an idle moment, see warm_next)."""
         key = f"{kind}{shape}"
+        try:
+            return self._call(kind, key, args, dry)
+        except Exception:
+            if not dry:  # MindSpore refuses every later run of a graph that failed (a kernel error): made afresh
+                self.cells[kind] = self._cell(kind)
+                self.ran = {k for k in self.ran if not k.startswith(kind + "(")}
+            raise
+
+    def _call(self, kind, key, args, dry):
         if not dry:
             self.writes += 1
             if key in self.ran:
