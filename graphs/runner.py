@@ -380,15 +380,19 @@ class TargetModel:
         whole, cached = False, cache_dir and _COMPILES == 0 and os.path.isfile(sys.argv[0] if sys.argv else "")
         if cached:
             path = os.path.join(cache_dir, self.cache_key(names))
-            os.makedirs(cache_dir, exist_ok=True)
-            whole = os.path.exists(path + ".whole")
+            try:  # (held until the last pending graph is in)
+                os.makedirs(cache_dir, exist_ok=True)
+                lock = open(path + ".lock", "w")  # noqa: SIM115
+            except OSError as e:  # a read-only or full MINDSPEC_HOME: the graphs compile, only not cached
+                print(f"mindspec: warning: no compile cache in {cache_dir} ({e.strerror or e}): graphs compile "
+                      f"afresh in each process", file=sys.stderr)
+                cached = False
+            whole = cached and os.path.exists(path + ".whole")
         if tp_size() > 1:  # ranks must hold the same graphs: whole only where every rank's entry is (agreed before
             # any lock: a rank waiting in a collective while holding one could deadlock two jobs sharing a cache)
             whole = all_reduce_sum(np.array([not whole], np.float32))[0] == 0
-        if cached:
-            lock = open(path + ".lock", "w")  # noqa: SIM115 - held until the last pending graph is in
-            # one process fills an entry while the others wait; once whole, readers share it (a server may
-            # hold it for as long as some graphs stay pending)
+        if cached:  # one process fills an entry while the others wait; once whole, readers share it (a server
+            # may hold it for as long as some graphs stay pending)
             fcntl.flock(lock, fcntl.LOCK_SH if whole else fcntl.LOCK_EX)
             if tp_size() == 1:
                 whole = whole or os.path.exists(path + ".whole")  # (filled while this one waited)

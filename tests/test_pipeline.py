@@ -1,4 +1,5 @@
 """End to end through the library: speculative greedy == target-only greedy, token for token."""
+import os
 import signal
 
 import numpy as np
@@ -502,6 +503,25 @@ def test_ctrl_c_during_the_librarys_first_import_is_raised_after_it(tiny_target,
     p = _script(IMPORT_SCRIPT, tiny_target, noisy_draft, terminal=True)
     out, err = p.communicate(timeout=300)
     assert (p.returncode, out.split(), err) == (0, ["sent", "caught"], ""), (p.returncode, out, err[-3000:])
+
+
+def test_a_compile_cache_that_cannot_be_made_is_done_without(tiny_target, noisy_draft, pipe, tmp_path):
+    """Found by a user probe: a MINDSPEC_HOME on a read-only or full disk failed the load with a traceback
+    (OSError from making the compile cache); the graphs now compile without the cache, with a warning."""
+    import subprocess
+    import sys
+    (tmp_path / "compile_cache").write_text("")  # (as root nothing is read-only: a file where the dir goes)
+    script = tmp_path / "run.py"  # (a script file: `python -c` runs without the compile cache at all)
+    script.write_text("import sys, mindspec\n"
+                      "pipe = mindspec.load(target=sys.argv[1], draft=sys.argv[2], k=4, max_seq=128)\n"
+                      "print(pipe.generate(prompt_ids=[5, 6, 7], max_new_tokens=12).token_ids)\n")
+    p = subprocess.run([sys.executable, str(script), tiny_target[0], noisy_draft], capture_output=True,
+                       text=True, env=dict(os.environ, MINDSPEC_HOME=str(tmp_path)), timeout=600)
+    want = pipe.generate(prompt_ids=[5, 6, 7], max_new_tokens=12).token_ids
+    assert (p.returncode, p.stdout.strip()) == (0, str(want)), p.stderr[-3000:]
+    assert [line for line in p.stderr.splitlines() if "compile cache" in line] == [
+        f"mindspec: warning: no compile cache in {tmp_path / 'compile_cache'} (File exists): graphs compile "
+        f"afresh in each process"], p.stderr[-3000:]
 
 
 IGNORING_SCRIPT = """
