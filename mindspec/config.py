@@ -57,9 +57,17 @@ def config_from_dict(raw, where="config.json"):
     scaling = raw.get("rope_scaling")
     if scaling is not None and not isinstance(scaling, dict):
         raise MindspecError(f"{where}: rope_scaling must be an object, got {scaling!r}")
-    if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
-        raise MindspecError(f"{where}: rope_scaling {scaling.get('rope_type', scaling.get('type'))!r} "
-                            "is not supported (only plain RoPE)")
+    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
+    if scaling and rope_type is None:  # (Hugging Face refuses it too: a factor of which scaling?)
+        raise MindspecError(f"{where}: rope_scaling without a rope_type: {scaling!r}")
+    if rope_type not in (None, "default"):
+        raise MindspecError(f"{where}: rope_scaling {rope_type!r} is not supported (only plain RoPE)")
+    act = raw.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):  # (Hugging Face's "swish" is SiLU too)
+        raise MindspecError(f"{where}: hidden_act {act!r} is not supported (only silu)")
+    if raw.get("partial_rotary_factor", 1) != 1:
+        raise MindspecError(f"{where}: partial_rotary_factor {raw['partial_rotary_factor']!r} is not supported "
+                            "(RoPE over whole heads only)")
 
     def count(key, default=None):
         v = raw[key] if default is None else default if raw.get(key) is None else raw[key]

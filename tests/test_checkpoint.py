@@ -67,6 +67,10 @@ def test_missing_shard_and_wrong_shape_are_clear_errors(tmp_path):
     (dict(architectures={"a": 1}), "architectures must be a list of class names"),
     (dict(rope_scaling="linear"), "rope_scaling must be an object"),
     (dict(eos_token_id=[2, None]), "eos_token_id must be an integer or a list of integers"),
+    # a user probe's: each ran as a SiLU, full-RoPE model, giving another model's tokens
+    (dict(hidden_act="gelu"), "hidden_act 'gelu' is not supported .only silu."),
+    (dict(partial_rotary_factor=0.5), "partial_rotary_factor 0.5 is not supported .RoPE over whole heads only."),
+    (dict(rope_scaling={"factor": 2.0}), "rope_scaling without a rope_type"),
 ])
 def test_a_config_that_does_not_describe_the_weights_is_refused(tmp_path, tiny_target, change, words):
     """Found trying broken checkpoints: each of these ran (or died with a traceback) instead."""
