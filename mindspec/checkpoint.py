@@ -65,6 +65,14 @@ class SafetensorsFile:
         return arr.astype(np.float32) if np.dtype(dt).kind == "f" or info["dtype"] == "BF16" else np.array(arr)
 
 
+def _finite(w, name, path):
+    """w, refused if a weight is NaN or infinite (a broken checkpoint generated token 0 for ever). The sum
+    in float64 is NaN or inf exactly then, and needs no array of w's size."""
+    if w.dtype.kind == "f" and not np.isfinite(np.sum(w, dtype=np.float64)):
+        raise MindspecError(f"{path}: tensor {name} holds NaN or infinite values: the checkpoint is broken")
+    return w
+
+
 def _check_layout(header, data_bytes, path):
     """Each tensor's shape and offsets, in Python integers (numpy's int64 product of [64, 2**58 + 1] wraps
     to 64), inside the data and overlapping no other tensor (one would read another's bytes), as the
@@ -156,7 +164,7 @@ class Checkpoint:
     def get(self, name):
         """A weight as float32 (its shape and dtype were checked when the checkpoint was opened)."""
         name, sf = self._shard(name)
-        return sf.get(name)
+        return _finite(sf.get(name), name, sf.path)
 
     def get_slice(self, name, axis, start, stop):
         """Rows (axis 0) or columns (axis 1) start:stop of a 2-D tensor, equal to get(name) sliced,
@@ -170,7 +178,8 @@ class Checkpoint:
         b, e = info["data_offsets"]
         full = sf._data[b:e].view(dt).reshape(shape)  # a view of the mapping: nothing read yet
         part = full[start:stop] if axis == 0 else full[:, start:stop]
-        return part.astype(np.float32) if np.dtype(dt).kind == "f" or info["dtype"] == "BF16" else np.array(part)
+        return _finite(part.astype(np.float32) if np.dtype(dt).kind == "f" or info["dtype"] == "BF16"
+                       else np.array(part), name, sf.path)
 
     def fingerprint(self):
         """Cheap identity of the weights: config, headers and sampled data bytes of every shard."""

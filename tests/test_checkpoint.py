@@ -58,6 +58,23 @@ def test_missing_shard_and_wrong_shape_are_clear_errors(tmp_path):
         Checkpoint(d2).get("model.norm.weight")
 
 
+@pytest.mark.parametrize("bad", [np.nan, -np.inf])
+def test_a_weight_that_is_not_finite_is_refused(tmp_path, tiny_target, bad):
+    """Found by a user probe: a checkpoint with NaN weights loaded and generated token 0 for ever."""
+    d, tensors = make_tiny_checkpoint(tmp_path / "n")
+    w = tensors["model.layers.0.mlp.up_proj.weight"].copy()
+    w[3, 5] = bad
+    save_file(dict(tensors, **{"model.layers.0.mlp.up_proj.weight": w}), str(tmp_path / "n" / "model.safetensors"))
+    ck = Checkpoint(d)
+    words = "tensor model.layers.0.mlp.up_proj.weight holds NaN or infinite values: the checkpoint is broken"
+    for read in (lambda: ck.get("model.layers.0.mlp.up_proj.weight"),
+                 lambda: ck.get_slice("model.layers.0.mlp.up_proj.weight", 0, 0, 4)):
+        with pytest.raises(MindspecError, match=words):
+            read()
+    assert np.array_equal(ck.get_slice("model.layers.0.mlp.up_proj.weight", 0, 4, 8), w[4:8])  # (a rank's rows)
+    assert np.array_equal(ck.get("model.norm.weight"), tensors["model.norm.weight"])
+
+
 @pytest.mark.parametrize("change,words", [
     (dict(num_attention_heads=0), "num_attention_heads must be an integer >= 1, got 0"),  # ZeroDivisionError
     (dict(vocab_size="320"), "vocab_size must be an integer >= 1, got '320'"),  # taken as 320
