@@ -1,10 +1,16 @@
 """The HTTP transport of `mindspec serve`: aiohttp's server on its own thread and event loop (the
 engine keeps the main thread). What it adds to aiohttp: a connection limit (MindIE's maxLinkNum:
 a connection beyond it gets a 503 and is closed), aiohttp's own errors (a malformed request line,
-a bad header) as one line of JSON without a traceback in the log, and one log line per request.
+a bad header) as one line of JSON of at most 300 characters without a traceback in the log, and one
+log line per request.
 A connection whose request headers have not all arrived within `keepalive` seconds, or that stays
 idle that long, is closed (aiohttp's keep-alive timer, armed from the connection's start; it does
-not run while a request is being answered)."""
+not run while a request is being answered); one whose answer does not move for `keepalive` seconds
+(a client that does not read it) is aborted, and its answer's memory freed.
+A client that shuts its sending side after its last request (Connection: close, or HTTP/1.0: what
+`nc -N` and socat do) still gets its answer; on a keep-alive connection the end of the client's input
+means it left (its handler is cancelled), since TCP tells a half-close from a close only once the
+server writes (a stream's next events, which then fail)."""
 import asyncio
 import json
 import sys
@@ -21,7 +27,53 @@ def _json_error(status, message):
     return json.dumps(openai_error(status, message))
 
 
+def _one_line(text, limit=300):
+    """At most `limit` characters (the parser's errors quote what was sent: up to 128 kB of it)."""
+    return text if len(text) <= limit else text[:limit - 1] + "\u2026"
+
+
 class _Protocol(RequestHandler):
+    request, sent, watchdog = None, 0, None  # the latest request; the bytes written for those before it
+
+    def connection_made(self, transport):
+        super().connection_made(transport)
+        if self._keepalive_timeout:
+            self._watch(transport, None, self._loop.time())
+
+    def connection_lost(self, exc):
+        if self.watchdog is not None:
+            self.watchdog.cancel()
+        super().connection_lost(exc)
+
+    def _watch(self, transport, sent, since):
+        """Every keepalive/4 s: abort the connection if its answer has bytes waiting that have not moved for
+        `keepalive` s (else a client that does not read holds the connection and the answer for ever)."""
+        now, waiting = self._loop.time(), transport.get_write_buffer_size()
+        out = self.sent + (self.request.writer.output_size if self.request else 0) - waiting  # bytes sent
+        if not waiting or out != sent:
+            sent, since = out, now
+        elif now - since >= self._keepalive_timeout:
+            peer = (transport.get_extra_info("peername") or ("?",))[0]
+            sys.stderr.write(f"mindspec: {peer} did not read its answer for {self._keepalive_timeout:g} s: "
+                             "connection closed\n")
+            return transport.abort()
+        self.watchdog = self._loop.call_later(self._keepalive_timeout / 4, self._watch, transport, sent, since)
+
+    def eof_received(self):
+        """The client shut its sending side. After a request that said it was its last (Connection: close,
+        HTTP/1.0) and has arrived whole, that is how nc -N and socat end it: True keeps the socket open to
+        answer. Else the client left, as aiohttp takes it (None: the transport closes, the handler is
+        cancelled): a keep-alive client that gives up (a timeout) closes so, and TCP tells a half-close
+        from a close only when the server next writes."""
+        if self._messages:
+            msg, body = self._messages[-1]
+            last = getattr(msg, "should_close", True)  # (a parser error's 400: answered, then closed)
+        elif self.request is not None:  # (answered, if keep-alive: idle, the client left)
+            last, body = not self.request.keep_alive, self.request.content
+        else:
+            return None
+        return (last and body.is_eof()) or None
+
     def handle_error(self, request, status=500, exc=None, message=None):
         """aiohttp's own errors: one line of JSON, no traceback in the log."""
         if request.writer.output_size > 0:
@@ -35,8 +87,9 @@ class _Protocol(RequestHandler):
         if "invalid `Transfer-Encoding`" in text or "Invalid `Transfer-Encoding` header" in text:  # (quoting bytes)
             text = ("Transfer-Encoding must end in chunked, once (else the body's length is unknown): "
                     "send it plain or chunked")
-        sys.stderr.write(f"mindspec: {request.remote} {what}: {text}\n")
-        resp = web.Response(status=status, text=_json_error(status, f"{what}: {text}"), content_type="application/json")
+        text = _one_line(f"{what}: {text}")
+        sys.stderr.write(f"mindspec: {request.remote} {text}\n")
+        resp = web.Response(status=status, text=_json_error(status, text), content_type="application/json")
         resp.force_close()
         return resp
 
@@ -48,6 +101,12 @@ class _Server(web.Server):
 
     def __call__(self):
         return _Protocol(self, loop=self._loop, **self._kwargs)
+
+    def _make_request(self, message, payload, protocol, writer, task):
+        if protocol.request is not None:  # (a connection's requests are answered one at a time)
+            protocol.sent += protocol.request.writer.output_size
+        protocol.request = super()._make_request(message, payload, protocol, writer, task)
+        return protocol.request
 
     def connection_made(self, handler, transport):
         super().connection_made(handler, transport)

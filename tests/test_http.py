@@ -1,0 +1,200 @@
+"""mindspec.http, the transport of `mindspec serve`, with tiny aiohttp handlers over real sockets on
+127.0.0.1 (no model): a client that does not read its answer, one that half-closes, a parser error
+that quotes what was sent."""
+import asyncio
+import contextlib
+import gc
+import json
+import socket
+import threading
+import time
+import weakref
+
+from aiohttp import web
+
+from mindspec.http import HttpServer
+
+
+@contextlib.contextmanager
+def serving(handle, keepalive=30):
+    server = HttpServer(handle, "127.0.0.1", 0, keepalive=keepalive)
+    port = server.start()
+    try:
+        yield port
+    finally:
+        server.stop()
+
+
+def connect(port, rcvbuf=None):
+    s = socket.socket()
+    if rcvbuf:  # (before connecting: it sets the window the client offers)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    s.settimeout(10)
+    s.connect(("127.0.0.1", port))
+    return s
+
+
+def read_all(s):
+    """What the server sent until it closed (b"" the end, or a reset)."""
+    got = b""
+    try:
+        while chunk := s.recv(1 << 16):
+            got += chunk
+    except ConnectionResetError:
+        pass
+    return got
+
+
+def wait_for(what, timeout):
+    deadline = time.time() + timeout
+    while not what():
+        if time.time() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_an_answer_its_client_does_not_read_is_aborted_and_its_memory_freed(capfd):
+    """Found by a hostile client: an answer (tens of MB, or a stream) that its client never read held the
+    connection and the answer's memory for ever (aiohttp's keep-alive timer does not run while an answer
+    is written). Aborted once it has not moved for `keepalive` s; a client reading slowly but steadily
+    (for longer than that) gets all of its answer."""
+    size, keepalive = 6 << 20, 1
+    bodies = {}
+
+    class Body(bytearray):  # (a bytearray that a weak reference can follow)
+        pass
+
+    async def handle(request):
+        sock = request.transport.get_extra_info("socket")  # a small kernel buffer: the answer waits in ours
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 15)
+        if request.path == "/stream":
+            resp = web.StreamResponse()
+            await resp.prepare(request)
+            while True:
+                await resp.write(b"x" * (1 << 16))
+        bodies[request.path] = weakref.ref(body := Body(size))
+        return web.Response(body=body)
+
+    def lines():
+        out.append(capfd.readouterr().err)
+        return [line for line in "".join(out).splitlines() if "did not read" in line]
+
+    out = []
+    with serving(handle, keepalive) as port:
+        stalled = [connect(port, 4096) for _ in range(2)]
+        slow = connect(port, 4096)
+        try:
+            stalled[0].sendall(b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n")
+            stalled[1].sendall(b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n")
+            slow.sendall(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
+            head, body, t0 = b"", bytearray(), time.time()
+            while not head.endswith(b"\r\n\r\n"):
+                head += slow.recv(1)
+            while len(body) < size:
+                chunk = slow.recv(4096)
+                assert chunk, "the server closed the connection of a client that reads"
+                body += chunk
+                if len(body) % (1 << 16) < len(chunk):
+                    time.sleep(0.025)  # 64 kB at a time: at most 2.6 MB/s, more than twice `keepalive` in all
+            assert time.time() - t0 > 2 * keepalive  # (else it did not test what it says)
+            assert head.startswith(b"HTTP/1.1 200 ") and body == bytes(size)
+            assert wait_for(lambda: len(lines()) == 2, 10), "".join(out)
+            assert lines() == [f"mindspec: 127.0.0.1 did not read its answer for {keepalive} s: "
+                               "connection closed"] * 2
+            assert [len(read_all(s)) < size for s in stalled] == [True, True]  # closed, the answer cut
+            gc.collect()
+            assert sorted(bodies) == ["/big", "/slow"] and bodies["/big"]() is None
+        finally:
+            for s in (*stalled, slow):
+                s.close()
+
+
+def test_a_request_sent_whole_before_a_half_close_is_answered():
+    """Found by a hostile client: a request whose client shut its sending side after it (nc -N, socat:
+    `shutdown(SHUT_WR)`) got no answer (aiohttp took the end of input for the client leaving: logged
+    200, nothing sent; a POST cancelled). After a request that says it is the last one (Connection:
+    close, HTTP/1.0) it is answered. On a keep-alive connection the end of input still means the client
+    left (its handler is cancelled: a client that gives up closes so, and TCP tells no difference);
+    so does it after a request whose body has not all arrived; and a stream whose client closed is
+    still cancelled at its next events."""
+    ended, started, closed = [], threading.Event(), threading.Event()
+
+    async def handle(request):
+        started.set()
+        i = None
+        try:
+            if request.path == "/wait":
+                await asyncio.sleep(0.3)
+            elif request.path == "/hold":
+                await asyncio.sleep(30)
+            elif request.path == "/stream":
+                resp = web.StreamResponse()
+                await resp.prepare(request)
+                for i in range(100):
+                    await resp.write(b"event %d\n" % i)
+                    while not closed.is_set():  # (the client has read the first event and closed)
+                        await asyncio.sleep(0.01)
+                    await asyncio.sleep(0.1)
+                return resp
+            body = await request.read()
+            return web.Response(text=f"{request.method} {request.path} {body.decode()}")
+        except (asyncio.CancelledError, ConnectionError):
+            ended.append((request.path, i))  # (cancelled, or the body's read failed)
+            raise
+
+    def half_closed(data, once_started=False):
+        with connect(port) as s:
+            started.clear()
+            s.sendall(data)
+            assert not once_started or started.wait(10)  # (a handler cancelled before it began proves nothing)
+            s.shutdown(socket.SHUT_WR)
+            got = read_all(s).decode()
+            return got.split("\r\n", 1)[0], got.rsplit("\r\n", 1)[-1]
+
+    with serving(handle) as port:
+        assert half_closed(b"GET /now HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n") == (
+            "HTTP/1.1 200 OK", "GET /now ")
+        assert half_closed(b"POST /wait HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: 2\r\n\r\n{}") == (
+            "HTTP/1.1 200 OK", "POST /wait {}")
+        assert half_closed(b"GET /wait HTTP/1.0\r\n\r\n") == ("HTTP/1.0 200 OK", "GET /wait ")
+        assert half_closed(b"GET /wait HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\nGET") == (
+            "HTTP/1.0 400 Bad Request", '{"error": {"message": "bad request: Data after `Connection: close`: '
+            'b\'GET\' ^", "type": "invalid_request_error", "param": null, "code": 400}}')
+        assert ended == []
+        t0 = time.time()
+        assert half_closed(b"POST /hold HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}", True) == ("", "")
+        assert half_closed(b"POST /now HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: 9\r\n\r\n{}",
+                           True) == ("", "")
+        assert time.time() - t0 < 10  # (at once: never a wait for a timeout)
+        assert wait_for(lambda: len(ended) == 2, 10) and sorted(ended) == [
+            ("/hold", None), ("/now", None)], ended
+        with connect(port) as s:
+            s.sendall(b"GET /stream HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            got = b""
+            while not got.endswith(b"event 0\n\r\n"):
+                got += s.recv(4096)
+        closed.set()
+        # its next event reaches a closed socket (the peer answers a reset), the one after fails
+        assert wait_for(lambda: len(ended) == 3, 10) and ended[2] == ("/stream", 2), ended
+
+
+def test_a_parser_error_quotes_at_most_300_characters_on_one_line(capfd):
+    """Found by a hostile client: aiohttp's parser errors quote what was sent, and the 400 answer and
+    its log line said `Data after Connection: close: b'{}AAAA…` with 128 kB of it (docs: an error
+    message quotes at most 300 characters of what was sent)."""
+    async def handle(request):
+        return web.Response(text="ok")
+
+    with serving(handle) as port:
+        with connect(port) as s:
+            s.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: 2\r\n\r\n{}"
+                      + b"A" * 200000)
+            got = read_all(s)
+    head, body = got.split(b"\r\n\r\n", 1)
+    assert head.startswith(b"HTTP/1.0 400 Bad Request\r\n") and b"\r\nContent-Length: %d\r\n" % len(body) in head
+    message = json.loads(body)["error"]["message"]
+    quoted = "bad request: Data after `Connection: close`: b'{}"
+    assert message == quoted + "A" * (299 - len(quoted)) + "\u2026" and len(message) == 300
+    assert [line for line in capfd.readouterr().err.splitlines() if "bad request" in line] == [
+        f"mindspec: 127.0.0.1 {message}"]
