@@ -123,6 +123,22 @@ def _parse(item, defaults):
         return item._replace(kw=None, err=f"line {item.line}: {e}")
 
 
+def check_chat(model):
+    """--chat needs the model's chat template: refused before anything loads (found: on a model without one
+    the job loaded it, then wrote an error record for every line, exit 1). model None: the embedded one (it
+    has a template); a model that cannot be read is left to its load, which says why."""
+    if model is None or not os.path.isdir(model):
+        return
+    from .tokenizer import Tokenizer
+    try:
+        template = Tokenizer(model).chat_template
+    except MindspecError:
+        return
+    if not template:
+        raise MindspecError(f"--chat wraps the prompts in the model's chat template, and {model} has none "
+                            "(no chat_template in tokenizer_config.json): run without --chat")
+
+
 # ---- the job's identity ----
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")

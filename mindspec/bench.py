@@ -390,6 +390,7 @@ def cmd_bench(a):
     except OSError as e:
         raise MindspecError(f"cannot write in --out {a.out}: {e.strerror}") from None
     out, partial, saved = os.path.join(a.out, "bench.json"), os.path.join(a.out, "bench.partial.json"), []
+    unsaved = []  # a save that failed: its error says it all (one line)
 
     def save(result):  # whole or not at all: a run stopped half way keeps the sets it finished, beside
         # (never over) an earlier run's complete bench.json
@@ -399,8 +400,13 @@ def cmd_bench(a):
             with open(tmp, "w") as f:
                 json.dump(result, f, indent=1)
             os.replace(tmp, path)
+        except OSError as e:  # (a full disk: found as a traceback, the results lost) the runs so far on stdout
+            unsaved.append(path)
+            show(result)
+            raise MindspecError(f"cannot write {path}: {e.strerror or e} (the results so far are on stdout)") \
+                from None
         finally:
-            if os.path.exists(tmp):
+            if os.path.lexists(tmp):
                 os.remove(tmp)
         saved.append(len({(r["prompt_set"], r["batch_size"]) for r in result["runs"]}))
 
@@ -409,21 +415,32 @@ def cmd_bench(a):
                      hf=not a.no_hf, hf_assistants=a.hf_assistants, repeat=a.repeat, batch_sizes=a.batch_sizes,
                      on_part=save)
     except BaseException as e:  # stopped, or failed (its own error follows): say what was kept
-        if saved:
+        if saved and not unsaved:
             print(f"mindspec bench: {'stopped' if isinstance(e, KeyboardInterrupt) else 'failed'}; {partial} holds "
                   f"the {saved[-1]} finished (prompt set, batch size) runs (\"complete\": false)", file=sys.stderr)
         raise
     save(result)
     if os.path.exists(partial):
         os.remove(partial)
+    show(result)  # before the plots: a plot that cannot be written loses no results
     files = ["bench.json", "bench.png"] + (["bench-batch.png"] if len(result["batch_sizes"]) > 1 else [])
-    plot(result, os.path.join(a.out, "bench.png"))
-    if len(result["batch_sizes"]) > 1:
-        plot_batch(result, os.path.join(a.out, "bench-batch.png"))
+    for name, draw in (("bench.png", plot), ("bench-batch.png", plot_batch))[:len(files) - 1]:
+        path = os.path.join(a.out, name)
+        try:
+            draw(result, path)
+        except OSError as e:  # (a full disk: found as a traceback after bench.json, the table never printed and
+            # a 0-byte bench.png left)
+            if os.path.lexists(path):
+                os.remove(path)
+            raise MindspecError(f"cannot write {path}: {e.strerror or e} (bench.json was written)") from None
+    print(f"wrote {', '.join(os.path.join(a.out, f) for f in files)}", file=sys.stderr)
+
+
+def show(result):
+    """The results table and notes, on stdout."""
     print(table(result))
     for n in result["notes"]:
         print(f"note: {n}")
-    print(f"wrote {', '.join(os.path.join(a.out, f) for f in files)}", file=sys.stderr)
 
 
 def _counts(what):

@@ -1,6 +1,8 @@
 """`mindspec` command line: export, convert, generate, serve, batch (+ plan, bench). Bad input: one line
 on stderr, exit 2."""
 import argparse
+import errno
+import io
 import json
 import os
 import re
@@ -429,6 +431,76 @@ def _run_held(args):
     return code
 
 
+class StdoutError(OSError):
+    """A write to stdout failed (a full disk, an I/O error, a closed descriptor): the command's output is lost."""
+
+
+class _Stdout:
+    """sys.stdout as main() runs a command: its failed writes raise StdoutError, told apart from any other
+    file's OSError (a reader gone stays a BrokenPipeError), and a failure swallowed (argparse's --help drops
+    it) is raised again by the next flush."""
+
+    def __init__(self, f):
+        self._f, self._failed = f, None
+
+    def _call(self, fn, *a):
+        try:
+            return fn(*a)
+        except BrokenPipeError:
+            raise
+        except OSError as e:
+            self._failed = StdoutError(e.errno, e.strerror)
+            raise self._failed from None
+
+    def write(self, s):
+        return self._call(self._f.write, s)
+
+    def writelines(self, lines):
+        return self._call(self._f.writelines, lines)
+
+    def flush(self):
+        self._call(self._f.flush)
+        if self._failed is not None:
+            raise self._failed
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+
+class _Closed(io.TextIOBase):
+    """sys.stdout when descriptor 1 was closed (`>&-`: Python leaves sys.stdout None, and print() drops its
+    text): a write fails as on a closed descriptor."""
+    encoding = "utf-8"
+
+    def writable(self):
+        return True
+
+    def write(self, s):
+        raise OSError(errno.EBADF, "it is closed")
+
+    def fileno(self):
+        return 1
+
+    def reconfigure(self, **kw):
+        pass
+
+
+def _hold_stdout():
+    """Wrap sys.stdout (_Stdout); a closed descriptor 1 is taken by /dev/null opened read-only, so that no file
+    opened later lands there (a library's printf would write into it) and writes to it fail (EBADF)."""
+    if sys.stdout is None:
+        try:
+            os.fstat(1)
+        except OSError:
+            fd = os.open(os.devnull, os.O_RDONLY)
+            if fd != 1:
+                os.dup2(fd, 1)
+                os.close(fd)
+        sys.stdout = _Closed()
+    if not isinstance(sys.stdout, _Stdout):
+        sys.stdout = _Stdout(sys.stdout)
+
+
 def _exit_code(fn):
     """fn()'s exit code: bad input one line and 2, an interrupt 130."""
     try:
@@ -444,6 +516,12 @@ def _exit_code(fn):
     except BrokenPipeError:  # the reader of stdout left (`| head`): quiet, as a shell's writer that SIGPIPE ended
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (Python flushes stdout again at exit)
         return 128 + signal.SIGPIPE
+    except StdoutError as e:  # (found: `> /dev/full` a traceback; `>&-` an AttributeError traceback)
+        from .tp import fail
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # (what is left in its buffer: Python flushes it at exit)
+        if isinstance(sys.stdout, _Stdout):
+            sys.stdout._failed = None  # (said)
+        return fail(MindspecError(f"cannot write to stdout: {e.strerror or e}"))
 
 
 def _dp_launcher(args):
@@ -549,6 +627,9 @@ def parse(argv):
             args.prompt = _stdin_prompt(args)
     if args.cmd in MODEL_COMMANDS + ("bench", "doctor"):  # the commands that import MindSpore
         check_device_env()
+    if args.cmd == "batch" and args.chat and not args.merge:  # (before any launcher, rank or replica starts)
+        from .batch import check_chat
+        check_chat(args.target)
     if getattr(args, "dp_replica", None) is not None and not 0 <= args.dp_replica < args.dp:  # (the launcher's flag)
         raise MindspecError(f"--dp-replica {args.dp_replica} is not a replica of --dp {args.dp}")
     if getattr(args, "nodes", None) is not None:  # before any path (a --dp launcher ran replicas 6, 7 of 2)
@@ -562,12 +643,18 @@ def main(argv=None):
     # no KeyboardInterrupt inside the imports to come (numpy, MindSpore: a half-imported MindSpore crashes
     # the interpreter at exit): signals wait for _run / run_batch
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    if console:
+        _hold_stdout()  # (a caller's own stdout is left alone)
     argv = sys.argv[1:] if argv is None else list(argv)
     parsed = []
     try:
         code = _exit_code(lambda: parsed.append(parse(argv)))
-    except SystemExit:
+    except SystemExit as e:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+        if e.code == 0:  # --help: its text written (argparse drops a failed write)
+            code = _exit_code(lambda: None)
+            if code:
+                raise SystemExit(code) from None
         raise
     if code:
         return code

@@ -7,6 +7,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import re
 import shutil
 import tempfile
 
@@ -251,7 +252,26 @@ def convert_gguf(gguf_path, out_dir):
         os.replace(tmp, out_dir)
     except BaseException as e:  # (Ctrl-C or SIGTERM too: never a half-written OUT.partial-* left behind)
         shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, OSError):
-            raise MindspecError(f"cannot write {out_dir}: {e.strerror or e}") from None
+        if _write_error(e):
+            raise MindspecError(f"cannot write {out_dir}: {_cause(e)}") from None
         raise
     return out_dir
+
+
+def _write_error(e):
+    """Whether e is a failed write: an OSError, safetensors' SafetensorError or tokenizers' bare Exception
+    (found on a full disk: both escaped as a traceback, "... No space left on device")."""
+    from safetensors import SafetensorError
+    return isinstance(e, (OSError, SafetensorError)) or type(e) is Exception
+
+
+def _cause(e):
+    """The cause of a failed write in a few words: the system's own for an OS error, also inside a Rust
+    library's message ("... (os error 28)"), else the message's first line."""
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    text = str(e)
+    m = re.search(r"os error (\d+)", text)
+    if m:
+        return os.strerror(int(m.group(1)))
+    return (text.strip().splitlines() or [type(e).__name__])[0][:200]

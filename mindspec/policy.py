@@ -9,6 +9,7 @@ import fcntl
 import json
 import os
 import statistics
+import sys
 import time
 
 from mindspec.graphs.tp import tp_size
@@ -228,19 +229,35 @@ def _read_costs():
         return {}
 
 
+_warned = []  # the costs files this process could not write (said once each)
+
+
 def _write_costs(entries):
+    """Add `entries` to the costs file. The file is a cache: one that cannot be written (a full disk, a home
+    that takes no files) is said once on stderr and the measured costs are used all the same (found: a full
+    MINDSPEC_HOME ended the command with an OSError traceback and left an empty costs.json.PID.tmp)."""
     path = _costs_path()
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(f"{path}.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # (two processes measuring at once each dropped the other's pair)
-        data = _read_costs()  # re-read: another process may have added its own pair meanwhile
-        # forget pairs whose draft file is gone (temporary test drafts), so the file stays small
-        data = {k: e for k, e in data.items() if len(k.split("|")) > 1 and os.path.exists(k.split("|")[1])}
-        data.update(entries)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(data, f, indent=1)
-        os.replace(tmp, path)  # readers never see a half-written file
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(f"{path}.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # (two processes measuring at once each dropped the other's pair)
+            data = _read_costs()  # re-read: another process may have added its own pair meanwhile
+            # forget pairs whose draft file is gone (temporary test drafts), so the file stays small
+            data = {k: e for k, e in data.items() if len(k.split("|")) > 1 and os.path.exists(k.split("|")[1])}
+            data.update(entries)
+            try:
+                with open(tmp, "w") as f:
+                    json.dump(data, f, indent=1)
+                os.replace(tmp, path)  # readers never see a half-written file
+            finally:
+                if os.path.lexists(tmp):
+                    os.remove(tmp)
+    except OSError as e:
+        if path not in _warned:
+            _warned.append(path)
+            print(f"mindspec: warning: cannot save the measured costs to {path} ({e.strerror or e}); "
+                  "they are measured again at the next start", file=sys.stderr, flush=True)
 
 
 def measure_costs(pipe, batch_sizes=(1,), reps=5, cache=True):

@@ -1331,3 +1331,26 @@ def test_what_an_output_record_counts_for(tmp_path, capsys, monkeypatch):
     assert capsys.readouterr().err == (f"mindspec batch: 0 lines: 0 done, 0 failed, 0 left -> {tmp_path}/o2.jsonl; "
                                        "this run: 0 done, 0 failed, 0 skipped; 0 tokens in 0.00 s = - tok/s; no "
                                        "drafts; - tokens per target call\n")
+
+
+def test_chat_on_a_model_without_a_chat_template_is_refused_before_it_loads(tiny_target, tmp_path):
+    """Found by a user probe: `batch --chat` on a model whose tokenizer_config.json has no chat_template loaded the
+    model, then wrote an error record for every line, exit 1. Now one line, exit 2, before MindSpore is imported
+    and with no output made (as `generate --chat`); a model with a template passes the check."""
+    from mindspec.cli import parse
+    model = tmp_path / "m"
+    shutil.copytree(tiny_target[0], model)
+    cfg = json.loads((model / "tokenizer_config.json").read_text())
+    del cfg["chat_template"]
+    (model / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (tmp_path / "in.jsonl").write_text('{"prompt": "hi"}\n')
+    out = tmp_path / "out.jsonl"
+    args = ["batch", "--input", str(tmp_path / "in.jsonl"), "--output", str(out), "--chat", "--max-new-tokens", "2"]
+    code = f"import sys\nfrom mindspec.cli import main\nrc = main({args + ['--target', str(model)]!r})\n" \
+           "print(rc, 'mindspore' in sys.modules)"
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert (p.stdout, p.stderr) == ("2 False\n", f"mindspec: error: --chat wraps the prompts in the model's chat "
+                                    f"template, and {model} has none (no chat_template in tokenizer_config.json): "
+                                    "run without --chat\n"), p.stderr[-2000:]
+    assert sorted(os.listdir(tmp_path)) == ["in.jsonl", "m"]
+    assert parse(args + ["--target", tiny_target[0]]).chat  # (its template: no refusal)

@@ -192,3 +192,58 @@ def test_hf_modes_on_the_same_target(pair, tmp_path, monkeypatch):
     for r in hf.values():  # same fp32 weights, greedy: the same tokens as mindspec's target-only
         assert r["identical_to_target_only"] and r["tokens_per_s"] > 0
     assert 0 <= hf[("hf-assisted", "layers:1")]["acceptance_rate"] <= 1
+
+
+def _fake_result(complete, sets=("story",)):
+    rows = [dict(prompt_set=s, batch_size=1, mode=m, k=k, tokens_per_s=t, speedup=t / 10, acceptance_rate=a,
+                 tokens_per_target_call=c, mean_latency_s=0.5, identical_to_target_only=True)
+            for s in sets for m, k, t, a, c in (("target-only", 0, 10.0, None, 1.0), ("fixed-k", 1, 12.0, 0.5, 1.5))]
+    return {"runs": rows, "complete": complete, "notes": ["a note"], "target": "/m/tiny", "max_new_tokens": 6,
+            "ks": [1], "batch_sizes": [1]}
+
+
+def _bench_in_process(monkeypatch, out, parts=()):
+    """cmd_bench with the benchmark itself stood in for: it hands on_part the results of `parts` (sets), then
+    returns the whole result."""
+    from mindspec import bench as b
+    from mindspec.cli import parser
+
+    def run(on_part=None, **kw):
+        for sets in parts:
+            on_part(_fake_result(False, sets))
+        return _fake_result(True, ("story", "chat"))
+    monkeypatch.setattr(b, "run", run)
+    b.cmd_bench(parser().parse_args(["bench", "--out", str(out), "--no-hf", "--prompts", "story"]))
+
+
+def test_a_plot_that_cannot_be_written_is_one_line_after_the_table(monkeypatch, tmp_path, capsys):
+    """Found by a user probe on a full disk: bench.png's write failed after bench.json was written: an OSError
+    traceback, the results table never printed, a 0-byte bench.png left. Now the table first, then one line;
+    bench.json kept, no bench.png. (The full disk: bench.png a link to /dev/full.)"""
+    from mindspec.bench import table
+    from mindspec.errors import MindspecError
+    os.symlink("/dev/full", tmp_path / "bench.png")
+    with pytest.raises(MindspecError) as e:
+        _bench_in_process(monkeypatch, tmp_path)
+    assert str(e.value) == f"cannot write {tmp_path / 'bench.png'}: No space left on device (bench.json was written)"
+    want = _fake_result(True, ("story", "chat"))
+    assert capsys.readouterr() == (table(want) + "\nnote: a note\n", "")
+    assert os.listdir(tmp_path) == ["bench.json"] and json.loads((tmp_path / "bench.json").read_text()) == want
+    assert not os.path.isfile("/dev/full")
+
+
+@pytest.mark.parametrize("parts,name", [([("story",)], "bench.partial.json"), ([], "bench.json")])
+def test_results_that_cannot_be_saved_are_one_line_after_their_table(monkeypatch, tmp_path, capsys, parts, name):
+    """Found by a user probe with 0 bytes free: the first save of the results (a partial one, or bench.json) was an
+    OSError traceback, what had run lost. Now the runs so far go to stdout, then one line; no tmp file is left.
+    (The full disk: the save's tmp file a link to /dev/full.)"""
+    from mindspec.bench import table
+    from mindspec.errors import MindspecError
+    os.symlink("/dev/full", tmp_path / f"{name}.{os.getpid()}.tmp")
+    with pytest.raises(MindspecError) as e:
+        _bench_in_process(monkeypatch, tmp_path, parts)
+    assert str(e.value) == (f"cannot write {tmp_path / name}: No space left on device (the results so far are on "
+                            "stdout)")
+    want = _fake_result(not parts, parts[0] if parts else ("story", "chat"))
+    assert capsys.readouterr() == (table(want) + "\nnote: a note\n", "")  # (stderr: the one line to come)
+    assert os.listdir(tmp_path) == []

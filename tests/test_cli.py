@@ -508,3 +508,31 @@ def test_a_negative_device_id_is_one_line_not_an_abort():
     for cmd, v in ((["doctor"], "-1"), (["generate", "--target", "nowhere", "Hi"], "-1"), (["doctor"], "4294967296")):
         code, out, err = run(*cmd, env={"DEVICE_ID": v})
         assert code == 2 and err == f"mindspec: error: DEVICE_ID='{v}' is not a device number (an integer >= 0)\n", err
+
+
+def test_an_unwritable_or_closed_stdout_is_one_line_and_exit_2(tiny_target, tmp_path):
+    """Found by a user probe: `generate ... > /dev/full` (streamed or --json), `plan`, `doctor`, `export` ended
+    with an OSError traceback (ENOSPC), and with stdout closed (`>&-`) every command did with an AttributeError
+    in _exit_code. Now a command whose output cannot be written says so in one line, exit 2; one that writes
+    nothing there (batch) runs as usual, its output file whole."""
+    target = tiny_target[0]
+    gen = ["generate", "--target", target, "--prompt-ids", "5,6,7", "--max-new-tokens", "8"]
+    plan = ["plan", "--params", "7B", "--layers", "32", "--kv-heads", "8", "--head-dim", "128", "--device-mem", "64GB"]
+    (tmp_path / "in.jsonl").write_text('{"prompt_ids": [5, 6, 7], "max_new_tokens": 3}\n')
+    batch = ["batch", "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl"),
+             "--target", target]
+    with open("/dev/full", "w") as full:
+        for args in (gen, plan + ["--json"], ["--help"]):
+            p = subprocess.run([sys.executable, "-m", "mindspec", *args], stdout=full, stderr=subprocess.PIPE,
+                               text=True, timeout=300)
+            want = (2, "mindspec: error: cannot write to stdout: No space left on device\n")
+            assert (p.returncode, p.stderr) == want, (args, p.returncode, p.stderr[-2000:])
+    closed = "mindspec: error: cannot write to stdout: it is closed\n"
+    for args, want in ((gen + ["--json"], (2, closed)), (plan, (2, closed)),
+                       (batch, (0, "mindspec batch: 1 lines: 1 done"))):
+        p = subprocess.run([sys.executable, "-m", "mindspec", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                           text=True, timeout=300, preexec_fn=lambda: os.close(1))
+        assert p.returncode == want[0] and p.stderr.startswith(want[1]) and len(p.stderr.splitlines()) == 1, \
+            (args, p.returncode, p.stderr[-2000:])
+    (rec,) = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert len(rec["token_ids"]) == 3

@@ -298,3 +298,35 @@ def test_an_interrupted_conversion_leaves_nothing_behind(converted, tmp_path, mo
     with pytest.raises(exc):
         convert_gguf(gguf, str(tmp_path / "m"))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_conversion_that_cannot_write_is_one_line_and_leaves_nothing(converted, tmp_path, monkeypatch):
+    """Found by a user probe on a full disk: safetensors' SafetensorError ("... No space left on device") and
+    tokenizers' bare Exception escaped `convert` as a traceback, exit 1 (only an OSError was a one-line error).
+    Now each is "cannot write OUT: <cause>", exit 2, and the scratch directory is gone. The real failures:
+    the weights' write past a file-size limit (RLIMIT_FSIZE: "File too large"), the tokenizer's into /dev/full."""
+    import resource
+    import subprocess
+    import sys
+    import mindspec.convert as conv
+    gguf = os.path.join(os.path.dirname(converted[0]), "tiny.gguf")
+    out = tmp_path / "m"
+    p = subprocess.run([sys.executable, "-m", "mindspec", "convert", "--gguf", gguf, "--out", str(out)],
+                       capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONDONTWRITEBYTECODE="1"),
+                       preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (32 << 10, 32 << 10)))
+    assert (p.returncode, p.stdout, p.stderr) == (2, "", f"mindspec: error: cannot write {out}: File too large\n")
+    assert list(tmp_path.iterdir()) == []
+    build = conv._build_tokenizer
+
+    class Full:  # the tokenizer, saved into a file on a full disk
+        def __init__(self, tok):
+            self.tok = tok
+
+        def save(self, path):
+            os.symlink("/dev/full", path)
+            self.tok.save(path)
+    monkeypatch.setattr(conv, "_build_tokenizer", lambda meta: (Full(build(meta)[0]), build(meta)[1]))
+    with pytest.raises(MindspecError) as e:
+        convert_gguf(gguf, str(out))
+    assert str(e.value) == f"cannot write {out}: No space left on device"
+    assert list(tmp_path.iterdir()) == [] and not os.path.isfile("/dev/full")

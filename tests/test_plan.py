@@ -330,3 +330,18 @@ def test_a_cpu_row_counts_both_caches_and_the_graphs_workspace():
     draft = {"num_layers": 2, "num_key_value_heads": 2, "head_dim": 16, "max_seq": 64}
     assert plan.host_bytes_per_row(cfg, 4, 96, dict(draft, dtype="float32")) - alone == kv * 64
     assert plan.host_bytes_per_row(cfg, 4, 96, dict(draft, dtype="float16")) - alone == kv * 64 // 2
+
+
+def test_a_draft_or_target_that_is_a_device_says_so_not_not_found(tmp_path, capsys):
+    """Found by a user probe: `plan --draft /dev/null` said "draft model not found" (it is there, but neither a
+    file nor a checkpoint directory); a pipe was the same, and a target of /dev/null "model directory not found"."""
+    os.mkfifo(tmp_path / "fifo")
+    for path in ("/dev/null", str(tmp_path / "fifo")):
+        with pytest.raises(MindspecError) as e:
+            run_plan(["plan", *TARGET_70B, "--draft", path, "--device-mem", "64GB"], capsys)
+        assert str(e.value) == (f"draft {path} is not a file (a device, a pipe or a socket): give the .onnx file "
+                                "`mindspec export` wrote, or a checkpoint directory")
+        with pytest.raises(MindspecError) as e:
+            run_plan(["plan", "--target", path, "--device-mem", "64GB"], capsys)
+        assert str(e.value) == (f"{path} is not a directory (a device, a pipe or a socket): give the model's "
+                                "checkpoint directory")

@@ -344,3 +344,27 @@ def test_measured_verify_costs_are_at_least_decode_and_monotone(pipe, tmp_path, 
     for _, v in measure_costs(pipe, (1, 2), reps=1, cache=False).values():
         ks = sorted(v)
         assert ks[0] == 0 and all(v[a] <= v[b] for a, b in zip(ks, ks[1:]))
+
+
+def test_a_costs_file_that_cannot_be_written_is_said_once_and_the_costs_are_used(pipe, tmp_path, monkeypatch, capfd):
+    """Found by a user probe: with MINDSPEC_HOME on a full disk, saving the measured costs ended the command with
+    an OSError traceback (ENOSPC) and left an empty costs.json.PID.tmp behind. The file is a cache: one warning
+    line, the tmp file removed, and the costs measured are used. (The full disk: the tmp file's name is a link
+    to /dev/full, every write to which fails with ENOSPC.)"""
+    from mindspec import policy
+    monkeypatch.setenv("MINDSPEC_HOME", str(tmp_path))
+    monkeypatch.setattr(policy, "_warned", [], raising=False)  # (a fresh process: nothing said yet)
+    tmp = tmp_path / f"costs.json.{os.getpid()}.tmp"
+    (tmp_path / "costs.json").write_text("{}")
+    for _ in range(2):
+        os.symlink("/dev/full", tmp)
+        policy._write_costs({f"fp|{tmp_path}|0|0": {"c": {}, "v": {}}})
+        assert not os.path.lexists(tmp) and (tmp_path / "costs.json").read_text() == "{}"
+    os.symlink("/dev/full", tmp)
+    costs = measure_costs(pipe, (1,), reps=1)  # measured, not saved: used all the same
+    assert set(costs) == {1} and set(costs[1][1]) == {0} | set(pipe.target.k_buckets)
+    assert not os.path.lexists(tmp) and (tmp_path / "costs.json").read_text() == "{}"
+    out, err = capfd.readouterr()
+    assert err == (f"mindspec: warning: cannot save the measured costs to {tmp_path / 'costs.json'} (No space left "
+                   "on device); they are measured again at the next start\n"), err  # once
+    assert os.path.exists("/dev/full") and not os.path.isfile("/dev/full")
