@@ -65,6 +65,9 @@ def check_file(onnx_path):
     if os.path.isdir(onnx_path):
         raise MindspecError(f"draft {onnx_path} is a directory: give the .onnx file `mindspec export` wrote")
     if not os.path.isfile(onnx_path):
+        if os.path.exists(onnx_path):  # ("not found" misled: /dev/null, a pipe)
+            raise MindspecError(f"draft {onnx_path} is not a file (a device, a pipe or a socket): give the .onnx "
+                                "file `mindspec export` wrote")
         raise MindspecError(f"draft model not found: {onnx_path}")
 
 

@@ -135,6 +135,9 @@ def load_config(model_dir):
     if os.path.isfile(model_dir):  # e.g. a draft's .onnx given as the target
         raise MindspecError(f"{model_dir} is a file: give the model's directory (config.json, safetensors)")
     if not os.path.isdir(model_dir):
+        if os.path.exists(model_dir):  # ("not found" misled: /dev/null, a pipe)
+            raise MindspecError(f"{model_dir} is not a directory (a device, a pipe or a socket): give the "
+                                "model's checkpoint directory")
         raise MindspecError(f"model directory not found: {model_dir}")
     path = os.path.join(model_dir, "config.json")
     raw = _read_json(path, "config.json")

@@ -83,17 +83,8 @@ def shape_from_config(cfg, dtype="fp16", layers=None, rot_rows=False):
     return m if layers else dataclasses.replace(m, cfg=cfg, rot_rows=rot_rows)
 
 
-def _special(path):
-    """Whether path is there but neither a file nor a directory: a device, a pipe or a socket (found: `plan
-    --draft /dev/null` said "draft model not found")."""
-    return os.path.exists(path) and not os.path.isfile(path) and not os.path.isdir(path)
-
-
 def shape_from_checkpoint(model_dir, dtype="fp16"):
     from .checkpoint import Checkpoint
-    if _special(model_dir):
-        raise MindspecError(f"{model_dir} is not a directory (a device, a pipe or a socket): give the model's "
-                            "checkpoint directory")
     return shape_from_config(Checkpoint(model_dir).config, dtype)
 
 
@@ -103,9 +94,6 @@ def shape_from_draft(path, dtype="fp16"):
     whose device-side cache is double-buffered)."""
     if os.path.isdir(path):
         return shape_from_checkpoint(path, dtype)
-    if _special(path):
-        raise MindspecError(f"draft {path} is not a file (a device, a pipe or a socket): give the .onnx file "
-                            "`mindspec export` wrote, or a checkpoint directory")
     from mindspec.export import read_manifest
     from .config import load_config
     m = read_manifest(path)

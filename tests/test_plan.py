@@ -340,7 +340,7 @@ def test_a_draft_or_target_that_is_a_device_says_so_not_not_found(tmp_path, caps
         with pytest.raises(MindspecError) as e:
             run_plan(["plan", *TARGET_70B, "--draft", path, "--device-mem", "64GB"], capsys)
         assert str(e.value) == (f"draft {path} is not a file (a device, a pipe or a socket): give the .onnx file "
-                                "`mindspec export` wrote, or a checkpoint directory")
+                                "`mindspec export` wrote")
         with pytest.raises(MindspecError) as e:
             run_plan(["plan", "--target", path, "--device-mem", "64GB"], capsys)
         assert str(e.value) == (f"{path} is not a directory (a device, a pipe or a socket): give the model's "
