@@ -8,21 +8,25 @@ import json
 import re
 import traceback
 
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 
 from . import __version__
-from .errors import MindspecError, is_int, summary
+from .errors import MindspecError, is_int, is_number, summary
 from .formats import TGI, OpenAI, openai_error, tgi_error
-from .request import RequestError, loads, parse
+from .request import RequestError, int_list, loads, parse
 from .spec import TOP_LOGPROBS
 
 MAX_BODY = 4 * 2 ** 20  # MindIE's limit on a request's text: 4 MB
 EXTENSIONS = ("top_k", "repetition_penalty", "k", "draft_temperature", "min_tokens", "ignore_eos",
               "stop_token_ids")  # beyond each API's own fields
-# accepted and without effect (clients and MindIE's examples send them)
-IGNORED = frozenset({"user", "stream_options", "priority", "service_tier", "store", "metadata",
-                     "parallel_tool_calls", "typical_p", "watermark", "truncate", "adapter_id", "timeout",
-                     "skip_special_tokens"})
+_TEXT, _FLAG = (lambda v: isinstance(v, str), "a string"), (lambda v: isinstance(v, bool), "true or false")
+# accepted and without effect (clients and MindIE's examples send them) when of their type and range
+# (TGI's): name -> (check, what it must be)
+IGNORED = {"user": _TEXT, "priority": (is_int, "an integer"), "service_tier": _TEXT, "store": _FLAG,
+           "metadata": (lambda v: isinstance(v, dict), "an object"), "parallel_tool_calls": _FLAG,
+           "typical_p": (lambda v: is_number(v) and 0 < v <= 1, "a number in (0, 1]"), "watermark": _FLAG,
+           "truncate": (lambda v: is_int(v) and v >= 1, "an integer >= 1"), "adapter_id": _TEXT,
+           "timeout": (lambda v: is_number(v) and v >= 0, "a number >= 0"), "skip_special_tokens": _FLAG}
 # known but not implemented: refused unless they hold their "off" value
 OFF = {"best_of": (1,), "echo": (False,),
        "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},), "suffix": ("",),
@@ -31,9 +35,10 @@ OFF = {"best_of": (1,), "echo": (False,),
        # vLLM's, in MindIE's OpenAI examples
        "include_stop_str_in_output": (False,), "use_beam_search": (False,), "chat_template_kwargs": ({},)}
 SAMPLING = ("temperature", "top_p", "seed", "stop") + EXTENSIONS
-COMPLETION_KEYS = frozenset(("model", "prompt", "max_tokens", "stream", "n", "logprobs") + SAMPLING)
-CHAT_KEYS = frozenset(("model", "messages", "max_tokens", "max_completion_tokens", "stream", "n", "logprobs",
-                       "top_logprobs") + SAMPLING)
+COMPLETION_KEYS = frozenset(("model", "prompt", "max_tokens", "stream", "stream_options", "n", "logprobs")
+                            + SAMPLING)
+CHAT_KEYS = frozenset(("model", "messages", "max_tokens", "max_completion_tokens", "stream", "stream_options", "n",
+                       "logprobs", "top_logprobs") + SAMPLING)
 TGI_PARAMS = frozenset(("max_new_tokens", "do_sample", "details", "return_full_text", "decoder_input_details")
                        + SAMPLING)
 
@@ -71,15 +76,60 @@ def _logprobs(body, chat):
     return (top or 0) if on else None
 
 
-def _one_prompt(p):
-    """Whether p is one prompt of OpenAI's: a string or a non-empty list of token ids."""
-    return isinstance(p, str) or (isinstance(p, list) and bool(p) and all(is_int(x) for x in p))
+def _include_usage(body, stream):
+    """stream_options' include_usage: None when not given (usage in the final chunk, as MindIE's), else
+    OpenAI's true (a chunk of its own) or false (none)."""
+    opts = body.get("stream_options")
+    if opts is None:
+        return None
+    if not isinstance(opts, dict):
+        raise RequestError('stream_options must be an object ({"include_usage": true or false})',
+                           param="stream_options")
+    _check_keys(opts, {"include_usage"}, "stream_options.")
+    usage = opts.get("include_usage")
+    if usage is not None and not isinstance(usage, bool):
+        raise RequestError("stream_options.include_usage must be true or false", param="stream_options")
+    if not stream:  # (OpenAI's and vLLM's rule)
+        raise RequestError("stream_options is only allowed with stream: true", param="stream_options")
+    return usage
+
+
+def _at_most(body, name, limit, why):
+    """A list longer than any request can use is refused before its items are read (a 4 MB body holds a
+    million ids or 120000 messages: seconds of checks on this loop, then on the engine's thread)."""
+    n = len(body[name]) if isinstance(body.get(name), list) else 0
+    if n > limit:
+        raise RequestError(f"{name}: {n} items, at most {limit} ({why})", param=name)
+
+
+def _prompt(p, limit):
+    """OpenAI's prompt as the flat request's {"prompt": text} or {"prompt_ids": ids}; a list of ids that
+    leaves none of the `limit` positions for the answer is refused unread, in Pipeline.request's words."""
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+        p = p[0]  # a batch of one prompt
+    if isinstance(p, list) and len(p) > 1 and all(isinstance(x, (str, list)) for x in p):
+        raise RequestError(f"prompt is a list of {len(p)} prompts: send one prompt per request "
+                           "(a string or a list of token ids)", param="prompt")
+    if isinstance(p, str) or p is None:
+        return {"prompt": p}
+    if not isinstance(p, list):
+        raise RequestError("prompt must be a string or a list of token ids (one prompt per request)", param="prompt")
+    if len(p) >= limit:
+        raise RequestError(f"prompt is {len(p)} tokens; it does not fit max_seq {limit}", param="prompt")
+    if not p or not int_list(p):
+        raise RequestError("prompt must be a string or a non-empty list of integer token ids", param="prompt")
+    return {"prompt_ids": p}
 
 
 def _check_keys(body, known, where=""):
     """Unknown keys and known-but-unsupported values are a 400 naming the field, never silently dropped."""
     for key, value in body.items():
-        if key in known or key in IGNORED or value is None:
+        if key in known or value is None:
+            continue
+        if key in IGNORED:
+            check, kind = IGNORED[key]
+            if not check(value):
+                raise RequestError(f"{where}{key} must be {kind}, got {json.dumps(value)[:60]}", param=key)
             continue
         if key in OFF:
             if not any(value == off and isinstance(value, bool) == isinstance(off, bool) for off in OFF[key]):
@@ -117,42 +167,45 @@ class Api:
             h[0] == "GET" for h in hits) else set())))
         try:
             if method == "OPTIONS" and (hits or path == "*"):
-                return self._answer(name, web.Response(status=204, headers={"Allow": allow}))
-            if route is None:
+                resp = web.Response(status=204, headers={"Allow": allow})
+            elif route is None:
                 if hits:
-                    raise _NotAllowed(f"{request.method} is not allowed on {path}", allow)
+                    raise _Refused(f"{request.method} is not allowed on {path}", 405, {"Allow": allow})
                 raise RequestError(f"no such endpoint: {request.method} {path}", 404)
-            if self.api_key and name not in _OPEN:
-                self._check_key(request)
-            return self._answer(name, await route[2](request, *route[1].groups()))
+            else:
+                if self.api_key and name not in _OPEN:
+                    self._check_key(request)
+                resp = await route[2](request, *route[1].groups())
         except MindspecError as e:
-            return self._answer(name, self.error(getattr(e, "status", 400), e, family, getattr(e, "param", None),
-                                                 getattr(e, "allow", None)))
+            resp = self.error(getattr(e, "status", 400), e, family, getattr(e, "param", None),
+                              getattr(e, "headers", None))
         except ConnectionError:  # the client left while we read or wrote (nginx's code for it)
-            return self._answer(name, web.Response(status=499))  # aiohttp drops it quietly: nobody listens
+            resp = web.Response(status=499)  # aiohttp drops it quietly: nobody listens
         except asyncio.CancelledError:  # the client left while we waited (aiohttp's handler cancellation)
             self.metrics.answered(name, 499)
             raise
         except Exception as e:  # a bug: log it, answer one line, keep serving
             traceback.print_exc()
-            return self._answer(name, self.error(500, f"internal error: {summary(e)}", family))
-
-    def _answer(self, name, resp):
+            resp = self.error(500, f"internal error: {summary(e)}", family)
+        if resp.status >= 400 and not request.content.is_eof():
+            _close_unread(request, resp)
         self.metrics.answered(name, resp.status)
         return resp
 
     def _check_key(self, request):
-        # the scheme is case-insensitive (RFC 9110); aiohttp keeps a header's undecodable bytes as surrogates
+        # the scheme is case-insensitive and may be followed by several spaces (RFC 9110 §11.4: 1*SP); aiohttp
+        # keeps a header's undecodable bytes as surrogates
         scheme, _, got = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(got.encode("utf-8", "surrogateescape"), self.api_key):
-            raise RequestError("missing or wrong API key (Authorization: Bearer KEY)", 401)
+        got = got.lstrip(" ").encode("utf-8", "surrogateescape")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(got, self.api_key):
+            raise _Refused("missing or wrong API key (Authorization: Bearer KEY)", 401,
+                           {"WWW-Authenticate": "Bearer"})  # (RFC 9110 §15.5.2: a 401 names the scheme)
 
     @staticmethod
-    def error(status, message, family, param=None, allow=None):
+    def error(status, message, family, param=None, headers=None):
         """One-line JSON errors: OpenAI's shape on /v1/* and the rest, TGI/MindIE's {"error", "error_type"}
         on theirs, where input validation answers 422 as TGI and MindIE do."""
         msg = _one_line(message)
-        headers = {"Allow": allow} if allow else None
         if family == "tgi":
             status = 422 if status == 400 else status
             return web.json_response(tgi_error(status, msg), status=status, headers=headers)
@@ -166,7 +219,7 @@ class Api:
     async def _body(self, request):
         """The JSON object of a POST body (chunked or with Content-Length), at most MAX_BODY bytes, read
         within read_timeout."""
-        coding = request.headers.get("Content-Encoding", "identity").strip().lower()
+        coding = request.headers.get("Content-Encoding", "").strip().lower() or "identity"  # (empty: none)
         if coding != "identity":  # (aiohttp would inflate it first: 2 MB of gzip can be 2 GB of text)
             raise RequestError(f"Content-Encoding {coding} is not accepted: send the body uncompressed", 415)
         te = request.headers.get("Transfer-Encoding")
@@ -175,8 +228,9 @@ class Api:
                                "chunked", 501)
         if (request.content_length or 0) > MAX_BODY:
             raise RequestError(f"request body is larger than {MAX_BODY} bytes", 413)
-        if request.headers.get("Expect", "").lower() == "100-continue":  # curl asks so for bodies over 1 kB
+        if _awaits_continue(request):  # curl asks so for bodies over 1 kB
             await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            request["continued"] = True
         data = bytearray()
 
         async def read():
@@ -304,13 +358,10 @@ class Api:
         if not isinstance(generation_prompt, bool):
             raise RequestError("add_generation_prompt must be true or false", param="add_generation_prompt")
         self._openai_model(body)
-        tok = self.app.pipe.tokenizer
         if (body.get("prompt") is None) == (body.get("messages") is None):
             raise RequestError("give exactly one of \"prompt\" or \"messages\"")
-        kw = parse({k: body[k] for k in ("prompt", "messages") if body.get(k) is not None})
-        text = kw["prompt"] if "prompt" in kw else tok.apply_chat_template(
-            kw["messages"], add_generation_prompt=generation_prompt)
-        ids = tok.encode(text, self.app.pipe.max_seq)
+        kw = self._parse({k: body[k] for k in ("prompt", "messages") if body.get(k) is not None})
+        ids = await self._ids(kw, generation_prompt)
         return web.json_response({"count": len(ids), "max_model_len": self.app.pipe.max_seq, "tokens": ids,
                                   "token_strs": None})
 
@@ -320,11 +371,41 @@ class Api:
         _check_keys(body, {"model", "tokens"})
         self._openai_model(body)
         ids, vocab = body.get("tokens"), self.app.pipe.cfg.vocab_size
-        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        _at_most(body, "tokens", self.app.pipe.max_positions, "max_seq")  # (590000 ids decoded to 48 MB)
+        if not int_list(ids):
             raise RequestError("tokens must be a list of integer token ids", param="tokens")
         if any(not 0 <= i < vocab for i in ids):
             raise RequestError(f"tokens: an id is outside the vocabulary [0, {vocab})", param="tokens")
         return web.json_response({"prompt": self.app.pipe.tokenizer.decode(ids)})
+
+    # ---- requests
+
+    def _parse(self, flat, defaults=None):
+        """parse(flat, defaults), after the lists no request can use are refused unread (_at_most)."""
+        pipe = self.app.pipe
+        _at_most(flat, "stop_token_ids", pipe.cfg.vocab_size, "the vocabulary's size")
+        _at_most(flat, "messages", pipe.max_positions, "max_seq: each message takes a position at least")
+        return parse(flat, defaults)
+
+    async def _ids(self, kw, generation_prompt=True):
+        """The token ids of a parsed request's text prompt or chat messages, made on a worker thread: not on
+        the engine's, where a chat template over many messages or a long prompt stalled every running row,
+        nor on this loop."""
+        pipe = self.app.pipe
+
+        def encode():
+            text = kw.get("prompt")
+            if text is None:
+                text = pipe.tokenizer.apply_chat_template(kw["messages"], add_generation_prompt=generation_prompt)
+            return pipe.encode(text, limit=pipe.max_positions)
+        return await asyncio.get_running_loop().run_in_executor(None, encode)
+
+    async def _encoded(self, kw):
+        """A parsed request with its prompt as token ids (see _ids)."""
+        if "prompt_ids" in kw:
+            return kw
+        ids = await self._ids(kw)
+        return dict({k: v for k, v in kw.items() if k not in ("prompt", "messages")}, prompt_ids=ids)
 
     # ---- OpenAI-compatible
 
@@ -343,40 +424,27 @@ class Api:
         _check_keys(body, CHAT_KEYS if chat else COMPLETION_KEYS)
         self._openai_model(body)
         stream = _stream_flag(body)
+        usage = _include_usage(body, stream)
         flat = {k: body[k] for k in ("max_tokens",) + SAMPLING if k in body}
         if chat:
             flat["messages"] = body.get("messages")
             flat["max_completion_tokens"] = body.get("max_completion_tokens")  # (both given: refused by parse)
         else:
-            p = body.get("prompt")
-            if isinstance(p, list) and len(p) == 1 and _one_prompt(p[0]):
-                p = p[0]  # a batch of one prompt
-            if isinstance(p, list) and len(p) > 1 and all(_one_prompt(x) for x in p):
-                raise RequestError(f"prompt is a list of {len(p)} prompts: send one prompt per request "
-                                   "(a string or a list of token ids)", param="prompt")
-            if isinstance(p, list):
-                if not p or not all(is_int(x) for x in p):
-                    raise RequestError("prompt must be a string or a non-empty list of integer token ids",
-                                       param="prompt")
-                flat["prompt_ids"] = p
-            elif isinstance(p, str) or p is None:
-                flat["prompt"] = p
-            else:
-                raise RequestError("prompt must be a string or a list of token ids (one prompt per request)",
-                                   param="prompt")
+            flat.update(_prompt(body.get("prompt"), self.app.pipe.max_positions))
         lp = _logprobs(body, chat)
         if lp is not None:
             flat["logprobs"] = lp
-        kw, n = parse(flat, self.app.defaults), 1 if body.get("n") is None else body["n"]
+        kw, n = self._parse(flat, self.app.defaults), 1 if body.get("n") is None else body["n"]
         if type(n) is not int or not 1 <= n <= self.app.max_batch:
             raise RequestError(f"n must be an integer from 1 to {self.app.max_batch} (the server's --max-batch: "
                                f"the choices run side by side), got {json.dumps(n)}", param="n")
+        kw = await self._encoded(kw)
         # choice i samples with seed + i (a greedy request gives n equal choices, as vLLM's; a seed that is
         # not an integer is left for the engine's check to refuse)
         kws = [kw if i == 0 or type(kw.get("seed")) is not int else dict(kw, seed=(kw["seed"] + i) % 2 ** 63)
                for i in range(n)]  # (the last seeds wrap: every seed the request may give works with any n)
-        first = OpenAI(self.app, chat)
-        fmts = [first] + [OpenAI(self.app, chat, index=i, head=first.head) for i in range(1, n)]
+        first = OpenAI(self.app, chat, include_usage=usage)
+        fmts = [first] + [OpenAI(self.app, chat, index=i, head=first.head, include_usage=usage) for i in range(1, n)]
         return await self._generate(request, kws, fmts, stream)
 
     async def completions(self, request):
@@ -405,10 +473,10 @@ class Api:
             if params.get(key) not in (None, True, False):  # null: the default
                 raise RequestError(f"{key} must be true or false")
         fields = ("max_new_tokens", "do_sample") + SAMPLING
-        kw = parse(dict({k: params[k] for k in fields if k in params}, prompt=inputs), self.app.defaults)
+        kw = self._parse(dict({k: params[k] for k in fields if k in params}, prompt=inputs), self.app.defaults)
         fmt = TGI(self.app, kw, native, params.get("details", False), params.get("decoder_input_details", False),
-                  inputs if params.get("return_full_text") else "", listed)
-        return await self._generate(request, [kw], [fmt], stream)
+                  inputs if params.get("return_full_text") else "", listed)  # (its clock starts before the tokenizer)
+        return await self._generate(request, [await self._encoded(kw)], [fmt], stream)
 
     async def generate(self, request):
         return await self._tgi(request, stream=False)
@@ -427,10 +495,30 @@ _FIELDS = COMPLETION_KEYS | CHAT_KEYS | set(OFF) | {"prompt_ids", "tokens"}
 _OPEN = {"health", "health_timed", "live", "model_ready", "metrics_text", "version"}  # no API key needed
 
 
-class _NotAllowed(RequestError):
-    def __init__(self, message, allow):
-        super().__init__(message, 405)
-        self.allow = allow
+class _Refused(RequestError):
+    """An error answered with headers of its own (a 405's Allow, a 401's WWW-Authenticate)."""
+
+    def __init__(self, message, status, headers):
+        super().__init__(message, status)
+        self.headers = headers
+
+
+def _awaits_continue(request):
+    """Whether the client waits for a 100 Continue before it sends the body (never sent to HTTP/1.0, whose
+    clients do not know it: RFC 9110 §10.1.1)."""
+    return request.version >= HttpVersion11 and request.headers.get("Expect", "").lower() == "100-continue"
+
+
+def _close_unread(request, resp):
+    """An error answered before the body all came (a 413 on its length, a 408, any error while the client
+    waits for 100 Continue): what follows on the connection may not be that body (such a client sends its
+    next request instead), so the connection closes after the answer (Connection: close). A body on its way
+    is first read and dropped (aiohttp's lingering read, up to 10 s, so that a client still sending sees the
+    answer); one the client waits to send is not waited for."""
+    resp.force_close()
+    if _awaits_continue(request) and not request.get("continued"):
+        request.protocol.close()  # (what arrives now is dropped unparsed) ...
+        request.content.feed_eof()  # ... and taken for no body: no lingering read
 
 
 def _dumps(obj):
@@ -446,6 +534,8 @@ async def _sse(request, resp, ev):
     before producing text still gets a plain JSON error."""
     if resp is None:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        if request.version < HttpVersion11:  # no chunks in HTTP/1.0: the stream's end is the connection's
+            resp.force_close()
         await resp.prepare(request)
     await resp.write(_event(ev))
     return resp
@@ -456,9 +546,9 @@ _ROUTES = [  # (method, regex, Api method, error family); the method's name labe
     ("GET", r"/health/timed(-[0-9]+)?", "health_timed", "tgi"),
     ("GET", r"/v2/health/live", "live", "tgi"),
     ("GET", r"/v2/health/ready", "health", "tgi"),
-    ("GET", r"/v2/models/([\w\-.]+)/ready", "model_ready", "tgi"),
+    ("GET", r"/v2/models/(.+)/ready", "model_ready", "tgi"),  # any name ("org/model:v1"; %2F-encoded too)
     ("GET", r"/v1/models", "models", "openai"),
-    ("GET", r"/v1/models/([\w\-.]+)", "model", "openai"),
+    ("GET", r"/v1/models/(.+)", "model", "openai"),
     ("POST", r"/v1/completions", "completions", "openai"),
     ("POST", r"/v1/chat/completions", "chat", "openai"),
     ("POST", r"/generate", "generate", "tgi"),

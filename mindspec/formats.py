@@ -73,32 +73,42 @@ def token(pipe, i, text=None):
 
 class OpenAI:
     """/v1/completions and /v1/chat/completions bodies and SSE chunks (usage in the final chunk, then
-    `data: [DONE]`; with n > 1, in the last choice's final chunk: one usage, as the non-streamed answer's)."""
+    `data: [DONE]`; with n > 1, in the last choice's final chunk: one usage, as the non-streamed answer's).
+    A choice's stop_reason is vLLM's: the stop string or stop token id that ended it, None for EOS or length."""
     family, done_marker = "openai", True
 
-    def __init__(self, app, chat, index=0, head=None):
-        """index: the choice this formats (OpenAI's n); head: the response's id and times, shared by its choices."""
+    def __init__(self, app, chat, index=0, head=None, include_usage=None):
+        """index: the choice this formats (OpenAI's n); head: the response's id and times, shared by its choices;
+        include_usage: stream_options' (None: usage in the final chunk, MindIE's way; True: OpenAI's, in a chunk of
+        its own with no choices after the last choice's, every other chunk's usage null; False: no usage)."""
         self.app, self.chat, self.index, self.sent_role = app, chat, index, False
+        self.include_usage = include_usage
         self.offset = 0  # characters streamed so far (completions' text_offset)
         self.head = head or {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
                              "object": "chat.completion" if chat else "text_completion",
                              "created": int(time.time()), "model": app.model_name}
 
-    def _choice(self, text, finish, delta=False, index=None, tokens=None):
-        """tokens: the (id, text, logprob) triples this choice or chunk carries (for its logprobs)."""
+    def _choice(self, text, finish, delta=False, index=None, tokens=None, stop=None):
+        """tokens: the (id, text, logprob) triples this choice or chunk carries (for its logprobs); stop: its
+        stop_reason."""
         i = self.index if index is None else index
         if not self.chat:
             lp = completion_logprobs(self.app.pipe, tokens, self.offset)
             self.offset += sum(len(t) for _, t, _ in tokens or ())
-            return {"index": i, "text": text, "logprobs": lp, "stop_reason": None, "finish_reason": finish}
+            return {"index": i, "text": text, "logprobs": lp, "stop_reason": stop, "finish_reason": finish}
         msg = {"content": text} if text is not None else {}
         if not delta:
             msg["role"] = "assistant"
         return {"index": i, "delta" if delta else "message": msg, "logprobs": chat_logprobs(self.app.pipe, tokens),
-                "finish_reason": finish}
+                "finish_reason": finish, "stop_reason": stop}
 
     def _stream_head(self):
         return dict(self.head, object="chat.completion.chunk") if self.chat else self.head
+
+    def _chunk(self, choices, **fields):
+        """A stream chunk (with include_usage, its usage null unless fields give it)."""
+        usage = {"usage": None} if self.include_usage else {}
+        return dict(self._stream_head(), choices=choices, **(usage | fields))
 
     def _tail(self, done):
         """usage (the prompt once, every choice's tokens) and "mindspec" (a list of each one's stats when n > 1)."""
@@ -114,7 +124,7 @@ class OpenAI:
         choices = []
         for i, (_, r, _, every) in enumerate(done):
             self.offset = 0
-            choices.append(self._choice(r.text, r.finish_reason, index=i, tokens=every))
+            choices.append(self._choice(r.text, r.finish_reason, index=i, tokens=every, stop=r.stop_reason))
         return dict(self.head, choices=choices, **self._tail(done))
 
     def _role(self):
@@ -122,18 +132,20 @@ class OpenAI:
         if not self.chat or self.sent_role:
             return []
         self.sent_role = True
-        return [dict(self._stream_head(), choices=[dict(self._choice("", None, True),
-                                                        delta={"role": "assistant", "content": ""})])]
+        return [self._chunk([dict(self._choice("", None, True), delta={"role": "assistant", "content": ""})])]
 
     def chunk(self, delta, tokens):
-        return self._role() + [dict(self._stream_head(), choices=[self._choice(delta, None, True, tokens=tokens)])]
+        return self._role() + [self._chunk([self._choice(delta, None, True, tokens=tokens)])]
 
     def last(self, done):
-        """This choice's final chunk; the last choice's carries the usage of them all (found: each its own)."""
+        """This choice's final chunk; the last choice's carries the stats and usage of them all (found: each
+        its own), the usage as include_usage says."""
         _, res, tokens, _ = done[self.index]
-        choice = self._choice(None if self.chat else "", res.finish_reason, True, tokens=tokens)
+        choice = self._choice(None if self.chat else "", res.finish_reason, True, tokens=tokens, stop=res.stop_reason)
         tail = self._tail(done) if None not in done else {}
-        return self._role() + [dict(self._stream_head(), choices=[choice], **tail)]
+        usage = tail.pop("usage", None) if self.include_usage is not None else None
+        own = [self._chunk([], usage=usage)] if usage and self.include_usage else []  # (after every choice's)
+        return self._role() + [self._chunk([choice], **tail)] + own
 
 
 class TGI:

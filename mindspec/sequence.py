@@ -57,6 +57,7 @@ class Result:
     finish_reason: str  # "stop" (EOS, stop string or stop token), "length", "abort" or "error"
     error: str = None  # what failed, with finish_reason "error"
     logprobs: list = None  # with logprobs requested: per token (logprob, [(id, logprob)] of the n best)
+    stop_reason: object = None  # with finish_reason "stop", vLLM's: the stop string or stop token id; None: EOS
 
 
 class Request:
@@ -73,6 +74,8 @@ class Request:
         self.max_new_tokens, self.k, self.speculate = max_new_tokens, k, speculate
         self.stops, self.eos, self.draft_min_conf = [s for s in (stop or []) if s], frozenset(eos), draft_min_conf
         self.min_tokens = 0  # neither EOS nor a stop string ends the request before this many tokens (vLLM's)
+        self.stop_tokens = frozenset()  # ids in eos that are the request's own stop tokens (not EOS)
+        self.stop_reason = None  # the stop string or stop token that ended it
         self.logprobs = None  # n: each token's logprob and its n best alternatives (0..TOP_LOGPROBS)
         self.token_logprobs = []  # per output token, when logprobs is set: (logprob, [(id, logprob)])
         self.output = []  # generated ids
@@ -110,6 +113,7 @@ class Request:
             early = len(self.output) <= self.min_tokens
             if tok in self.eos:
                 if not early:
+                    self.stop_reason = int(tok) if tok in self.stop_tokens else None
                     return self.finish("stop")
                 continue  # too early to end: kept as a token, left out of the text
             if self._stream is not None:
@@ -123,10 +127,10 @@ class Request:
 
     def _cut_at_stop(self, was):
         """Cut the text before the first stop string that ends past its first `was` characters."""
-        found = (self.text.find(s, max(was - len(s) + 1, 0)) for s in self.stops)
-        hit = min((i for i in found if i >= 0), default=-1)
+        found = [(i, s) for s in self.stops if (i := self.text.find(s, max(was - len(s) + 1, 0))) >= 0]
+        hit, stop = min(found, key=lambda f: f[0], default=(-1, None))  # (stop: the stop_reason)
         if hit >= 0:
-            self.text, self._cut = self.text[:hit], True
+            self.text, self._cut, self.stop_reason = self.text[:hit], True, stop
         return hit >= 0
 
     def finish(self, reason):
@@ -152,5 +156,6 @@ class Request:
         self.stats.new_tokens = len(self.output)
         return Result(list(self.output), self.text, self.stats.as_dict(), self.finish_reason or "length",
                       None if self.error is None else f"{type(self.error).__name__}: {self.error}",
-                      list(self.token_logprobs) if self.logprobs is not None else None)
+                      list(self.token_logprobs) if self.logprobs is not None else None,
+                      self.stop_reason if self.finish_reason == "stop" else None)
 
