@@ -11,7 +11,7 @@ import traceback
 from aiohttp import HttpVersion11, web
 
 from . import __version__
-from .errors import MindspecError, is_int, is_number, summary
+from .errors import MindspecError, is_int, is_number, one_line, summary
 from .formats import TGI, OpenAI, openai_error, tgi_error
 from .request import RequestError, int_list, loads, parse
 from .spec import TOP_LOGPROBS
@@ -41,12 +41,6 @@ CHAT_KEYS = frozenset(("model", "messages", "max_tokens", "max_completion_tokens
                        "logprobs", "top_logprobs") + SAMPLING)
 TGI_PARAMS = frozenset(("max_new_tokens", "do_sample", "details", "return_full_text", "decoder_input_details")
                        + SAMPLING)
-
-
-def _one_line(msg, limit=300):
-    """An error message on one line, a long value it quotes cut (a 4 MB field is not echoed back)."""
-    text = " ".join(str(msg).split())
-    return text if len(text) <= limit else text[:limit - 1] + "\u2026"
 
 
 def _stream_flag(body):
@@ -205,7 +199,7 @@ class Api:
     def error(status, message, family, param=None, headers=None):
         """One-line JSON errors: OpenAI's shape on /v1/* and the rest, TGI/MindIE's {"error", "error_type"}
         on theirs, where input validation answers 422 as TGI and MindIE do."""
-        msg = _one_line(message)
+        msg = one_line(message)
         if family == "tgi":
             status = 422 if status == 400 else status
             return web.json_response(tgi_error(status, msg), status=status, headers=headers)
@@ -224,7 +218,7 @@ class Api:
             raise RequestError(f"Content-Encoding {coding} is not accepted: send the body uncompressed", 415)
         te = request.headers.get("Transfer-Encoding")
         if te is not None and te.strip().lower() != "chunked":  # (aiohttp reads the chunks, ignores the rest)
-            raise RequestError(f"Transfer-Encoding {_one_line(te, 80)} is not supported: send the body plain or "
+            raise RequestError(f"Transfer-Encoding {one_line(te, 80)} is not supported: send the body plain or "
                                "chunked", 501)
         if (request.content_length or 0) > MAX_BODY:
             raise RequestError(f"request body is larger than {MAX_BODY} bytes", 413)
@@ -276,7 +270,7 @@ class Api:
                                "fail": (500, f"internal error: {summary(val)}"),
                                "unavailable": (503, "the server is shutting down")}[kind]
                 if resp is not None:  # too late for a status code: a last event says what happened
-                    await resp.write(_event({"error": _one_line(msg), "status": status}))
+                    await resp.write(_event({"error": one_line(msg), "status": status}))
                     await resp.write_eof()
                     return resp
                 return self.error(status, msg, fmt.family, getattr(val, "param", None))

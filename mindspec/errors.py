@@ -17,6 +17,13 @@ def summary(e):
     return (f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__)[:300]
 
 
+def one_line(msg, limit=300):
+    """A message on one line, a long value it quotes cut (a 4 MB field, the 128 kB an HTTP parser error
+    quotes, is not echoed back)."""
+    text = " ".join(str(msg).split())
+    return text if len(text) <= limit else text[:limit - 1] + "\u2026"
+
+
 def is_int(v):
     """Whether a user's value counts as an integer in the checks (numpy's too; JSON's true/false are
     not). Callers keep int(v)."""

@@ -19,17 +19,12 @@ import threading
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
-from .errors import MindspecError
+from .errors import MindspecError, one_line
 from .formats import openai_error
 
 
 def _json_error(status, message):
     return json.dumps(openai_error(status, message))
-
-
-def _one_line(text, limit=300):
-    """At most `limit` characters (the parser's errors quote what was sent: up to 128 kB of it)."""
-    return text if len(text) <= limit else text[:limit - 1] + "\u2026"
 
 
 class _Protocol(RequestHandler):
@@ -87,7 +82,7 @@ class _Protocol(RequestHandler):
         if "invalid `Transfer-Encoding`" in text or "Invalid `Transfer-Encoding` header" in text:  # (quoting bytes)
             text = ("Transfer-Encoding must end in chunked, once (else the body's length is unknown): "
                     "send it plain or chunked")
-        text = _one_line(f"{what}: {text}")
+        text = one_line(f"{what}: {text}")
         sys.stderr.write(f"mindspec: {request.remote} {text}\n")
         resp = web.Response(status=status, text=_json_error(status, text), content_type="application/json")
         resp.force_close()
