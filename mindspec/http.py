@@ -86,13 +86,14 @@ class _Protocol(RequestHandler):
         sys.stderr.write(f"mindspec: {request.remote} {text}\n")
         resp = web.Response(status=status, text=_json_error(status, text), content_type="application/json")
         resp.force_close()
+        self._manager.on_error(status)
         return resp
 
 
 class _Server(web.Server):
-    def __init__(self, handler, max_connections, **kw):
+    def __init__(self, handler, max_connections, on_error, **kw):
         super().__init__(handler, **kw)
-        self.max_connections = max_connections
+        self.max_connections, self.on_error = max_connections, on_error
 
     def __call__(self):
         return _Protocol(self, loop=self._loop, **self._kwargs)
@@ -110,13 +111,15 @@ class _Server(web.Server):
             transport.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
                             b"Connection: close\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
             handler.force_close()
+            self.on_error(503)
 
 
 class HttpServer:
     """Serve `handle(request) -> response` on host:port from a thread of its own."""
 
-    def __init__(self, handle, host, port, max_connections=None, keepalive=30):
-        self.handle, self.host, self.port = handle, host, port
+    def __init__(self, handle, host, port, max_connections=None, keepalive=30, on_error=None):
+        """on_error(status): an answer made here, not by `handle` (a parser's 400, a 503 beyond the limit)."""
+        self.handle, self.host, self.port, self.on_error = handle, host, port, on_error or (lambda status: None)
         self.max_connections, self.keepalive = max_connections, keepalive
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self._run, name="http", daemon=True)
@@ -128,7 +131,7 @@ class HttpServer:
 
     async def _open(self):
         # auto_decompress off: a compressed body is refused unread (api), never inflated as it arrives
-        server = _Server(self._logged, self.max_connections, handler_cancellation=True,
+        server = _Server(self._logged, self.max_connections, self.on_error, handler_cancellation=True,
                          keepalive_timeout=self.keepalive, access_log=None, auto_decompress=False)
         self.runner = web.ServerRunner(server, handle_signals=False, shutdown_timeout=5)
         await self.runner.setup()

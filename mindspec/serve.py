@@ -319,7 +319,7 @@ def serve(load, defaults, host="127.0.0.1", port=1025, model_name=None, tp=False
     from .http import HttpServer
     app = App(defaults, model_name, tp, max_batch, max_queue, queue_delay_us)
     http = HttpServer(Api(app, api_key, strict_model_name, read_timeout).handle, host, port, max_connections,
-                      keepalive=read_timeout)
+                      keepalive=read_timeout, on_error=lambda status: app.metrics.answered("other", status))
     app.call = http.call
     port = http.start()
     print(f"mindspec: listening on http://{host}:{port}; ready once the model is loaded and its graphs compiled "

@@ -1157,6 +1157,9 @@ def test_metrics_count_what_was_sent(server):
             post(base, "/v1/completions", {"prompt": TEXT, "max_tokens": 5}),
             post(base, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": N})]
     assert call(base, "/v1/completions", {"prompt": "hi", "max_tokens": 0})[0] == 400
+    with connect(base) as c:  # aiohttp's parser refuses it, before any endpoint (left uncounted before)
+        c.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n")
+        assert read_all(c).startswith(b"HTTP/1.0 400 Bad Request\r\n")
     after = _metrics(base)
 
     def delta(name, **labels):
@@ -1166,6 +1169,7 @@ def test_metrics_count_what_was_sent(server):
     assert delta("mindspec_requests_total", endpoint="completions", status="200") == 2
     assert delta("mindspec_requests_total", endpoint="completions", status="400") == 1
     assert delta("mindspec_requests_total", endpoint="chat", status="200") == 1
+    assert delta("mindspec_requests_total", endpoint="other", status="400") == 1
     assert delta("mindspec_requests_total", endpoint="metrics_text", status="200") == 1  # the first scrape
     stats = [o["mindspec"] for o in outs]
     assert delta("mindspec_generation_tokens_total") == sum(o["usage"]["completion_tokens"] for o in outs)
