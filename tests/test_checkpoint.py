@@ -43,6 +43,28 @@ def test_bf16_weights_are_read_as_float32(tmp_path):
     assert np.array_equal(w, bf["model.layers.0.mlp.up_proj.weight"].astype(np.float32))
 
 
+def test_safetensors_metadata_is_ignored(tmp_path, tiny_target):
+    """A mutant that kept the header's __metadata__ (every checkpoint PyTorch saves has {"format": "pt"})
+    refused them all: no test wrote one."""
+    d, tensors = make_tiny_checkpoint(tmp_path / "m")
+    save_file(tensors, str(tmp_path / "m" / "model.safetensors"), metadata={"format": "pt"})
+    assert np.array_equal(Checkpoint(d).get("model.norm.weight"), tensors["model.norm.weight"])
+
+
+def test_an_edit_at_the_end_of_a_shard_changes_the_fingerprint(tmp_path, tiny_target):
+    """The fingerprint samples every shard up to its last byte (a mutant that stopped short left an edit
+    there unseen: a stale draft or batch job taken for this checkpoint's)."""
+    d = tmp_path / "e"
+    shutil.copytree(tiny_target[0], d)
+    before = Checkpoint(str(d)).fingerprint()
+    with open(d / "model.safetensors", "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 1]))
+    assert Checkpoint(str(d)).fingerprint() != before
+
+
 def test_missing_shard_and_wrong_shape_are_clear_errors(tmp_path):
     d, tensors = make_tiny_checkpoint(tmp_path / "s", shard_bytes=60_000)
     index = json.loads((tmp_path / "s" / "model.safetensors.index.json").read_text())

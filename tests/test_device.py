@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from mindspec.device import AscendEnv, ascend_env, check_tp, detect_device, device_id, elf_arch, mindspore_arch
+from mindspec.device import (AscendEnv, ascend_env, check_device_env, check_tp, detect_device, device_id, elf_arch,
+                             mindspore_arch)
 from mindspec.errors import MindspecError
 from mindspec.doctor import int8_dot
 from mindspec.export import DraftSession
@@ -86,6 +87,25 @@ def test_visible_devices_and_wheel_architecture(tmp_path):
                            "(install the aarch64 wheel)"]
     assert mindspore_arch() == elf_arch(sys.executable) == "x86_64"  # this machine: consistent
     assert elf_arch(__file__) is None
+
+
+def test_device_numbers_npu_lists_and_device_names_as_written(tmp_path, monkeypatch):
+    """Mutation testing's: each of these could change unseen (a bound dropped, an empty item read as an
+    NPU, a name's case or its npu alias)."""
+    for ok in ("3", " 3 ", "", "2147483647"):
+        check_device_env({"DEVICE_ID": ok, "ASCEND_DEVICE_ID": ok})
+    for bad in ("-1", "2147483648", "1.0", "x"):  # (MindSpore's import aborts on what is not a uint32 id)
+        with pytest.raises(MindspecError, match=f"^ASCEND_DEVICE_ID={bad!r} is not a device number"):
+            check_device_env({"ASCEND_DEVICE_ID": bad})
+    root, dev = fake(tmp_path, npus=(0, 1, 2, 3))
+    lists = {spec: ascend_env({"ASCEND_RT_VISIBLE_DEVICES": spec}, root, dev, ms_arch="x86_64",
+                              host_arch="x86_64").npus for spec in ("", "1,,3", " 2 ,x")}
+    assert lists == {"": [], "1,,3": [1, 3], " 2 ,x": [2]}
+    (tmp_path / "ready").mkdir()
+    a = probe(tmp_path / "ready", {"ASCEND_HOME_PATH": str(tmp_path / "ready" / "Ascend" / "ascend-toolkit" / "latest")})
+    assert detect_device("npu", a) == detect_device("ASCEND", a) == "Ascend"
+    monkeypatch.setenv("MINDSPEC_DEVICE", "CPU")
+    assert detect_device(None, a) == "CPU"
 
 
 def test_device_flag_and_env(monkeypatch):

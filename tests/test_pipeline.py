@@ -524,6 +524,33 @@ def test_a_compile_cache_that_cannot_be_made_is_done_without(tiny_target, noisy_
         f"afresh in each process"], p.stderr[-3000:]
 
 
+RESENT_SCRIPT = """
+import os, signal, sys
+from mindspec import signals
+if sys.argv[1] == "unknown":  # the kernel's handler cannot be read: counted as MindSpore's
+    signals._os_handler = lambda sig: None
+s = signals.Signals(True).__enter__()
+if sys.argv[1] == "replaced":  # a graph run put MindSpore's SIGINT handler in place of ours
+    s.ours = -1
+os.kill(os.getpid(), signal.SIGTERM)  # (what MindSpore's handler sends on a Ctrl-C)
+try:
+    s.check()
+except KeyboardInterrupt:
+    print("caught", flush=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["replaced", "unknown"])
+def test_a_ctrl_c_mindspore_resent_as_sigterm_is_a_keyboard_interrupt(how):
+    """Mutation testing's: a script's Ctrl-C during a graph run reaches us as SIGTERM (MindSpore's SIGINT
+    handler sends it); where the script leaves SIGTERM alone it is passed on as the Ctrl-C it was. Mutants
+    that passed it on as SIGTERM (or took an unreadable handler for ours) killed the script (-15)."""
+    import subprocess
+    import sys
+    p = subprocess.run([sys.executable, "-c", RESENT_SCRIPT, how], capture_output=True, text=True, timeout=120)
+    assert (p.returncode, p.stdout, p.stderr) == (0, "caught\n", "")
+
+
 IGNORING_SCRIPT = """
 import signal, sys, mindspec
 signal.signal(signal.SIGINT, signal.SIG_IGN)
