@@ -92,7 +92,7 @@ def _config(meta):
     heads = int(meta.need(f"{a}.attention.head_count"))
     hidden = int(meta.need(f"{a}.embedding_length"))
     rope_dim = meta.get(f"{a}.rope.dimension_count")
-    head_dim = int(meta.get(f"{a}.attention.key_length") or rope_dim or hidden // heads)
+    head_dim = int(meta.get(f"{a}.attention.key_length") or hidden // heads)  # (llama.cpp's n_embd_head_k)
     if rope_dim is not None and int(rope_dim) != head_dim:
         raise MindspecError(f"{meta.path}: partial RoPE ({rope_dim} of {head_dim} dims) is not supported")
     scaling = meta.get(f"{a}.rope.scaling.type")
@@ -119,6 +119,8 @@ def _config(meta):
 def _tensors(reader, cfg, path):
     from gguf.quants import dequantize
     llama = config_from_dict(cfg, where=path)  # validates the metadata, gives the expected shapes
+    if any(t.name == "rope_freqs.weight" for t in reader.tensors):  # Llama 3.1-style frequency scaling
+        raise MindspecError(f"{path}: RoPE frequency scaling (rope_freqs) is not supported")
     have = {_hf_name(t.name, path): t.name for t in reader.tensors}
     gguf_name = {v: k for k, v in _LAYER_NAMES.items()} | {v: k for k, v in _GLOBAL_NAMES.items()}
     tied = dataclasses.replace(llama, tie_word_embeddings="lm_head.weight" not in have)  # (no output.weight)
@@ -131,8 +133,6 @@ def _tensors(reader, cfg, path):
         raise MindspecError(f"{path} has tensors of more layers than its block_count {llama.num_hidden_layers}")
     out = {}
     for t in reader.tensors:
-        if t.name == "rope_freqs.weight":  # Llama 3.1-style frequency scaling
-            raise MindspecError(f"{path}: RoPE frequency scaling (rope_freqs) is not supported")
         name = _hf_name(t.name, path)
         shape = tuple(int(n) for n in reversed(t.shape))  # GGUF lists dims innermost first
         if shape != expected_shape(llama, name):

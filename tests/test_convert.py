@@ -37,10 +37,12 @@ def _llama_cpp_permute(w, n_head):
 
 
 def write_tiny_gguf(path, arch="llama", tok_model="gpt2", pre="smollm", add_bos=False, seed=0,
-                    vocab_meta=None):
-    """Returns the HF-layout float32 tensors the GGUF was made from (tied embeddings: no output.weight)."""
+                    vocab_meta=None, user_tokens=()):
+    """Returns the HF-layout float32 tensors the GGUF was made from (tied embeddings: no output.weight).
+    user_tokens: appended to the vocabulary as llama.cpp's user-defined tokens (type 4)."""
     import gguf
     tokens, types = _vocab()
+    tokens, types = tokens + list(user_tokens), types + [4] * len(user_tokens)
     cfg = config_from_dict(dict(DIMS, vocab_size=len(tokens)))
     rng = np.random.default_rng(seed)
     names = ["model.embed_tokens.weight", "model.norm.weight"] + [
@@ -116,6 +118,7 @@ def test_every_converted_file_has_the_umask_mode(converted):
     os.umask(mask)
     modes = {name: os.stat(os.path.join(out, name)).st_mode & 0o777 for name in os.listdir(out)}
     assert modes and set(modes.values()) == {0o666 & ~mask}, modes
+    assert os.stat(out).st_mode & 0o777 == 0o777 & ~mask  # as os.makedirs makes it (not mkdtemp's 0700)
 
 
 def test_config_and_tied_embeddings(converted):
@@ -159,10 +162,13 @@ def test_chat_template_renders(converted):
                                          ("gpt2", ["12", "12"]),  # a whole number is one word
                                          ("something-new", ["12", "12"])])  # falls back to gpt2
 def test_pre_tokenizers_and_add_bos(tmp_path, pre, pieces):
+    from tokenizers import Tokenizer as HF
     write_tiny_gguf(tmp_path / "b.gguf", pre=pre, add_bos=True)
     tok = Tokenizer(convert_gguf(str(tmp_path / "b.gguf"), str(tmp_path / "hf")))
     tokens, _ = _vocab()
     assert tok.encode("1212") == [1] + [tokens.index(p) for p in pieces]
+    # tokenizer.json's post-processor puts BOS first too, for HF loaders that do not read add_bos_token
+    assert HF.from_file(str(tmp_path / "hf" / "tokenizer.json")).encode("1212").ids == tok.encode("1212")
     assert tok.decode(tok.encode("hello 1212")[1:]) == "hello 1212"
     assert tok.encode("<|im_start|>x")[:2] != [1, 1]  # BOS already in the text: not doubled
 
@@ -181,6 +187,8 @@ def test_bad_files_raise_one_line_error(tmp_path, kind):
     with pytest.raises(MindspecError) as e:
         convert_gguf(str(path), str(tmp_path / "out"))
     assert "\n" not in str(e.value) and "bad.gguf" in str(e.value)
+    if kind == "missing":
+        assert str(e.value) == f"GGUF file not found: {path}"
 
 
 def test_find_default_gguf_missing(monkeypatch):
@@ -266,6 +274,72 @@ def test_hostile_gguf_files_are_one_line_errors_and_write_nothing(tmp_path, monk
     with pytest.raises(MindspecError, match=words) as e:
         convert_gguf(str(path), str(tmp_path / "out"))
     assert "\n" not in str(e.value) and "bad.gguf" in str(e.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.gguf"]
+
+
+def test_defaults_of_keys_a_gguf_may_omit(tmp_path, monkeypatch):
+    """llama.cpp's defaults for optional keys: RMS epsilon 1e-5, RoPE base 10000, context 2048, no BOS."""
+    for method in ("add_layer_norm_rms_eps", "add_rope_freq_base", "add_context_length", "add_add_bos_token"):
+        _writer_patch(method, lambda w, v: None)(monkeypatch)
+    write_tiny_gguf(tmp_path / "t.gguf")
+    monkeypatch.undo()
+    out = convert_gguf(str(tmp_path / "t.gguf"), str(tmp_path / "hf"))
+    with open(os.path.join(out, "config.json")) as f:
+        cfg = json.load(f)
+    assert (cfg["rms_norm_eps"], cfg["rope_theta"], cfg["max_position_embeddings"]) == (1e-5, 10000.0, 2048)
+    with open(os.path.join(out, "tokenizer_config.json")) as f:
+        tcfg = json.load(f)
+    assert (tcfg["add_bos_token"], tcfg["model_max_length"]) == (False, 2048)
+    tokens, _ = _vocab()
+    assert Tokenizer(out).encode("hello") == [tokens.index("hello")]
+
+
+def test_user_defined_tokens_are_kept_whole(tmp_path):
+    """llama.cpp's user-defined tokens (type 4, e.g. <tool>) are never split by the pre-tokenizer; not
+    special: a decode that skips special tokens keeps them."""
+    write_tiny_gguf(tmp_path / "t.gguf", user_tokens=["<tool>"])
+    tok = Tokenizer(convert_gguf(str(tmp_path / "t.gguf"), str(tmp_path / "hf")))
+    tokens, _ = _vocab()
+    ids = tok.encode("hello<tool>hello")
+    assert ids == [tokens.index("hello"), len(tokens), tokens.index("hello")]
+    assert tok.decode(ids, skip_special_tokens=True) == "hello<tool>hello"
+
+
+def _with_rope_freqs(mp):
+    """Llama 3.1's rope_freqs.weight (its frequency scaling), written after output_norm as llama.cpp does."""
+    import gguf
+    add = gguf.GGUFWriter.add_tensor
+
+    def add_and_more(w, name, t, *a, **kw):
+        add(w, name, t, *a, **kw)
+        if name == "output_norm.weight":
+            add(w, "rope_freqs.weight", np.ones(8, np.float32))
+    mp.setattr(gguf.GGUFWriter, "add_tensor", add_and_more)
+
+
+@pytest.mark.parametrize("patch, why", [
+    (_writer_patch("add_rope_freq_base", lambda w, v: (w.add_float32("llama.rope.freq_base", v),
+                                                       w.add_string("llama.rope.scaling.type", "linear"))),
+     "RoPE scaling 'linear' is not supported"),
+    (_writer_patch("add_rope_dimension_count", lambda w, n: (w.add_uint32("llama.attention.key_length", n),
+                                                             w.add_uint32("llama.rope.dimension_count", n // 2))),
+     "partial RoPE (8 of 16 dims) is not supported"),
+    # without key_length the head is embedding_length / head_count (llama.cpp's): found saying "tensor
+    # blk.0.attn_q.weight has shape (64, 64), the metadata says (32, 64)"
+    (_writer_patch("add_rope_dimension_count", lambda w, n: w.add_uint32("llama.rope.dimension_count", n // 2)),
+     "partial RoPE (8 of 16 dims) is not supported"),
+    # found saying "unsupported tensor 'rope_freqs.weight' (not a plain Llama model)"
+    (_with_rope_freqs, "RoPE frequency scaling (rope_freqs) is not supported"),
+], ids=["scaling", "partial", "partial-no-key-length", "rope-freqs"])
+def test_llama_variants_it_cannot_run_are_refused_by_name(tmp_path, monkeypatch, patch, why):
+    """Llama models whose RoPE is not the plain one: refused saying so (each converted, it ran wrong)."""
+    path = tmp_path / "bad.gguf"
+    patch(monkeypatch)
+    write_tiny_gguf(path)
+    monkeypatch.undo()
+    with pytest.raises(MindspecError) as e:
+        convert_gguf(str(path), str(tmp_path / "out"))
+    assert str(e.value) == f"{path}: {why}"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.gguf"]
 
 

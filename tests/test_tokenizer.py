@@ -56,6 +56,18 @@ def test_token_bytes_of_byte_fallback_pieces(tmp_path):
     assert tok.decode([259]) == "hi" and tok.token_bytes(259) == b" hi"  # "▁hi": a word's space is its first byte
 
 
+def test_token_bytes_of_a_word_whose_decoder_keeps_its_space(tmp_path):
+    """A SentencePiece decoder without Strip (some Llama-2 kin) decodes "▁hi" alone to " hi" already: its
+    bytes are those, not a second space before them."""
+    from tokenizers import Tokenizer as HF, decoders
+    _byte_fallback_tokenizer(tmp_path)
+    raw = HF.from_file(str(tmp_path / "tokenizer.json"))
+    raw.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    raw.save(str(tmp_path / "tokenizer.json"))
+    tok = Tokenizer(str(tmp_path))
+    assert tok.decode([259]) == " hi" and tok.token_bytes(259) == b" hi"
+
+
 def test_special_tokens(tok_dir):
     tok = Tokenizer(str(tok_dir))
     ids = tok.encode("<|im_start|>user\nhi<|im_end|>")
@@ -202,6 +214,28 @@ def test_chat_template_errors(tok_dir):
         Tokenizer(str(tok_dir)).apply_chat_template([{"role": "user", "content": "x"}])
 
 
+def test_named_chat_templates_render_the_default_one(tok_dir):
+    """transformers' named-template form (a list of {"name", "template"}: tool_use or rag templates
+    beside default): the one named "default" is the chat template."""
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": "<|im_end|>", "chat_template": [{"name": "tool_use", "template": "TOOL"},
+                                                     {"name": "default", "template": CHAT_TEMPLATE}]}))
+    tok = Tokenizer(str(tok_dir))
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == (
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_chat_template_environment_is_transformers(tok_dir):
+    """As transformers renders a template: bos_token and eos_token given, trim_blocks (the newline after a
+    block tag dropped) and a tojson that keeps non-ASCII characters as they are."""
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<|endoftext|>", "eos_token": "<|im_end|>", "add_bos_token": False,
+        "chat_template": "{{ bos_token }}{% for m in messages %}\n{{ m['content'] | tojson }}{{ eos_token }}"
+                         "{% endfor %}"}))
+    tok = Tokenizer(str(tok_dir))
+    assert tok.apply_chat_template([{"role": "user", "content": "héllo"}]) == '<|endoftext|>"héllo"<|im_end|>'
+
+
 def test_add_bos_token(tok_dir):
     cfg_path = tok_dir / "tokenizer_config.json"
     cfg_path.write_text(json.dumps({"bos_token": {"content": "<|endoftext|>"}, "eos_token": "<|im_end|>",
@@ -246,17 +280,24 @@ def test_vocab_fingerprint(tmp_path):
 
 
 @pytest.mark.parametrize("broken, name", [("missing", "tokenizer.json"), ("garbled", "tokenizer.json"),
-                                          ("garbled_config", "tokenizer_config.json")])
+                                          ("garbled_config", "tokenizer_config.json"),
+                                          ("list_config", "tokenizer_config.json")])
 def test_bad_files(tok_dir, broken, name):
     if broken == "missing":
         (tok_dir / "tokenizer.json").unlink()
     elif broken == "garbled":
         (tok_dir / "tokenizer.json").write_text("{not json")
-    else:
+    elif broken == "garbled_config":
         (tok_dir / "tokenizer_config.json").write_text("[1, 2")
+    else:  # JSON, but not an object: was an AttributeError traceback
+        (tok_dir / "tokenizer_config.json").write_text("[1, 2]")
     with pytest.raises(MindspecError) as e:
         Tokenizer(str(tok_dir))
     assert name in str(e.value) and "\n" not in str(e.value)
+    exact = {"missing": f"tokenizer.json not found: {tok_dir / 'tokenizer.json'}",
+             "list_config": f"tokenizer_config.json is not a JSON object: {tok_dir / 'tokenizer_config.json'}"}
+    if broken in exact:
+        assert str(e.value) == exact[broken]
 
 
 def test_config_is_optional(tok_dir):
@@ -278,7 +319,9 @@ def test_a_text_that_cannot_fit_is_refused_before_it_is_tokenized(tok_dir):
     with pytest.raises(MindspecError, match=f"prompt is {10 * longest + 1} characters; it does not fit max_seq 10"):
         tok.encode("a" * (10 * longest + 1), limit=10)
     for change in (lambda t: setattr(t, "normalizer", normalizers.NFC()),  # three code points may compose
-                   lambda t: t.add_special_tokens([AddedToken("<|sep|>", rstrip=True)])):  # eats what follows
+                   lambda t: t.add_special_tokens([AddedToken("<|sep|>", rstrip=True)]),  # eats what follows
+                   lambda t: t.add_special_tokens([AddedToken("<|sep|>", lstrip=True)]),  # eats what precedes
+                   lambda t: setattr(t.model, "fuse_unk", True)):  # a run of unknowns is one token
         write_tiny_tokenizer(tok_dir)
         raw = Tokenizer(str(tok_dir))._tok
         change(raw)
@@ -288,3 +331,18 @@ def test_a_text_that_cannot_fit_is_refused_before_it_is_tokenized(tok_dir):
         assert len(tok.encode("a" * (10 * long + 1), limit=10)) == 10 * long + 1
         with pytest.raises(MindspecError, match="does not fit max_seq 10"):
             tok.encode("a" * (40 * long + 1), limit=10)
+
+
+def test_a_sequence_pre_tokenizer_is_byte_level_too(tok_dir):
+    """Qwen2's and Llama-3's pre-tokenizer is a Sequence: a regex Split, then ByteLevel without its own regex.
+    The ByteLevel inside it counts: a text that cannot fit is refused at once (the tight bound)."""
+    from tokenizers import Regex, pre_tokenizers as pt
+    raw = Tokenizer(str(tok_dir))._tok
+    raw.pre_tokenizer = pt.Sequence([pt.Split(Regex(r"\s+"), "isolated"),
+                                     pt.ByteLevel(add_prefix_space=False, use_regex=False)])
+    raw.save(str(tok_dir / "tokenizer.json"))
+    tok = Tokenizer(str(tok_dir))
+    longest = max(map(len, tok._tok.get_vocab(with_added_tokens=True)))
+    assert len(tok.encode("a" * 10 * longest, limit=10)) == 10 * longest
+    with pytest.raises(MindspecError, match=f"^prompt is {10 * longest + 1} characters; it does not fit max_seq 10$"):
+        tok.encode("a" * (10 * longest + 1), limit=10)
