@@ -13,7 +13,7 @@ from aiohttp import HttpVersion11, web
 from . import __version__
 from .errors import MindspecError, is_int, is_number, one_line, summary
 from .formats import TGI, OpenAI, openai_error, tgi_error
-from .request import RequestError, int_list, loads, parse
+from .request import RequestError, int_list, loads, make, parse
 from .spec import TOP_LOGPROBS
 
 MAX_BODY = 4 * 2 ** 20  # MindIE's limit on a request's text: 4 MB
@@ -254,6 +254,9 @@ class Api:
         one JSON body, or SSE events. A client that leaves (streamed or not) cancels this handler
         (aiohttp's handler cancellation); the requests still running are aborted at the engine's next
         step, as they are when one choice fails."""
+        for kw in kws:  # every check of the request made now: a bad one is a 400 even while the queue is full
+            # (the engine makes it again, on its thread; a seed given, so that no rank-wide draw happens here)
+            make(self.app.pipe, kw if kw.get("seed") is not None else dict(kw, seed=0))
         jobs = self.app.submit(kws)
         resp, done = None, [None] * len(jobs)
         try:

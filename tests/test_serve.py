@@ -332,12 +332,15 @@ def test_a_full_queue_answers_429_at_once(pipe, monkeypatch):
             got.put((tgi, *answer))
 
         threads = [threading.Thread(target=ask, args=(i % 2,), daemon=True) for i in range(sent)]
-        early = []  # the answers while the engine holds every request: no admitted one can end
+        early, bad = [], []  # the answers while the engine holds every request: no admitted one can end
         try:
             for t in threads:
                 t.start()
             while len(early) < sent - admitted:
                 early.append(got.get(timeout=60))
+            # a soak's: with the queue full, a bad request was told the server is busy: retry later (for ever)
+            bad = [call(base, "/v1/completions", {"prompt": IDS, "max_tokens": N, "temperature": -1}),
+                   call(base, "/generate", {"inputs": TEXT, "parameters": {"max_new_tokens": N, "k": 3}})]
         except queue.Empty:
             pass
         finally:
@@ -345,6 +348,8 @@ def test_a_full_queue_answers_429_at_once(pipe, monkeypatch):
         for t in threads:
             t.join(300)
         assert [code for _, code, _ in early] == [429] * (sent - admitted), early
+        assert [(code, "temperature must be" in text or "not a compiled bucket" in text) for code, text in bad] == [
+            (400, True), (422, True)], bad
         late = [got.get_nowait() for _ in range(got.qsize())]
         assert [code for _, code, _ in late] == [200] * admitted, late
         busy = [(tgi, json.loads(text)) for tgi, _, text in early]
