@@ -12,12 +12,13 @@ import weakref
 
 from aiohttp import web
 
+from mindspec.errors import MindspecError
 from mindspec.http import HttpServer
 
 
 @contextlib.contextmanager
-def serving(handle, keepalive=30):
-    server = HttpServer(handle, "127.0.0.1", 0, keepalive=keepalive)
+def serving(handle, keepalive=30, **kw):
+    server = HttpServer(handle, "127.0.0.1", 0, keepalive=keepalive, **kw)
     port = server.start()
     try:
         yield port
@@ -43,6 +44,35 @@ def read_all(s):
     except ConnectionResetError:
         pass
     return got
+
+
+def get(s, path):
+    """The status line of a keep-alive GET of `path` on s (whose handler answers "ok"); s stays open."""
+    s.sendall(b"GET %s HTTP/1.1\r\nHost: x\r\n\r\n" % path.encode())
+    got = b""
+    while not got.endswith(b"\r\n\r\nok"):
+        chunk = s.recv(4096)
+        assert chunk, got
+        got += chunk
+    return got.split(b"\r\n", 1)[0].decode()
+
+
+def started(server, timeout=10):
+    """server.start()'s port, or the exception it raised, on a thread of its own: a start() that never returns
+    (its listener's thread died) fails the test instead of hanging it."""
+    out = []
+
+    def run():
+        try:
+            out.append(server.start())
+        except Exception as e:  # noqa: BLE001 - returned, for the test to check
+            out.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    assert out, f"start() did not return within {timeout} s"
+    return out[0]
 
 
 def wait_for(what, timeout):
@@ -198,3 +228,67 @@ def test_a_parser_error_quotes_at_most_300_characters_on_one_line(capfd):
     assert message == quoted + "A" * (299 - len(quoted)) + "\u2026" and len(message) == 300
     assert [line for line in capfd.readouterr().err.splitlines() if "bad request" in line] == [
         f"mindspec: 127.0.0.1 {message}"]
+
+
+def test_max_connections_admits_that_many_and_a_connection_beyond_gets_one_503_and_is_closed_unserved(capfd):
+    """maxLinkNum N admits N connections at once (not N - 1); the next one gets a 503 and is closed before
+    its request is read (its handler never runs); each request answered is one log line."""
+    paths, errors = [], []
+
+    async def handle(request):
+        paths.append(request.path_qs)
+        return web.Response(text="ok")
+
+    with serving(handle, max_connections=2, on_error=errors.append) as port:
+        with connect(port) as first, connect(port) as second:
+            assert get(first, "/1") == "HTTP/1.1 200 OK"  # (answered: the server holds the connection)
+            assert get(second, "/2?x=1") == "HTTP/1.1 200 OK"  # the 2nd of 2, while the 1st stays open
+            with connect(port) as third:
+                third.sendall(b"GET /3 HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                got = read_all(third)
+            assert get(first, "/4") == "HTTP/1.1 200 OK"  # (the two admitted are still served)
+    head, body = got.split(b"\r\n\r\n", 1)
+    assert got.count(b"HTTP/1.") == 1 and head == (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: "
+                                                   b"application/json\r\nConnection: close\r\nContent-Length: "
+                                                   b"%d" % len(body))
+    assert json.loads(body) == {"error": {"message": "too many connections (at most 2); retry later",
+                                          "type": "server_error", "param": None, "code": 503}}
+    assert paths == ["/1", "/2?x=1", "/4"] and errors == [503]
+    assert capfd.readouterr().err.splitlines() == [f'mindspec: 127.0.0.1 "GET {p}" 200' for p in paths]
+
+
+def test_a_bad_header_is_a_400_of_one_line_and_one_log_line(capfd):
+    """aiohttp's parser error for a control character in a header spans lines (it quotes the header, then
+    a caret under it): the answer's message and the log line are one line each."""
+    async def handle(request):
+        return web.Response(text="ok")
+
+    errors = []
+    with serving(handle, on_error=errors.append) as port:
+        with connect(port) as s:
+            s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nX: a\x01b\r\n\r\n")
+            got = read_all(s)
+    head, body = got.split(b"\r\n\r\n", 1)
+    message = "bad request: Invalid header value char: b'X: a\\x01b' ^"
+    assert head.startswith(b"HTTP/1.0 400 Bad Request\r\n") and json.loads(body) == {
+        "error": {"message": message, "type": "invalid_request_error", "param": None, "code": 400}}
+    assert capfd.readouterr().err == f"mindspec: 127.0.0.1 {message}\n" and errors == [400]
+
+
+def test_start_raises_one_line_when_it_cannot_listen_and_never_hangs():
+    """start() raises MindspecError naming the address and why, never waits for ever: a port taken (the
+    OSError's words, not its "[Errno 98]"), a port out of range (an OverflowError, which killed the
+    listener's thread while start() waited)."""
+    async def handle(request):
+        return web.Response(text="ok")
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        e = started(HttpServer(handle, "127.0.0.1", port))
+        assert isinstance(e, MindspecError) and str(e) == (
+            f"cannot listen on 127.0.0.1:{port}: error while attempting to bind on address "
+            f"('127.0.0.1', {port}): address already in use")
+    e = started(HttpServer(handle, "127.0.0.1", 70000))
+    assert isinstance(e, MindspecError) and str(e) == "cannot listen on 127.0.0.1:70000: bind(): port must be 0-65535."

@@ -5,9 +5,11 @@ import json
 import os
 import queue
 import re
+import socket
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -56,19 +58,39 @@ def server(config):
             err.append(line)
             if m := re.search(r"listening on (http://\S+);", line):
                 listening.put(m.group(1))
+        listening.put(None)  # the end: the server exited
 
-    threading.Thread(target=lambda: [lines.put(x) for x in p.stdout], daemon=True).start()
+    def read_out():
+        for line in p.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    def next_of(q):
+        """q's next item. A server that exited fails the test at once (its reader's None at the end of its
+        output, or the process gone); only a live one is waited for (a cold compile cache on a slow CPU:
+        ~6 min; pytest's timeout is 900 s)."""
+        deadline = time.time() + 800
+        while time.time() < deadline:
+            try:
+                item = q.get(timeout=1)
+            except queue.Empty:
+                if p.poll() is None:
+                    continue
+                item = None
+            assert item is not None, f"the server exited ({p.wait()}):\n" + "".join(err)[-3000:]
+            return item
+        raise AssertionError("the server said nothing for 800 s:\n" + "".join(err)[-3000:])
+
+    threading.Thread(target=read_out, daemon=True).start()
     threading.Thread(target=read_err, daemon=True).start()
     try:
-        base, loading = listening.get(timeout=800), []
-        while lines.empty():  # until "serving": the probes and an inference request, as a balancer would
+        base, loading = next_of(listening), []
+        while lines.empty() and p.poll() is None:  # until "serving": the probes and an inference request, as
             loading.append((call(base, "/v2/health/ready", key=None)[0], call(base, "/v2/health/live", key=None)[0],
-                            call(base, "/v1/completions", {"prompt": "hi"})))
-        serving = r"serving tiny2 on (http://127\.0\.0\.1:\d+) \(up to 2 requests"
-        # (a cold compile cache on a slow CPU: ~6 min; pytest's timeout is 900 s)
-        while not (m := re.search(serving, lines.get(timeout=800))):
+                            call(base, "/v1/completions", {"prompt": "hi"})))  # a balancer would
+        while not (line := next_of(lines)).startswith("mindspec: serving "):
             pass
-        assert m.group(1) == base
+        assert line == f"mindspec: serving tiny2 on {base} (up to 2 requests at once)\n"  # (another name: fail now)
         yield base, err, loading
     finally:
         p.terminate()
@@ -158,6 +180,12 @@ BAD_CONFIGS = [  # (file content, the one line expected)
      "BackendConfig.ModelDeployConfig.ModelConfig[0]: must be an object (MindIE's layout), got a string"),
     ({"ServerConfig": []}, "ServerConfig: must be an object (MindIE's layout), got a list"),
     ({"mindspec": "fast"}, "mindspec: must be an object (MindIE's layout), got a string"),
+    # (found by mutation testing: JSON's true is no integer nor number, 0 no false, "" no key)
+    ({"ServerConfig": {"maxLinkNum": True}}, "ServerConfig.maxLinkNum: must be an integer >= 1, got true"),
+    ({"mindspec": {"draftTemperature": True}}, "mindspec.draftTemperature: must be a number in [0.01, 100], got true"),
+    ({"ServerConfig": {"httpsEnabled": 0}},
+     "ServerConfig.httpsEnabled: must be false: mindspec serves plain HTTP (put TLS in a proxy), got 0"),
+    ({"mindspec": {"apiKey": ""}}, 'mindspec.apiKey: must be a non-empty string, got ""'),
 ]
 
 
@@ -165,8 +193,11 @@ BAD_CONFIGS = [  # (file content, the one line expected)
 def test_bad_config_values_are_refused_with_the_key_path(tmp_path, content, line):
     path = tmp_path / "config.json"
     path.write_text(content if isinstance(content, str) else json.dumps(content))
-    p = subprocess.run([sys.executable, "-m", "mindspec", "serve", "--config", str(path)], capture_output=True,
-                       text=True, timeout=120)
+    with socket.socket() as held:  # (a file taken for good: a port taken, never a server of the default model)
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        p = subprocess.run([sys.executable, "-m", "mindspec", "serve", "--config", str(path), "--host", "127.0.0.1",
+                            "--port", str(held.getsockname()[1])], capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and p.stderr.count("\n") == 1 and line in p.stderr, p.stderr
     assert p.stderr.startswith("mindspec: error: ")
 
@@ -186,7 +217,36 @@ def test_flags_override_the_file_and_a_missing_file_is_one_line(tmp_path):
     assert (a.port, a.host, a.max_batch, a.max_new_tokens) == (1025, "0.0.0.0", 8, 64)
     p = subprocess.run([sys.executable, "-m", "mindspec", "serve", "--config", str(tmp_path / "nope.json")],
                        capture_output=True, text=True, timeout=120)
-    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "No such file" in p.stderr, p.stderr
+    assert p.returncode == 2 and p.stderr == f"mindspec: error: {tmp_path / 'nope.json'}: No such file or directory\n"
+
+
+def test_every_key_sets_its_flag_and_the_ranges_include_their_ends(tmp_path, capsys):
+    """Found by mutation testing: each key of the file, read into its flag (the server test overrides
+    modelName, never sets the rest), with no warning; a range's ends are values it takes."""
+    from mindspec.cli import parse
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({
+        "ServerConfig": {"ipAddress": "0.0.0.0", "port": 65535, "maxLinkNum": 9, "httpsEnabled": False},
+        "BackendConfig": {
+            "ModelDeployConfig": {"maxSeqLen": 2, "maxInputTokenLen": 1, "truncation": False,
+                                  "ModelConfig": [{"modelName": "m", "modelWeightPath": "/t", "worldSize": 2}]},
+            "ScheduleConfig": {"maxBatchSize": 3, "maxIterTimes": 4, "maxQueueDelayMicroseconds": 1000000}},
+        "mindspec": {"draft": "/d", "speculationGamma": 8, "draftTemperature": 0.5, "maxQueue": 0, "readTimeout": 7,
+                     "apiKey": "k"}}))
+    a = vars(parse(["serve", "--config", str(path)]))
+    assert {k: a[k] for k in ("host", "port", "max_connections", "max_seq", "max_input_tokens", "model_name", "target",
+                              "tp", "max_batch", "max_new_tokens", "max_queue_delay_us", "draft", "k",
+                              "draft_temperature", "max_queue", "read_timeout", "api_key")} == dict(
+        host="0.0.0.0", port=65535, max_connections=9, max_seq=2, max_input_tokens=1, model_name="m", target="/t",
+        tp=2, max_batch=3, max_new_tokens=4, max_queue_delay_us=1000000, draft="/d", k=8, draft_temperature=0.5,
+        max_queue=0, read_timeout=7, api_key="k")
+    assert capsys.readouterr().err == ""
+    for block, key, value, dest in (("mindspec", "speculationGamma", "auto", "k"),
+                                    ("mindspec", "draftTemperature", 0.01, "draft_temperature"),
+                                    ("mindspec", "draftTemperature", 100, "draft_temperature"),
+                                    ("ServerConfig", "port", 0, "port")):
+        path.write_text(json.dumps({block: {key: value}}))
+        assert getattr(parse(["serve", "--config", str(path)]), dest) == value
 
 
 def _fuzz_strategies():
@@ -264,7 +324,6 @@ def test_fuzz_never_a_5xx_nor_a_hang(server):
 def test_fuzz_raw_bytes_on_the_socket(server):
     """Junk and half-HTTP on the socket: an HTTP 4xx at once (or, for what could still become a request,
     nothing yet), never a 5xx or a traceback; the server answers normally afterwards."""
-    import socket
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
     base, err, _ = server
@@ -325,6 +384,9 @@ def test_a_config_that_is_not_a_regular_small_file_is_one_line(tmp_path):
         p = subprocess.run([sys.executable, "-m", "mindspec", "serve", "--config", str(path)], capture_output=True,
                            text=True, timeout=60)
         assert p.returncode == 2 and p.stderr == f"mindspec: error: {line}\n", p.stderr
+    big.write_text("{}" + " " * ((1 << 20) - 2))  # 1 MiB exactly: read
+    from mindspec.cli import parse
+    assert os.path.getsize(big) == 1 << 20 and parse(["serve", "--config", str(big)]).port == 1025
 
 
 def test_time_per_output_token_is_the_time_after_the_first_over_the_tokens_after_it():
