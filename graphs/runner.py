@@ -122,6 +122,9 @@ class Logprobs:
                                         zip(self.top_id[row, t, :n_top], self.top_lp[row, t, :n_top])]
 
 
+POISONED = "An error occurred in the previous step of this model execution"  # (MindSpore's words)
+
+
 class TargetModel:
     """Target graphs for `max_batch` slots of `max_seq` committed positions (a multiple of
     PREFILL_CHUNK); `batch_buckets` / `k_buckets` are the compiled (B, K) shapes; dtype ("float32",
@@ -158,8 +161,9 @@ class TargetModel:
 
     def _cell(self, kind):
         """A cell of the graphs of one kind (one compiled graph per input shape), over the shared decoder."""
-        cell = {"greedy": lambda: GreedyStep(self.decoder), "sample": lambda: SampleStep(self.decoder, TOPK_CAP),
-                "prefill": lambda: Prefill(self.decoder, TOPK_CAP), "logits": lambda: Logits(self.decoder)}[kind]()
+        cls, *args = {"greedy": (GreedyStep,), "sample": (SampleStep, TOPK_CAP), "prefill": (Prefill, TOPK_CAP),
+                      "logits": (Logits,)}[kind]
+        cell = cls(self.decoder, *args)
         cell.set_train(False)
         return cell
 
@@ -171,11 +175,13 @@ class TargetModel:
         key = f"{kind}{shape}"
         try:
             return self._call(kind, key, args, dry)
-        except Exception:
-            if not dry:  # MindSpore refuses every later run of a graph that failed (a kernel error): made afresh
-                self.cells[kind] = self._cell(kind)
-                self.ran = {k for k in self.ran if not k.startswith(kind + "(")}
-            raise
+        except RuntimeError as e:  # after a kernel error MindSpore refuses every later run of that graph: the
+            # cell is made afresh then, and the run retried once (its graphs of every shape compile again)
+            if dry or POISONED not in str(e):
+                raise
+            self.cells[kind] = self._cell(kind)
+            self.ran = {k for k in self.ran if not k.startswith(kind + "(")}
+            return self._call(kind, key, args, dry)
 
     def _call(self, kind, key, args, dry):
         if not dry:

@@ -79,9 +79,12 @@ def _include_usage(body, stream):
     if not isinstance(opts, dict):
         raise RequestError('stream_options must be an object ({"include_usage": true or false})',
                            param="stream_options")
-    _check_keys(opts, {"include_usage"}, "stream_options.")
-    usage = opts.get("include_usage")
-    if usage is not None and not isinstance(usage, bool):
+    _check_keys(opts, {"include_usage", "continuous_usage_stats"}, "stream_options.")
+    if opts.get("continuous_usage_stats") not in (None, False):  # (vLLM's usage on every chunk)
+        raise RequestError("stream_options.continuous_usage_stats is not supported (false only)",
+                           param="stream_options")
+    usage = opts.get("include_usage", False)  # (OpenAI's default: {} asks for none)
+    if not isinstance(usage, bool):
         raise RequestError("stream_options.include_usage must be true or false", param="stream_options")
     if not stream:  # (OpenAI's and vLLM's rule)
         raise RequestError("stream_options is only allowed with stream: true", param="stream_options")
@@ -254,9 +257,10 @@ class Api:
         one JSON body, or SSE events. A client that leaves (streamed or not) cancels this handler
         (aiohttp's handler cancellation); the requests still running are aborted at the engine's next
         step, as they are when one choice fails."""
-        for kw in kws:  # every check of the request made now: a bad one is a 400 even while the queue is full
-            # (the engine makes it again, on its thread; a seed given, so that no rank-wide draw happens here)
-            make(self.app.pipe, kw if kw.get("seed") is not None else dict(kw, seed=0))
+        # every check of the request made now: a bad one is a 400 even while the queue is full (the engine makes
+        # it again, on its thread; n's choices differ by their seed alone, and one is given here, so that no
+        # rank-wide draw happens on this thread)
+        make(self.app.pipe, dict(kws[0], seed=0) if kws[0].get("seed") is None else kws[0])
         jobs = self.app.submit(kws)
         resp, done = None, [None] * len(jobs)
         try:

@@ -501,6 +501,14 @@ def _hold_stdout():
         sys.stdout = _Stdout(sys.stdout)
 
 
+def _stdout_to_devnull():
+    """Descriptor 1 onto /dev/null: what is left in stdout's buffer goes nowhere (Python flushes it at exit)."""
+    fd = os.open(os.devnull, os.O_WRONLY)
+    if fd != 1:
+        os.dup2(fd, 1)
+        os.close(fd)
+
+
 def _exit_code(fn):
     """fn()'s exit code: bad input one line and 2, an interrupt 130."""
     try:
@@ -514,11 +522,11 @@ def _exit_code(fn):
         signals.stopping()  # (a second Ctrl-C must not raise in the teardown to come)
         return 130
     except BrokenPipeError:  # the reader of stdout left (`| head`): quiet, as a shell's writer that SIGPIPE ended
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (Python flushes stdout again at exit)
+        _stdout_to_devnull()
         return 128 + signal.SIGPIPE
     except StdoutError as e:  # (found: `> /dev/full` a traceback; `>&-` an AttributeError traceback)
         from .tp import fail
-        os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # (what is left in its buffer: Python flushes it at exit)
+        _stdout_to_devnull()
         if isinstance(sys.stdout, _Stdout):
             sys.stdout._failed = None  # (said)
         return fail(MindspecError(f"cannot write to stdout: {e.strerror or e}"))

@@ -7,10 +7,10 @@ A connection whose request headers have not all arrived within `keepalive` secon
 idle that long, is closed (aiohttp's keep-alive timer, armed from the connection's start; it does
 not run while a request is being answered); one whose answer does not move for `keepalive` seconds
 (a client that does not read it) is aborted, and its answer's memory freed.
-A client that shuts its sending side after its last request (Connection: close, or HTTP/1.0: what
-`nc -N` and socat do) still gets its answer; on a keep-alive connection the end of the client's input
-means it left (its handler is cancelled), since TCP tells a half-close from a close only once the
-server writes (a stream's next events, which then fail)."""
+A client that shuts its sending side after its last request other than a POST (Connection: close,
+or HTTP/1.0: what `nc -N` and socat do) still gets its answer; elsewhere the end of its input means it left
+(its handler is cancelled: a generation whose client left ends), since TCP tells a half-close from a
+close only once the server writes."""
 import asyncio
 import json
 import sys
@@ -55,19 +55,22 @@ class _Protocol(RequestHandler):
         self.watchdog = self._loop.call_later(self._keepalive_timeout / 4, self._watch, transport, sent, since)
 
     def eof_received(self):
-        """The client shut its sending side. After a request that said it was its last (Connection: close,
-        HTTP/1.0) and has arrived whole, that is how nc -N and socat end it: True keeps the socket open to
-        answer. Else the client left, as aiohttp takes it (None: the transport closes, the handler is
-        cancelled): a keep-alive client that gives up (a timeout) closes so, and TCP tells a half-close
-        from a close only when the server next writes."""
+        """The client shut its sending side. After a request other than a POST (a generation) that said it
+        was its last (Connection: close, HTTP/1.0) that is how nc -N and socat end it: True keeps the
+        socket open to answer. Else the client left, as aiohttp takes it (None: the transport closes, the
+        handler is cancelled): TCP tells a half-close from a close only when the server next writes, and a
+        generation whose client left must end now (a proxy such as nginx sends HTTP/1.0 with Connection:
+        close, then closes when its client gives up), so a POST's end of input always counts as its client
+        gone."""
         if self._messages:
             msg, body = self._messages[-1]
             last = getattr(msg, "should_close", True)  # (a parser error's 400: answered, then closed)
-        elif self.request is not None:  # (answered, if keep-alive: idle, the client left)
-            last, body = not self.request.keep_alive, self.request.content
+            method = getattr(msg, "method", "GET")
+        elif self.request is not None:  # (answered, if keep-alive: idle, the client left; a parser error's: UNKNOWN)
+            last, body, method = not self.request.keep_alive, self.request.content, self.request.method
         else:
             return None
-        return (last and body.is_eof()) or None
+        return (last and method != "POST" and body.is_eof()) or None
 
     def handle_error(self, request, status=500, exc=None, message=None):
         """aiohttp's own errors: one line of JSON, no traceback in the log."""

@@ -229,7 +229,7 @@ def _read_costs():
         return {}
 
 
-_warned = []  # the costs files this process could not write (said once each)
+_warned = set()  # the costs files this process could not write (said once each)
 
 
 def _write_costs(entries):
@@ -255,7 +255,7 @@ def _write_costs(entries):
                     os.remove(tmp)
     except OSError as e:
         if path not in _warned:
-            _warned.append(path)
+            _warned.add(path)
             print(f"mindspec: warning: cannot save the measured costs to {path} ({e.strerror or e}); "
                   "they are measured again at the next start", file=sys.stderr, flush=True)
 

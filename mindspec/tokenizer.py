@@ -104,7 +104,9 @@ class Tokenizer:
         `limit` longest tokens hold, times _slack."""
         if limit is not None and len(text) > self._slack * limit * self._longest:
             raise MindspecError(f"prompt is {len(text)} characters; it does not fit max_seq {limit}")
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        # (encode_batch lets go of the GIL while it works, encode does not: a server's long prompt, tokenized on
+        # a worker thread, stalled the engine's thread for seconds all the same)
+        ids = self._tok.encode_batch([text], add_special_tokens=False)[0].ids
         p = self.prefix
         return ids if ids[:len(p)] == p else p + ids
 

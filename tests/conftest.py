@@ -1,6 +1,7 @@
 """Tiny random Llama checkpoints, written by the tests themselves (HF layout, real files)."""
 import json
 import os
+import time
 
 import numpy as np
 import pytest
@@ -12,6 +13,16 @@ SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content']"
                  " + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
                  "{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def wait_for(what, timeout):
+    """Whether what() came true within timeout s (polled: a state to wait for, never a fixed sleep)."""
+    deadline = time.time() + timeout
+    while not what():
+        if time.time() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def write_tiny_tokenizer(model_dir, merges=()):

@@ -354,8 +354,8 @@ def test_a_failing_step_ends_its_rows_and_the_engine_goes_on(pipe, alone, monkey
 def test_a_real_graph_error_ends_its_rows_and_the_graph_runs_again(pipe, alone):
     """Found by a user probe: after a kernel error (here a token id past the vocabulary, slipped into a
     request after it was checked), MindSpore refused every later run of that graph ("An error occurred in
-    the previous step of this model execution"): the pipeline failed every call after. The graph that
-    failed is now made afresh (its first run compiles it again)."""
+    the previous step of this model execution"): the pipeline failed every call after. The graph is now
+    made afresh when MindSpore says so, and the run retried."""
     bad = pipe.request(prompt_ids=list(PROMPTS[0]), max_new_tokens=MAX_NEW[0])
     bad.prompt_ids[1] = 10 ** 6
     pipe.run([bad])

@@ -353,7 +353,7 @@ def test_a_costs_file_that_cannot_be_written_is_said_once_and_the_costs_are_used
     to /dev/full, every write to which fails with ENOSPC.)"""
     from mindspec import policy
     monkeypatch.setenv("MINDSPEC_HOME", str(tmp_path))
-    monkeypatch.setattr(policy, "_warned", [], raising=False)  # (a fresh process: nothing said yet)
+    monkeypatch.setattr(policy, "_warned", set(), raising=False)  # (a fresh process: nothing said yet)
     tmp = tmp_path / f"costs.json.{os.getpid()}.tmp"
     (tmp_path / "costs.json").write_text("{}")
     for _ in range(2):

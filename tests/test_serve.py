@@ -22,6 +22,8 @@ import mindspec
 from mindspec.errors import MindspecError
 from mindspec.export import export_draft
 
+from conftest import wait_for
+
 IDS = [5, 6, 7, 8]
 TEXT = "hello world"
 N = 12
@@ -277,7 +279,7 @@ def _serve_in_process(pipe, monkeypatch, base, check, **kw):
 
     def client():
         try:
-            assert _wait_for(serving, 30) and _wait_for(ready, 300), "the server did not start"
+            assert wait_for(serving, 30) and wait_for(ready, 300), "the server did not start"
             check()
         except BaseException as e:  # noqa: BLE001 - raised again on the main thread
             failures.append(e)
@@ -298,16 +300,6 @@ def _serve_in_process(pipe, monkeypatch, base, check, **kw):
         checker.join(60)
     if failures:
         raise failures[0]
-
-
-def _wait_for(what, timeout):
-    """Whether what() came true within timeout s."""
-    deadline = time.time() + timeout
-    while not what():
-        if time.time() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 def test_a_full_queue_answers_429_at_once(pipe, monkeypatch):
@@ -460,7 +452,7 @@ def test_requests_in_flight_when_the_server_stops_get_a_503(pipe, monkeypatch):
         stopped.append(sig)
 
     def held(*a, **kw):
-        _wait_for(lambda: stopped, 120)  # (the signal's handler runs on this thread, between its sleeps)
+        wait_for(lambda: stopped, 120)  # (the signal's handler runs on this thread, between its sleeps)
         return real_step(*a, **kw)
 
     base = _free_base()
@@ -473,9 +465,9 @@ def test_requests_in_flight_when_the_server_stops_get_a_503(pipe, monkeypatch):
         def gauge(name):
             return _metrics(base)[(name, ())]
         threads["/v1/completions"].start()
-        assert _wait_for(lambda: gauge("mindspec_requests_running") == 1, 60)
+        assert wait_for(lambda: gauge("mindspec_requests_running") == 1, 60)
         threads["/generate"].start()
-        assert _wait_for(lambda: gauge("mindspec_requests_waiting") == 1, 60)
+        assert wait_for(lambda: gauge("mindspec_requests_waiting") == 1, 60)
 
     monkeypatch.setattr(pipe.target, "step", held)
     monkeypatch.setattr(mindspec.signals.Signals, "_record", record)
@@ -524,11 +516,11 @@ def test_a_non_streamed_request_is_aborted_when_its_client_leaves(pipe, monkeypa
             with socket.create_connection((host, int(port))) as s:
                 s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                           b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-                assert _wait_for(running, 60)  # the engine runs it (a client leaving earlier never reaches it)
-            _wait_for(left, 60)  # (else the steps go on: a server that does not abort ends it at ~120 tokens)
+                assert wait_for(running, 60)  # the engine runs it (a client leaving earlier never reaches it)
+            wait_for(left, 60)  # (else the steps go on: a server that does not abort ends it at ~120 tokens)
         finally:
             noticed.set()
-        assert _wait_for(aborted, 60), {k: v for k, v in _metrics(base).items() if "finished" in k[0]}
+        assert wait_for(aborted, 60), {k: v for k, v in _metrics(base).items() if "finished" in k[0]}
         assert metric("mindspec_requests_running") == 0
         assert post(base, "/v1/completions", {"prompt": IDS, "max_tokens": 2})["choices"][0]["text"] is not None
 
@@ -745,7 +737,9 @@ BAD = [  # (path, body or raw bytes, status, words in the message)
     ("/v1/chat/completions", {"messages": HI, "stream": True, "stream_options": {"include_usage": "yes"}}, 400,
      "stream_options.include_usage must be true or false"),
     ("/v1/completions", {"prompt": "hi", "stream": True, "stream_options": {"continuous_usage_stats": True}}, 400,
-     "unknown field 'stream_options.continuous_usage_stats'"),
+     "stream_options.continuous_usage_stats is not supported (false only)"),
+    ("/v1/completions", {"prompt": "hi", "stream": True, "stream_options": {"use": True}}, 400,
+     "unknown field 'stream_options.use'"),
 ]
 
 
@@ -1080,13 +1074,14 @@ def test_stop_reason_of_eos(pipe):
 def test_stream_options_include_usage(server):
     """stream_options (found by a hostile-client probe: ignored). Without it, the usage comes in the final chunk
     (MindIE's way); include_usage true: OpenAI's, a chunk of its own with no choices before [DONE], usage null
-    in every other chunk (with n = 2 too: one usage chunk after both choices); false: no usage at all."""
+    in every other chunk (with n = 2 too: one usage chunk after both choices); false (its default, once
+    stream_options is given): no usage at all."""
     base = server[0]
     for path, body in (("/v1/completions", {"prompt": IDS}), ("/v1/chat/completions", {"messages": HI})):
         body = dict(body, max_tokens=4, stream=True)
         usage = post(base, path, dict(body, stream=False))["usage"]
-        default, on, off = (events(base, path, dict(body, stream_options=opts))
-                            for opts in (None, {"include_usage": True}, {"include_usage": False}))
+        default, on, off, empty = (events(base, path, dict(body, stream_options=opts)) for opts in (
+            None, {"include_usage": True}, {"include_usage": False}, {"continuous_usage_stats": False}))
         assert [e.get("usage") is not None for e in default[:-1]] == [False] * (len(default) - 2) + [True]
         assert [e["usage"] for e in on[:-2]] == [None] * (len(on) - 2) and on[-1] == "[DONE]"
         head = {k: on[0][k] for k in ("id", "object", "created", "model")}
@@ -1094,6 +1089,7 @@ def test_stream_options_include_usage(server):
         assert dict(on[-2]["usage"], prompt_tokens_details=None) == dict(usage, prompt_tokens_details=None)
         assert on[-3]["choices"][0]["finish_reason"] == "length" and "mindspec" in on[-3]
         assert all("usage" not in e for e in off[:-1]) and "mindspec" in off[-2] and off[-1] == "[DONE]"
+        assert all("usage" not in e for e in empty[:-1])  # (a review's: OpenAI's default is false)
     evs = events(base, "/v1/completions", {"prompt": IDS, "max_tokens": 3, "n": 2, "stream": True,
                                            "stream_options": {"include_usage": True}})
     assert [i for i, e in enumerate(evs[:-1]) if e["usage"] is not None] == [len(evs) - 2]
@@ -1377,8 +1373,8 @@ def test_health_says_503_while_the_engine_keeps_failing(pipe, monkeypatch):
         return m[("mindspec_engine_errors_total", ())] > before and \
             m[("mindspec_requests_running", ())] == m[("mindspec_requests_waiting", ())] == 0
 
-    def wait_for(what, timeout=30):
-        assert _wait_for(what, timeout), "timed out"
+    def until(what, timeout=30):
+        assert wait_for(what, timeout), "timed out"
 
     def unhealthy(path):
         """503 with one line of JSON naming the error (the failed steps: FAILED_STEPS, or more once the
@@ -1430,7 +1426,7 @@ def test_health_says_503_while_the_engine_keeps_failing(pipe, monkeypatch):
             unhealthy(path)
         assert call(base, "/v2/health/live") == (200, "")
         assert call(base, "/health", method="HEAD")[0] == 503
-        wait_for(lambda: probe_failed(errors + FAILED_STEPS))  # those checks queued a probe; it failed too
+        until(lambda: probe_failed(errors + FAILED_STEPS))  # those checks queued a probe; it failed too
         assert _metrics(base)[("mindspec_engine_healthy", ())] == 0
         monkeypatch.setattr(pipe.target, "step", real)
         out = post(base, "/v1/completions", body)  # one request: its exact tokens, and healthy again
@@ -1442,9 +1438,9 @@ def test_health_says_503_while_the_engine_keeps_failing(pipe, monkeypatch):
         errors = engine_errors()
         fail_requests()
         unhealthy("/health")
-        wait_for(lambda: probe_failed(errors + FAILED_STEPS))
+        until(lambda: probe_failed(errors + FAILED_STEPS))
         monkeypatch.setattr(pipe.target, "step", real)
-        wait_for(lambda: call(base, "/health")[0] == 200)  # a check queues a probe; it succeeds
+        until(lambda: call(base, "/health")[0] == 200)  # a check queues a probe; it succeeds
         assert post(base, "/v1/completions", body)["choices"][0]["text"] == ref
 
     _serve_in_process(pipe, monkeypatch, base, check, max_batch=1, max_queue=4, read_timeout=10)
@@ -1535,7 +1531,7 @@ def test_http_head_options_chunked_and_limits(server):
             return None
 
     # (the server sees the closes when its loop next runs: late on a busy machine)
-    assert _wait_for(lambda: health() == (200, ""), 10), health()
+    assert wait_for(lambda: health() == (200, ""), 10), health()
 
 
 def test_http_1_0_gets_no_100_continue_and_its_streams_end_with_the_connection(server):

@@ -68,6 +68,33 @@ def test_token_bytes_of_a_word_whose_decoder_keeps_its_space(tmp_path):
     assert tok.decode([259]) == " hi" and tok.token_bytes(259) == b" hi"
 
 
+def test_encoding_lets_other_threads_run(tok_dir):
+    """Found by a review: the server tokenizes prompts on a worker thread so that the engine's thread goes
+    on stepping, but the tokenizer's encode held the GIL for the whole of a long prompt (seconds: no other
+    thread ran). A thread that wakes every millisecond now runs while a long text is encoded."""
+    import threading
+    import time
+    tok, text, beats, stop = Tokenizer(str(tok_dir)), "hello world " * 60000, [], threading.Event()
+
+    def beat():
+        while not stop.is_set():
+            beats.append(time.perf_counter())
+            time.sleep(0.001)
+
+    t = threading.Thread(target=beat)
+    t.start()
+    try:
+        t0 = time.perf_counter()
+        ids = tok.encode(text)
+        t1 = time.perf_counter()
+    finally:
+        stop.set()
+        t.join()
+    assert ids[len(tok.prefix):] == tok._tok.encode(text, add_special_tokens=False).ids  # (the same ids)
+    assert t1 - t0 > 0.2, "too short a text to tell"  # (the beats inside, away from its ends, tell)
+    assert len([b for b in beats if t0 + 0.05 < b < t1 - 0.05]) >= 5, (t1 - t0, len(beats))
+
+
 def test_special_tokens(tok_dir):
     tok = Tokenizer(str(tok_dir))
     ids = tok.encode("<|im_start|>user\nhi<|im_end|>")
