@@ -331,8 +331,7 @@ def serve(load, defaults, host="127.0.0.1", port=1025, model_name=None, tp=False
             sig.check()
             app.model_name = app.model_name or os.path.basename(os.path.normpath(app.pipe.model_dir))
             app.ready.set()
-            print(f"mindspec: serving {app.model_name} on http://{host}:{port} "
-                  f"(up to {max_batch} requests at once)", flush=True)
+            _say(f"mindspec: serving {app.model_name} on http://{host}:{port} (up to {max_batch} requests at once)")
             app.work()
         except KeyboardInterrupt:
             pass
@@ -340,6 +339,15 @@ def serve(load, defaults, host="127.0.0.1", port=1025, model_name=None, tp=False
             app.stop()
             http.stop()
     print("mindspec: server stopped", file=sys.stderr)
+
+
+def _say(line):
+    """The "serving" line, on stdout for whoever waits for it. With stdout closed or full the server serves
+    all the same: the line goes nowhere (the command line's failed write forgotten with its stdout)."""
+    try:
+        print(line, flush=True)
+    except OSError:
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - stdout until the process ends
 
 
 def _hard_stop():

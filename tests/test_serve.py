@@ -1607,6 +1607,33 @@ def test_sigterm_stops_cleanly(server):
     assert "server stopped" in log and "Traceback" not in log and "Unhandled" not in log, log[-2000:]
 
 
+def test_a_server_with_stdout_closed_serves(pair):
+    """A review's: with stdout closed (`>&-`: now an error for the commands whose output it is), serve
+    loaded the model, then exited 2 on its "serving" line. That line is for whoever waits for it: the
+    server serves all the same, and SIGTERM stops it cleanly."""
+    target, draft = pair
+    p = subprocess.Popen([sys.executable, "-m", "mindspec", "serve", "--target", target, "--draft", draft, "-k", "2",
+                          "--max-seq", str(MAX_SEQ), "--port", "0", "--max-batch", "1"], stderr=subprocess.PIPE,
+                         text=True, preexec_fn=lambda: os.close(1))
+    try:
+        base = re.search(r"listening on (http://127\.0\.0\.1:\d+)", p.stderr.readline()).group(1)
+        def ready():  # (or ended)
+            try:
+                return p.poll() is not None or call(base, "/health")[0] == 200
+            except OSError:
+                return p.poll() is not None
+
+        assert wait_for(ready, 800), "never ready"
+        assert p.poll() is None, p.communicate(timeout=60)[1][-3000:]
+        assert post(base, "/v1/completions", {"prompt": IDS, "max_tokens": 2})["usage"][
+            "completion_tokens"] == 2
+        p.send_signal(signal.SIGTERM)
+        err = p.communicate(timeout=60)[1]
+        assert p.returncode == 0 and "server stopped" in err and "stdout" not in err, err[-3000:]
+    finally:
+        p.kill()
+
+
 @pytest.mark.parametrize("after", [0.5, 6])  # while MindSpore imports and the weights load; while graphs compile
 def test_sigterm_while_loading_stops_quietly(pair, tmp_path, after):
     """Found: SIGTERM a few seconds after "listening", on a cold compile cache, was swallowed by MindSpore's
