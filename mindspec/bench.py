@@ -423,8 +423,9 @@ def cmd_bench(a):
     if os.path.exists(partial):
         os.remove(partial)
     show(result)  # before the plots: a plot that cannot be written loses no results
-    files = ["bench.json", "bench.png"] + (["bench-batch.png"] if len(result["batch_sizes"]) > 1 else [])
-    for name, draw in (("bench.png", plot), ("bench-batch.png", plot_batch))[:len(files) - 1]:
+    plots = [("bench.png", plot)] + ([("bench-batch.png", plot_batch)] if len(result["batch_sizes"]) > 1 else [])
+    files = ["bench.json"] + [name for name, _ in plots]
+    for name, draw in plots:
         path = os.path.join(a.out, name)
         try:
             draw(result, path)
