@@ -1,8 +1,6 @@
 """`mindspec` command line: export, convert, generate, serve, batch (+ plan, bench). Bad input: one line
 on stderr, exit 2."""
 import argparse
-import errno
-import io
 import json
 import os
 import re
@@ -14,7 +12,7 @@ from .request import SEED_ENV, stop_strings
 from .device import CHOICES, DEVICE_ENV, check_device_env, check_tp, detect_device
 from .spec import DTYPES
 from .mindie_config import QUEUE_DELAY_US
-from . import signals
+from . import signals, stdout
 from .omdir import OmDir
 from .signals import Signals
 
@@ -431,84 +429,6 @@ def _run_held(args):
     return code
 
 
-class StdoutError(OSError):
-    """A write to stdout failed (a full disk, an I/O error, a closed descriptor): the command's output is lost."""
-
-
-class _Stdout:
-    """sys.stdout as main() runs a command: its failed writes raise StdoutError, told apart from any other
-    file's OSError (a reader gone stays a BrokenPipeError), and a failure swallowed (argparse's --help drops
-    it) is raised again by the next flush."""
-
-    def __init__(self, f):
-        self._f, self._failed = f, None
-
-    def _call(self, fn, *a):
-        try:
-            return fn(*a)
-        except BrokenPipeError:
-            raise
-        except OSError as e:
-            self._failed = StdoutError(e.errno, e.strerror)
-            raise self._failed from None
-
-    def write(self, s):
-        return self._call(self._f.write, s)
-
-    def writelines(self, lines):
-        return self._call(self._f.writelines, lines)
-
-    def flush(self):
-        self._call(self._f.flush)
-        if self._failed is not None:
-            raise self._failed
-
-    def __getattr__(self, name):
-        return getattr(self._f, name)
-
-
-class _Closed(io.TextIOBase):
-    """sys.stdout when descriptor 1 was closed (`>&-`: Python leaves sys.stdout None, and print() drops its
-    text): a write fails as on a closed descriptor."""
-    encoding = "utf-8"
-
-    def writable(self):
-        return True
-
-    def write(self, s):
-        raise OSError(errno.EBADF, "it is closed")
-
-    def fileno(self):
-        return 1
-
-    def reconfigure(self, **kw):
-        pass
-
-
-def _hold_stdout():
-    """Wrap sys.stdout (_Stdout); a closed descriptor 1 is taken by /dev/null opened read-only, so that no file
-    opened later lands there (a library's printf would write into it) and writes to it fail (EBADF)."""
-    if sys.stdout is None:
-        try:
-            os.fstat(1)
-        except OSError:
-            fd = os.open(os.devnull, os.O_RDONLY)
-            if fd != 1:
-                os.dup2(fd, 1)
-                os.close(fd)
-        sys.stdout = _Closed()
-    if not isinstance(sys.stdout, _Stdout):
-        sys.stdout = _Stdout(sys.stdout)
-
-
-def _stdout_to_devnull():
-    """Descriptor 1 onto /dev/null: what is left in stdout's buffer goes nowhere (Python flushes it at exit)."""
-    fd = os.open(os.devnull, os.O_WRONLY)
-    if fd != 1:
-        os.dup2(fd, 1)
-        os.close(fd)
-
-
 def _exit_code(fn):
     """fn()'s exit code: bad input one line and 2, an interrupt 130."""
     try:
@@ -522,13 +442,12 @@ def _exit_code(fn):
         signals.stopping()  # (a second Ctrl-C must not raise in the teardown to come)
         return 130
     except BrokenPipeError:  # the reader of stdout left (`| head`): quiet, as a shell's writer that SIGPIPE ended
-        _stdout_to_devnull()
+        stdout.to_devnull()
         return 128 + signal.SIGPIPE
-    except StdoutError as e:  # (found: `> /dev/full` a traceback; `>&-` an AttributeError traceback)
+    except stdout.StdoutError as e:  # (found: `> /dev/full` a traceback; `>&-` an AttributeError traceback)
         from .tp import fail
-        _stdout_to_devnull()
-        if isinstance(sys.stdout, _Stdout):
-            sys.stdout._failed = None  # (said)
+        stdout.to_devnull()
+        stdout.forget()  # (said)
         return fail(MindspecError(f"cannot write to stdout: {e.strerror or e}"))
 
 
@@ -652,7 +571,7 @@ def main(argv=None):
     # the interpreter at exit): signals wait for _run / run_batch
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     if console:
-        _hold_stdout()  # (a caller's own stdout is left alone)
+        stdout.hold()  # (a caller's own stdout is left alone)
     argv = sys.argv[1:] if argv is None else list(argv)
     parsed = []
     try:

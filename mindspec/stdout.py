@@ -1,0 +1,90 @@
+"""The command line's stdout: a failed write (a full disk, an I/O error, a closed descriptor) is told apart
+from any other file's OSError, so that a command says it in one line and exits 2 (cli._exit_code)."""
+import errno
+import io
+import os
+import sys
+
+
+class StdoutError(OSError):
+    """A write to stdout failed (a full disk, an I/O error, a closed descriptor): the command's output is lost."""
+
+
+class _Stdout:
+    """sys.stdout as main() runs a command: its failed writes raise StdoutError, told apart from any other
+    file's OSError (a reader gone stays a BrokenPipeError), and a failure swallowed (argparse's --help drops
+    it) is raised again by the next flush."""
+
+    def __init__(self, f):
+        self._f, self._failed = f, None
+
+    def _call(self, fn, *a):
+        try:
+            return fn(*a)
+        except BrokenPipeError:
+            raise
+        except OSError as e:
+            self._failed = StdoutError(e.errno, e.strerror)
+            raise self._failed from None
+
+    def write(self, s):
+        return self._call(self._f.write, s)
+
+    def writelines(self, lines):
+        return self._call(self._f.writelines, lines)
+
+    def flush(self):
+        self._call(self._f.flush)
+        if self._failed is not None:
+            raise self._failed
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+
+class _Closed(io.TextIOBase):
+    """sys.stdout when descriptor 1 was closed (`>&-`: Python leaves sys.stdout None, and print() drops its
+    text): a write fails as on a closed descriptor."""
+    encoding = "utf-8"
+
+    def writable(self):
+        return True
+
+    def write(self, s):
+        raise OSError(errno.EBADF, "it is closed")
+
+    def fileno(self):
+        return 1
+
+    def reconfigure(self, **kw):
+        pass
+
+
+def hold():
+    """Wrap sys.stdout (_Stdout); a closed descriptor 1 is taken by /dev/null opened read-only, so that no file
+    opened later lands there (a library's printf would write into it) and writes to it fail (EBADF)."""
+    if sys.stdout is None:
+        try:
+            os.fstat(1)
+        except OSError:
+            fd = os.open(os.devnull, os.O_RDONLY)
+            if fd != 1:
+                os.dup2(fd, 1)
+                os.close(fd)
+        sys.stdout = _Closed()
+    if not isinstance(sys.stdout, _Stdout):
+        sys.stdout = _Stdout(sys.stdout)
+
+
+def to_devnull():
+    """Descriptor 1 onto /dev/null: what is left in stdout's buffer goes nowhere (Python flushes it at exit)."""
+    fd = os.open(os.devnull, os.O_WRONLY)
+    if fd != 1:
+        os.dup2(fd, 1)
+        os.close(fd)
+
+
+def forget():
+    """A failed write, said: not raised again by the flushes to come."""
+    if isinstance(sys.stdout, _Stdout):
+        sys.stdout._failed = None
