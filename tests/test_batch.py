@@ -748,6 +748,18 @@ def test_data_parallel_equals_dp1_in_input_order(setup, first_run):
     assert out.read_bytes() == before
 
 
+def _replica(out, i):
+    """pid of --dp replica i of the job writing `out` (None before it has exec'd)."""
+    for pid in _job_processes(str(out)):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if f"\0--dp-replica\0{i}\0".encode() in f.read():
+                    return pid
+        except OSError:
+            pass
+    return None
+
+
 def _in_parts(parts):
     """Records written to the part files so far (a part may vanish: a merge removes it)."""
     n = 0
@@ -765,7 +777,6 @@ def test_kill_9_of_a_data_parallel_launcher_then_resume_writes_each_id_once(setu
     wrote 2 records: its replicas die with it (no process left), their parts keep what they wrote; the
     same command then finishes only what is missing and merges: every id exactly once, in input order,
     with the texts of an uninterrupted run."""
-    # (24 lines: 12 had all finished before the kill landed, on a busy machine)
     lines = [{"id": i, "prompt_ids": [5 + i, 6, 7], "max_new_tokens": 100} for i in range(24)]
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_text("".join(json.dumps(x) + "\n" for x in lines))
@@ -774,9 +785,14 @@ def test_kill_9_of_a_data_parallel_launcher_then_resume_writes_each_id_once(setu
                          env=dict(os.environ, MINDSPEC_PROGRESS_S="3600"), start_new_session=True)
     parts = [tmp_path / f"out.jsonl.part{i}of2" for i in range(2)]
     deadline = time.time() + 240
-    while time.time() < deadline and (_in_parts(parts) < moment or len(_job_processes(str(out))) < 3):
-        assert p.poll() is None  # moment 0: the launcher and both replicas are up, loading
+    while time.time() < deadline and (len(_job_processes(str(out))) < 3 or not _replica(out, 1)):
+        assert p.poll() is None  # the launcher and both replicas are up, loading
         time.sleep(0.05)
+    if moment:  # replica 1 held, so the job cannot end before the kill (polling alone lost that race on a busy
+        os.kill(_replica(out, 1), signal.SIGSTOP)  # machine); a stopped replica still dies with its launcher
+        while time.time() < deadline and _in_parts(parts) < moment:
+            assert p.poll() is None
+            time.sleep(0.05)
     os.kill(p.pid, signal.SIGKILL)
     p.wait()
     deadline = time.time() + 15
