@@ -455,7 +455,9 @@ def test_ctrl_c_after_a_generation_on_another_thread_raises_keyboard_interrupt(t
 
 LOAD_SCRIPT = """
 try:
-    import sys, time, mindspec
+    import sys, time
+    print("started", flush=True)  # Python's own start-up (site, .pth files) is over: a Ctrl-C is the script's now
+    import mindspec
     pipe = mindspec.load(target=sys.argv[1], draft=sys.argv[2], k=4, max_seq=128)
     print("loaded", flush=True)
     time.sleep(60)  # (a busy machine may take longer than the delay to import MindSpore, or less)
@@ -470,7 +472,7 @@ def test_ctrl_c_while_a_script_first_loads_raises_keyboard_interrupt(tiny_target
     half-way (ImportError or a lost signal; at exit `Fatal Python error`, exit 134). It now waits for the
     import's end and then raises in the caller."""
     p = _script(LOAD_SCRIPT, tiny_target, noisy_draft, terminal=True)
-    out, err = _ctrl_c(p, None, delay)  # (MindSpore's import: ~0.2 to 2 s)
+    out, err = _ctrl_c(p, "started", delay)  # (MindSpore's import: ~0.2 to 2 s; a busy machine's start-up up to 1)
     assert (p.returncode, out.split()[-1:], err) == (0, ["caught"], ""), (p.returncode, out, err[-3000:])
 
 
