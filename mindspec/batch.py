@@ -17,7 +17,7 @@ import sys
 import time
 from typing import NamedTuple
 
-from .errors import MindspecError
+from .errors import MindspecError, summary
 from .omdir import OmDir
 from .request import FIELDS, RequestError, loads, make, parse
 from .signals import Signals
@@ -257,13 +257,16 @@ class Output:
         self.input_path = input_path  # (whose lines its results are checked against)
         self.wait = wait  # for the lock (machines merging one shared output), instead of refusing
         self.done, self.errors, self.asked = set(), {}, {}  # asked: {id: request hash} of the results
+        self.here = None  # (st_dev, st_ino) of a regular file: checked at its path before each write
         if path is None:
             return
         self._open()
         try:
             self._check_not_input(input_path)
             self.size = 0
-            if stat.S_ISREG(os.fstat(self.fd).st_mode):  # not /dev/null or a pipe: nothing to lock or resume
+            st = os.fstat(self.fd)
+            if stat.S_ISREG(st.st_mode):  # not /dev/null or a pipe: nothing to lock or resume
+                self.here = st.st_dev, st.st_ino
                 self._lock()
                 self.size = self._read()
         except BaseException:
@@ -318,6 +321,22 @@ class Output:
         except OSError as e:
             raise MindspecError(f"cannot write output {self.path}: {e.strerror}") from None
 
+    def _here(self):
+        if self.here is None:
+            return True
+        try:
+            st = os.stat(self.real)
+        except OSError:
+            return False
+        return (st.st_dev, st.st_ino) == self.here
+
+    def check_here(self):
+        """The output must still be the file at its path: one removed or replaced while the job runs (a
+        cleanup, a moved directory) takes the records with it, and the job went on writing into nothing."""
+        if not self._here():
+            raise MindspecError(f"output {self.path} was removed or replaced while this job wrote it, and the "
+                                f"records in it with it; run the same command again to write them anew")
+
     def check_asked(self, items):
         """Refuse a line edited since its result was written (its id would keep the old result)."""
         check_asked(self.asked, items, self.input_path, self.path)
@@ -334,6 +353,7 @@ class Output:
         for that id in those words is not written again."""
         if self.fd is None or body.get("error") in self.errors.get(_key(item.rid), ()):
             return
+        self.check_here()
         asked = {"request": item.asked} if item.asked is not None and "error" not in body else {}
         data = _dump({MARKER: VERSION, "job": self.job, "id": item.rid, **body, **asked})
         try:
@@ -353,7 +373,7 @@ class Output:
         """Release the lock; a file this run created and left empty is removed when the job failed."""
         if self.fd is None:
             return
-        if failed and self.created and not self.wrote:
+        if failed and self.created and not self.wrote and self._here():  # (not a file put in its place)
             try:
                 os.unlink(self.real)  # what this run created, not a link to it
             except OSError:
@@ -367,7 +387,7 @@ class Output:
 def _body(item, r):
     """The record body of a finished engine Request: {"text", "token_ids", ...} or {"error"}."""
     if r.error is not None:
-        return {"error": f"line {item.line}: internal error: {type(r.error).__name__}: {r.error}"}
+        return {"error": f"line {item.line}: internal error: {summary(r.error)}"}  # (not MindSpore's C++ stack)
     res = r.result()
     body = {"text": res.text, "token_ids": res.token_ids, "finish_reason": res.finish_reason,
             "prompt_tokens": len(r.prompt_ids), "stats": res.stats}
@@ -585,6 +605,7 @@ def run_batch(load, defaults, input_path, output_path, share=None, model=None, m
             done = share(job.out.done) if share else job.out.done  # before rank 0 writes anything
             job.tally = Tally(rows, done, job.out.errors)
             job.run(load, [_parse(i, defaults) for i in rows if _key(i.rid) not in done], sig, max_batch)
+            job.out.check_here()  # (also after the last record: the summary names it)
             ok = True
         except KeyboardInterrupt:
             job.begun = True  # also while loading

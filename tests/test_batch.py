@@ -390,6 +390,26 @@ def test_interrupt_keeps_what_was_written_and_says_so(setup, tmp_path):
         _check_interrupted(tmp_path, out, code, err)
 
 
+def test_an_output_removed_while_the_job_runs_stops_it_with_one_line(setup, tmp_path):
+    """Found by a launcher probe: the output (or its directory) removed mid-job, the job went on appending to
+    the unlinked file and ended "40 done -> out.jsonl", a path that no longer existed. It now stops at its
+    next record, exit 2, saying so; the same command then writes every record anew."""
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps({"prompt_ids": [5, 6, i]}) + "\n" for i in range(40)))
+    p = subprocess.Popen(command(setup, out, inp), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    while not out.exists() or len(records(out)) < 2:
+        assert p.poll() is None, p.stderr.read()
+        time.sleep(0.05)
+    p.send_signal(signal.SIGSTOP)  # (so that the job cannot end first)
+    out.unlink()
+    p.send_signal(signal.SIGCONT)
+    err = p.communicate(timeout=300)[1]
+    assert p.returncode == 2 and last(err) == (
+        f"mindspec: error: output {out} was removed or replaced while this job wrote it, and the records in it "
+        "with it; run the same command again to write them anew"), err
+    assert "Traceback" not in err and not out.exists()
+
+
 @pytest.mark.parametrize("delay,sigs", [(0.0, "INT"), (0.5, "TERM"), (1.2, "INT"), (3.0, "TERM"), (0.3, "TERM TERM")])
 def test_a_signal_while_loading_or_compiling_exits_130_with_the_summary(setup, tmp_path, delay, sigs):
     """Signals while MindSpore is imported or compiles used to abort the interpreter (`Fatal Python error:
@@ -887,6 +907,16 @@ def test_scale_out_flags_that_cannot_work_exit_2_with_one_line(setup, tmp_path):
     assert pipe_in.returncode == 2 and pipe_in.stderr == (
         "mindspec: error: --dp needs its input as a regular file (every replica reads it): /dev/stdin is not one\n")
     assert not list(tmp_path.glob("piped.jsonl*"))
+    # the launcher prober's: /dev/stdin from a file passed as a regular file, yet each replica opened its own
+    # stdin (/dev/null): 0 lines each, and empty parts left that refused every later run
+    (tmp_path / "in1.jsonl").write_text(LINES[0] + "\n")
+    with open(tmp_path / "in1.jsonl", "rb") as f:
+        from_file = subprocess.run(command(setup, tmp_path / "piped.jsonl", "/dev/stdin", ["--dp", "2"]),
+                                   stdin=f, capture_output=True, text=True, timeout=300)
+    assert from_file.returncode == 2 and from_file.stderr == (
+        "mindspec: error: --dp needs its input by its file's own path (every replica opens it): /dev/stdin is this "
+        "process's descriptor\n")
+    assert not list(tmp_path.glob("piped.jsonl*"))
     _expect_usage_error(setup, out, "unmerged parts of a --dp 3 run")  # nor without --dp
     (tmp_path / "o.jsonl.part1of3").unlink()
     _expect_usage_error(setup, out, "no part files beside", extra=["--merge"])
@@ -1370,3 +1400,14 @@ def test_chat_on_a_model_without_a_chat_template_is_refused_before_it_loads(tiny
                                     "run without --chat\n"), p.stderr[-2000:]
     assert sorted(os.listdir(tmp_path)) == ["in.jsonl", "m"]
     assert parse(args + ["--target", tiny_target[0]]).chat  # (its template: no refusal)
+
+
+def test_an_internal_error_is_recorded_in_one_line():
+    """Found by a launcher probe: a rank's collective timing out wrote MindSpore's whole message into each
+    failed line's record (450-1900 characters of C++ call stack); a record now holds its first line of words."""
+    from types import SimpleNamespace
+    err = RuntimeError("----------------------------------------------------\n- Kernel error:\n----------------\n"
+                       "Launch kernel failed: Default/AllReduce-op47\n\n- C++ Call Stack: (For framework developers)\n"
+                       "mindspore/ccsrc/runtime/graph_scheduler/actor/kernel_actor.cc:995 ExecuteLaunchKernelTask\n")
+    assert B._body(SimpleNamespace(line=3), SimpleNamespace(error=err)) == {
+        "error": "line 3: internal error: RuntimeError: Launch kernel failed: Default/AllReduce-op47"}
