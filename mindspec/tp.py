@@ -43,6 +43,7 @@ On a shared CPU the N drafts compete for cores, which the benchmark (tools/bench
 Library use: start your script under msrun (or `launch(args, n, script=path)`), call `init_worker()`
 before `mindspec.load(...)`, and print only where `is_rank0()`.
 """
+import errno
 import os
 import re
 import shutil
@@ -56,6 +57,7 @@ import time
 from typing import NamedTuple
 
 from .errors import MindspecError
+from .stdout import StdoutError
 
 ENV_JOB = "MINDSPEC_TP_JOB"  # the launcher's job directory: rank 0's stdout/stderr/exit code, pids
 ENV_LAUNCHER = "MINDSPEC_TP_LAUNCHER"  # the launcher's pid: ranks (and msrun's scheduler) die with it
@@ -153,9 +155,10 @@ def rank_device_env(env):
 
 
 def is_worker():
-    """True in a process started by msrun (a rank, or msrun's scheduler, which runs the same command)."""
+    """True in a process msrun started for `launch` (a rank, or msrun's scheduler, which runs the same command).
+    MS_ROLE alone is not enough: one left exported in the user's shell made every --tp command a rank."""
     from mindspec.graphs.tp import in_msrun
-    return in_msrun()
+    return in_msrun() and bool(os.environ.get(ENV_JOB) and os.environ.get(ENV_LAUNCHER))
 
 
 def is_rank0():
@@ -169,6 +172,21 @@ def free_port():
         return s.getsockname()[1]
 
 
+def check_port(topo):
+    """Refuse a master port another program holds where this machine runs msrun's scheduler (node 0): msrun's
+    scheduler fails at once, but the launcher would see it only at the cluster time-out."""
+    if topo.node_rank:  # (a scheduler of another node steps aside: init_worker)
+        return
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (a past job's TIME_WAIT is no holder)
+        try:
+            s.bind((topo.master_addr, topo.master_port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:  # (another error: an address of another machine, msrun's to judge)
+                raise MindspecError(f"--master-port {topo.master_port} is in use on {topo.master_addr}: give "
+                                    "another --master-port (on one machine, none: a free one is picked)") from None
+
+
 def _msrun():
     bin_dir = os.path.dirname(sys.executable)
     path = os.path.join(bin_dir, "msrun")
@@ -180,26 +198,33 @@ def _msrun():
 
 
 class _Tail:
-    """Copy what a growing file gains to a stream (rank 0's output to the user's terminal)."""
+    """Copy what a growing file gains to a stream (rank 0's output to the user's terminal). A failed write
+    (the reader left, a full disk, a closed descriptor) is kept in `error`, not raised: the launcher stops
+    the job and cleans up first; nothing more is written."""
 
     def __init__(self, path, stream):
-        self.path, self.stream, self.f = path, stream, None
+        self.path, self.stream, self.f, self.error = path, stream, None, None
 
     def pump(self):
+        if self.error is not None:
+            return
         if self.f is None:
             if not os.path.exists(self.path):
                 return
             self.f = open(self.path, "rb")
         data = self.f.read()
         if data:
-            out = getattr(self.stream, "buffer", None)
-            if out is not None:
-                self.stream.flush()
-                out.write(data)
-                out.flush()
-            else:
-                self.stream.write(data.decode("utf-8", "replace"))
-                self.stream.flush()
+            try:
+                out = getattr(self.stream, "buffer", None)
+                if out is not None:
+                    self.stream.flush()
+                    out.write(data)
+                    out.flush()
+                else:
+                    self.stream.write(data.decode("utf-8", "replace"))
+                    self.stream.flush()
+            except OSError as e:
+                self.error = e
 
     def close(self):
         self.pump()
@@ -237,6 +262,7 @@ def launch(argv, n, script=None, timeout=CLUSTER_TIMEOUT, log_dir=None, grace=FA
     topo = topo or Topology(n)
     if topo.master_port == 0:
         topo = topo._replace(master_port=free_port())
+    check_port(topo)
     bin_dir, msrun = _msrun()
     job = tempfile.mkdtemp(prefix="mindspec-tp-")
     log_dir = log_dir or os.path.join(job, "logs")
@@ -255,6 +281,8 @@ def launch(argv, n, script=None, timeout=CLUSTER_TIMEOUT, log_dir=None, grace=FA
         while proc.poll() is None:
             out.pump()
             err.pump()
+            if out.error is not None:
+                break  # the output is lost: stop, as a command at TP=1 stops at its failed write
             if failed_at is None and os.path.getsize(msrun_log) > seen:
                 with open(msrun_log, "rb") as f:
                     f.seek(max(seen - 64, 0))
@@ -291,6 +319,10 @@ def launch(argv, n, script=None, timeout=CLUSTER_TIMEOUT, log_dir=None, grace=FA
     if interrupted:  # (its logs are a failed job's only)
         shutil.rmtree(job, ignore_errors=True)
         return 130
+    if out.error is not None:  # said as at TP=1 (cli._exit_code): a reader gone quietly, else one line, exit 2
+        shutil.rmtree(job, ignore_errors=True)
+        e = out.error
+        raise e if isinstance(e, (BrokenPipeError, StdoutError)) else StdoutError(e.errno, e.strerror)
     rcs = _rcs(job, topo.ranks)
     if rcs.get(0) or (len(rcs) == topo.local and set(rcs.values()) <= {0, 1}):
         # the job ended itself: rank 0's code (1: a batch job with failed lines; else an error it printed

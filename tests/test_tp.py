@@ -427,20 +427,21 @@ if __name__ == "__main__":
 def test_an_interrupted_job_leaves_no_job_directory_and_too_many_ranks_start_none(pair, tmp_path):
     """The TP server prober's: every Ctrl-C or SIGTERM of a --tp job left its $TMPDIR/mindspec-tp-* (rank
     files, logs) behind, though only a failed job's logs are kept (its error line names them); and
-    `--tp 1000` started msrun's 1000 ranks (~400 MB each) before each refused the 6-head target."""
+    `--tp 1000` started msrun's 1000 ranks (~400 MB each) before each refused the 6-head target. An MS_ROLE
+    left exported in the user's shell (the env prober's) made the command a rank: a MindSpore traceback."""
     import signal
     import subprocess
     target, draft = pair[:2]
     # a second Ctrl-C 10-50 ms after the first (the signals prober's) left the directory too; so did a
     # generate's ranks their temporary directory for MindSpore's compile dumps (mindspec.omdir), killed
-    for cmd, sigs in (("serve", [signal.SIGINT]), ("serve", [signal.SIGTERM]),
-                      ("generate", [signal.SIGINT, signal.SIGINT])):
+    for cmd, sigs, role in (("serve", [signal.SIGINT], "MS_WORKER"), ("serve", [signal.SIGTERM], None),
+                            ("generate", [signal.SIGINT, signal.SIGINT], None)):
         tmp = tmp_path / "-".join([cmd] + [s.name for s in sigs])
         tmp.mkdir()
         p = subprocess.Popen([sys.executable, "-m", "mindspec", cmd, "--target", target, "--draft", draft,
                               "--tp", "2"] + (["--port", "0"] if cmd == "serve" else []),
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                             env=dict(os.environ, TMPDIR=str(tmp)))
+                             env=dict(os.environ, TMPDIR=str(tmp), **({"MS_ROLE": role} if role else {})))
         deadline = time.time() + 240
         while time.time() < deadline and not list(tmp.glob("mindspec-tp-*/rank1.pid")):
             assert p.poll() is None, p.stderr.read()
@@ -452,6 +453,39 @@ def test_an_interrupted_job_leaves_no_job_directory_and_too_many_ranks_start_non
         assert list(tmp.iterdir()) == [], list(tmp.iterdir())
     p = subprocess.run([sys.executable, "-m", "mindspec", "generate", "--target", target, "--draft", draft,
                         "--tp", "7", "--prompt-ids", "5"], capture_output=True, text=True, timeout=300,
-                       env=dict(os.environ, TMPDIR=str(tmp_path)))
+                       env=dict(os.environ, TMPDIR=str(tmp_path), MS_ROLE="MS_SCHED"))
     assert p.returncode == 2 and p.stderr == ("mindspec: error: --tp 7 exceeds the target's 6 attention heads "
                                               "(a rank holds one at least)\n"), p.stderr
+
+
+def test_a_master_port_in_use_is_refused_before_msrun_starts(pair, tmp_path):
+    """The TP prober's: another program listening on --master-port made msrun's scheduler fail at once, and the
+    launcher waited out the cluster time-out (2 min 13 s) to say "a rank (pid N) of 2 died", the port unnamed."""
+    import socket
+    import subprocess
+    target, draft = pair[:2]
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        p = subprocess.run([sys.executable, "-m", "mindspec", "generate", "--target", target, "--draft", draft,
+                            "--tp", "2", "--master-port", str(port), "--prompt-ids", "5"], capture_output=True,
+                           text=True, timeout=60, env=dict(os.environ, TMPDIR=str(tmp_path)))
+    assert p.returncode == 2 and p.stderr == (f"mindspec: error: --master-port {port} is in use on 127.0.0.1: give "
+                                              "another --master-port (on one machine, none: a free one is picked)\n"), \
+        p.stderr[-3000:]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_tp_job_whose_stdout_fails_says_so_as_at_tp1(pair, tmp_path):
+    """The TP prober's: stdout on /dev/full gave a 35-line traceback (the launcher's copy of rank 0's output
+    raised inside its own clean-up) and left the job directory; TP=1 says one line, exit 2."""
+    import subprocess
+    target, draft = pair[:2]
+    with open("/dev/full", "wb") as full:
+        p = subprocess.run([sys.executable, "-m", "mindspec", "generate", "--target", target, "--draft", draft,
+                            "--tp", "2", "--prompt-ids", "5,6,7", "--max-new-tokens", "8"], stdout=full,
+                           stderr=subprocess.PIPE, text=True, timeout=300, env=dict(os.environ, TMPDIR=str(tmp_path)))
+    assert p.returncode == 2 and p.stderr == "mindspec: error: cannot write to stdout: No space left on device\n", \
+        p.stderr[-3000:]
+    assert list(tmp_path.iterdir()) == []
