@@ -21,6 +21,10 @@ from .graphs.tp import in_msrun
 from .tp import share
 from . import signals
 
+# MindSpore's graph runs and builds, process-wide: two pipelines' calls on two threads at once deadlocked in its
+# executor (one pipeline's calls take turns by its own _turn). Held per step, so two pipelines' calls interleave.
+_GRAPHS = threading.RLock()
+
 __all__ = ["Pipeline", "Result", "load"]
 
 
@@ -67,9 +71,10 @@ class Pipeline:
         # MindSpore only now (~3 s to import): a bad checkpoint, tokenizer or draft is refused before it
         # (raised inside its import, a Ctrl-C aborted the interpreter at exit or failed the import)
         from mindspec.graphs.runner import init_mindspore
-        init_mindspore(self.device)
-        if max_seq:
-            self._build(max_seq, max_batch)
+        with _GRAPHS:
+            init_mindspore(self.device)
+            if max_seq:
+                self._build(max_seq, max_batch)
 
     # ---- what callers may read
 
@@ -114,8 +119,15 @@ class Pipeline:
     def set_draft(self, path):
         """Swap the draft (None or False: target-only), keeping the compiled target. Not while requests run; a
         draft refused changes nothing."""
-        if self.engine is not None and self.engine.has_work:  # (the running rows' engine would be dropped)
+        # (the running rows' engine would be dropped: a call on another thread then spun for ever)
+        if not self._turn.acquire(blocking=False):  # a call runs: on another thread, or this is its callback
             raise MindspecError("cannot change the draft while requests are running")
+        try:
+            self._set_draft(path)
+        finally:
+            self._turn.release()
+
+    def _set_draft(self, path):
         path = None if path is None or path is False else _path("draft", path)
         was = self.manifest, self.draft_path
         self.manifest = self._check_draft(path) if path else None
@@ -296,6 +308,8 @@ class Pipeline:
     def run(self, reqs, on_event=None, max_batch=1):
         """Run requests to the end through the engine, up to max_batch at once (the rest join as rows
         finish). on_event(request, text) gets each step's new text per request, and its end."""
+        if on_event is not None and not callable(on_event):  # (raised after the first step)
+            raise MindspecError(f"on_event must be a callable (it gets each request's new text), got {on_event!r}")
         for r, text in self.stream(reqs, max_batch):
             if on_event is not None:
                 on_event(r, text)
@@ -314,8 +328,9 @@ class Pipeline:
                                 "pipeline is open: call it after that one ends (or close the stream)")
         if not (is_int(max_batch) and max_batch >= 1):  # (0 waited for ever)
             raise MindspecError(f"max_batch must be an integer >= 1, got {max_batch!r}")
-        if not all(isinstance(r, Request) for r in reqs):
-            raise MindspecError("run takes Requests (made by Pipeline.request)")
+        if not isinstance(reqs, (list, tuple)) or not all(isinstance(r, Request) for r in reqs):
+            # (a generator was read by this check, a lone Request was "not iterable")
+            raise MindspecError("run and stream take a list of Requests (made by Pipeline.request)")
         if len({id(r) for r in reqs}) < len(reqs):  # (its second turn never came: a spin)
             raise MindspecError("the same request is given twice: make one per generation")
         if any(r.state != WAITING or r.output or r.pos for r in reqs):  # (it went on after its old output)
@@ -359,7 +374,7 @@ class Pipeline:
         which a graph run sets and which sends the process SIGTERM, undone then (a script died on Ctrl-C,
         even in a time.sleep after its last generation). A second one passes on at once. Under a command's
         signal handling nothing is installed here (None)."""
-        with signals.held() as held:
+        with _GRAPHS, signals.held() as held:
             out = fn()
         return out, held
 

@@ -285,6 +285,53 @@ def test_threads_sharing_a_pipeline_take_turns(pipe):
     assert [got.get(i) for i in range(3)] == solo
 
 
+TWO_PIPELINES_SCRIPT = """
+import sys, threading, mindspec
+a, b = (mindspec.load(target=sys.argv[1], draft=sys.argv[2], k=4, max_seq=128) for _ in range(2))
+want = a.generate(prompt_ids=[5, 6, 7], max_new_tokens=40).token_ids
+got = {}
+def loop(p, name):
+    got[name] = [p.generate(prompt_ids=[5, 6, 7], max_new_tokens=40).token_ids for _ in range(8)]
+threads = [threading.Thread(target=loop, args=(p, name)) for p, name in ((a, 0), (b, 1))]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print(got == {0: [want] * 8, 1: [want] * 8}, flush=True)
+"""
+
+
+def test_two_pipelines_on_two_threads_take_turns(tiny_target, noisy_draft):
+    """The library prober's: two pipelines generating at once on two threads deadlocked inside MindSpore's
+    executor (each pipeline's own lock let them overlap). Their steps now take turns, process-wide. (In a
+    process of its own: a deadlock there holds nothing of this one.)"""
+    import subprocess
+    p = _script(TWO_PIPELINES_SCRIPT, tiny_target, noisy_draft)
+    try:
+        out, err = p.communicate(timeout=150)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        pytest.fail("deadlocked: " + p.communicate()[1][-2000:])
+    assert (p.returncode, out.split()) == (0, ["True"]), err[-3000:]
+
+
+def test_set_draft_while_a_call_runs_is_refused_whatever_its_rows(pipe, noisy_draft):
+    """The library prober's: set_draft looked only for running rows, so in a call's warm-up or between its
+    requests a swap (from another thread) was accepted, and the call, its rows added to the dropped engine,
+    could spin for ever. An open call (here a stream between its two requests: no row running) refuses it."""
+    from mindspec.errors import MindspecError
+    want = pipe.generate(prompt_ids=[9, 8, 7], max_new_tokens=6).token_ids
+    rs = [pipe.request(prompt_ids=[5, 6, 7], max_new_tokens=4), pipe.request(prompt_ids=[9, 8, 7], max_new_tokens=6)]
+    s = pipe.stream(rs, max_batch=1)
+    for r, _ in s:
+        if r.done:
+            break  # the first ended, the second not yet added
+    with pytest.raises(MindspecError, match="cannot change the draft while requests are running"):
+        pipe.set_draft(None)
+    list(s)
+    assert rs[1].result().token_ids == want and pipe.draft_path == noisy_draft
+
+
 def test_a_call_its_callback_interrupts_leaves_the_pipeline_clean(pipe):
     """Found: Ctrl-C or an on_text callback that raised left the request in the engine, stepped by later
     calls, and a later call needing a larger cache failed ("cannot resize the KV cache while requests are
@@ -594,10 +641,14 @@ def test_careless_library_calls_are_one_line_errors_and_change_nothing(pipe, tin
         pipe.generate_many([{"prompt_ids": [5, 6], "chat": True}])
     # run(): max_batch 0 and one request given twice hung; a string was an AttributeError
     r = pipe.request(prompt_ids=[5, 6], max_new_tokens=3)
+    # (the library prober's: a generator, a lone Request or None, and a non-callable on_event, raised TypeErrors)
     for args, words in ((([r], None, 0)), "max_batch must be an integer >= 1, got 0"), \
-            (([r, r],), "the same request is given twice"), ((["hello"],), "run takes Requests"):
+            (([r, r],), "the same request is given twice"), ((["hello"],), "run and stream take a list of Requests"), \
+            (((x for x in [r]),), "take a list of Requests"), ((r,), "take a list of Requests"), \
+            ((None,), "take a list of Requests"), (([r], 5), "on_event must be a callable"):
         with pytest.raises(MindspecError, match=words):
             pipe.run(*args)
+    assert r.state == "waiting" and not r.output  # (none of them ran it)
     # a callback that is not callable failed after the prompt ran; an unknown keyword named request()
     with pytest.raises(MindspecError, match="on_text must be a callable"):
         pipe.generate(prompt_ids=[5], on_text=5)
