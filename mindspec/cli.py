@@ -470,7 +470,10 @@ def _launch_tp(argv, args):
     check_tp(args.tp, detect_device(args.device))
     topo = _topology(args)  # (the layout's own errors first)
     _check_tp_heads(args)
-    return tp.launch(argv, args.tp, topo=topo, device=args.device)
+    if args.cmd == "batch":
+        from .batch import check_shared_input
+        check_shared_input(args.input, "--tp", "rank")
+    return tp.launch(argv, args.tp, topo=topo, device=args.device, product=args.cmd == "generate")
 
 
 def _check_tp_heads(args):

@@ -249,12 +249,14 @@ def _alive(pid):
 
 
 def launch(argv, n, script=None, timeout=CLUSTER_TIMEOUT, log_dir=None, grace=FAILURE_GRACE,
-           stdout=None, stderr=None, topo=None, device=None, stray=STRAY_GRACE):
+           stdout=None, stderr=None, topo=None, device=None, stray=STRAY_GRACE, product=True):
     """Run `python -m mindspec ARGV` (or `python SCRIPT ARGV`) on n ranks under msrun; return rank 0's
     exit code, or non-zero with one line on stderr when a rank died. Rank 0's output is streamed to
     stdout/stderr (default: this process's). `topo` (several machines): this machine's share of the n
     ranks; on a machine without rank 0, 0 when its ranks all ended well. `device`: --device (None: auto).
-    `stray`: seconds the other ranks may run on once rank 0 ended, before they are stopped and named."""
+    `stray`: seconds the other ranks may run on once rank 0 ended, before they are stopped and named.
+    `product`: rank 0's stdout is what the command makes (generate's text): a failed write of it stops the
+    job as at TP=1; otherwise (serve's "serving" line) what cannot be written is dropped."""
     stdout, stderr = stdout or sys.stdout, stderr or sys.stderr
     n = int(n)
     if n < 1:
@@ -281,7 +283,7 @@ def launch(argv, n, script=None, timeout=CLUSTER_TIMEOUT, log_dir=None, grace=FA
         while proc.poll() is None:
             out.pump()
             err.pump()
-            if out.error is not None:
+            if out.error is not None and product:
                 break  # the output is lost: stop, as a command at TP=1 stops at its failed write
             if failed_at is None and os.path.getsize(msrun_log) > seen:
                 with open(msrun_log, "rb") as f:
@@ -319,7 +321,7 @@ def launch(argv, n, script=None, timeout=CLUSTER_TIMEOUT, log_dir=None, grace=FA
     if interrupted:  # (its logs are a failed job's only)
         shutil.rmtree(job, ignore_errors=True)
         return 130
-    if out.error is not None:  # said as at TP=1 (cli._exit_code): a reader gone quietly, else one line, exit 2
+    if out.error is not None and product:  # said as at TP=1 (cli._exit_code): a reader gone quietly, else one line, exit 2
         shutil.rmtree(job, ignore_errors=True)
         e = out.error
         raise e if isinstance(e, (BrokenPipeError, StdoutError)) else StdoutError(e.errno, e.strerror)

@@ -1654,20 +1654,30 @@ def test_sigterm_while_loading_stops_quietly(pair, tmp_path, after):
 def test_tensor_parallel_server(pair, pipe):
     """`serve --tp 2`: rank 0 listens on 127.0.0.1 and hands each request to rank 1 (idle ranks ping
     each other every TICK, so a quiet server does not break the group); answers equal TP=1's, a bad
-    request is still a 4xx, and SIGTERM to the launcher ends the whole job."""
+    request is still a 4xx, and SIGTERM to the launcher ends the whole job. Its stdout is full (a review's:
+    the launcher stopped the job when it could not copy the "serving" line; at TP=1 the server serves)."""
     import time
     target, draft = pair
     # -k 1 --max-batch 1: three graphs a rank, each rank's cold compile the bulk of this test (TP batches: test_tp.py)
-    p = subprocess.Popen([sys.executable, "-m", "mindspec", "serve", "--tp", "2", "--target", target, "--draft", draft,
-                          "-k", "1", "--max-seq", str(MAX_SEQ), "--port", "0", "--model-name", "tiny", "--max-batch", "1",
-                          "--max-queue", "4", "--strict-model-name"],
-                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    with open("/dev/full", "w") as full:
+        p = subprocess.Popen([sys.executable, "-m", "mindspec", "serve", "--tp", "2", "--target", target, "--draft",
+                              draft, "-k", "1", "--max-seq", str(MAX_SEQ), "--port", "0", "--model-name", "tiny",
+                              "--max-batch", "1", "--max-queue", "4", "--strict-model-name"],
+                             stdout=full, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         lines = queue.Queue()
-        threading.Thread(target=lambda: [lines.put(x) for x in p.stdout], daemon=True).start()
-        while not (m := re.search(r"serving tiny on (http://127\.0\.0\.1:\d+)", lines.get(timeout=800))):
+        threading.Thread(target=lambda: [lines.put(x) for x in p.stderr], daemon=True).start()
+        while not (m := re.search(r"listening on (http://127\.0\.0\.1:\d+)", lines.get(timeout=800))):
             pass
         base = m.group(1)
+
+        def ready():
+            try:
+                return call(base, "/health")[0] == 200
+            except OSError:
+                return False
+
+        assert wait_for(ready, 800) and p.poll() is None, "the server did not start"
         time.sleep(40)  # idle longer than a collective waits (without the pings the job dies)
         c = post(base, "/v1/completions", {"prompt": IDS, "max_tokens": N})
         ref = pipe.generate(prompt_ids=IDS, max_new_tokens=N, speculate=False)
