@@ -12,6 +12,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import stat
 import sys
 import time
@@ -77,6 +78,29 @@ def _read_lines(path):
         if text.strip():
             out.append((n, text))
     return out
+
+
+def _descriptor(path):
+    """Whether `path` names an open file of a process (/dev/stdin, /dev/fd/N, /proc/self/fd/N, ...): another
+    process opening it gets its own descriptor's file, whatever this one's is."""
+    path = os.path.abspath(path)
+    for _ in range(40):  # (a loop of links: not a descriptor)
+        if re.fullmatch(r"/proc/\d+(/task/\d+)?/fd", os.path.realpath(os.path.dirname(path))):
+            return True
+        if not os.path.islink(path):
+            return False
+        path = os.path.join(os.path.dirname(path), os.readlink(path))
+    return False
+
+
+def check_shared_input(path, flag, who):
+    """An input every replica (--dp) or rank (--tp) reads for itself: a regular file by its own path (a pipe,
+    or /dev/stdin from a file, reached each of them empty: their stdin is not the user's)."""
+    if os.path.exists(path) and not os.path.isfile(path):
+        raise MindspecError(f"{flag} needs its input as a regular file (every {who} reads it): {path} is not one")
+    if _descriptor(path):
+        raise MindspecError(f"{flag} needs its input by its file's own path (every {who} opens it): {path} is a "
+                            "descriptor of this process")
 
 
 def _row(n, text):
@@ -326,16 +350,18 @@ class Output:
             return True
         try:
             st = os.stat(self.real)
-        except OSError:
+        except (FileNotFoundError, NotADirectoryError):
             return False
+        except OSError:  # (a directory made unreadable, a network file system's hiccup: no sign of a new file)
+            return True
         return (st.st_dev, st.st_ino) == self.here
 
     def check_here(self):
         """The output must still be the file at its path: one removed or replaced while the job runs (a
         cleanup, a moved directory) takes the records with it, and the job went on writing into nothing."""
         if not self._here():
-            raise MindspecError(f"output {self.path} was removed or replaced while this job wrote it, and the "
-                                f"records in it with it; run the same command again to write them anew")
+            raise MindspecError(f"output {self.path} was removed, replaced or moved while this job wrote it; run "
+                                f"the same command again to write its records there anew")
 
     def check_asked(self, items):
         """Refuse a line edited since its result was written (its id would keep the old result)."""

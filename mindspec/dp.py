@@ -25,7 +25,8 @@ import subprocess
 import sys
 import time
 
-from .batch import Output, Tally, _key, _read_lines, _rows, check_asked, part_path, read_records
+from .batch import (Output, Tally, _key, _read_lines, _rows, check_asked, check_shared_input, part_path,
+                    read_records)
 from .device import check_tp, detect_device
 from .errors import MindspecError
 from .request import SEED_ENV
@@ -265,28 +266,10 @@ def _unfinished(rcs, rows, output_path, job, dp):
     return None
 
 
-def _own_descriptor(path):
-    """Whether `path` names one of this process's open files (/dev/stdin, /dev/fd/N, /proc/self/fd/N),
-    whatever file that is: another process opening it gets its own."""
-    mine = ("/dev/fd", "/proc/self/fd", f"/proc/{os.getpid()}/fd")
-    path = os.path.abspath(path)
-    for _ in range(40):  # (a loop of links: not a descriptor)
-        if os.path.dirname(path) in mine:
-            return True
-        if not os.path.islink(path):
-            return False
-        path = os.path.normpath(os.path.join(os.path.dirname(path), os.readlink(path)))
-    return False
-
-
 def launch(argv, input_path, output_path, job, dp, tp=1, nodes=1, node_rank=0):
     """The data-parallel launcher; returns the job's exit code."""
     here = replicas_here(dp, nodes, node_rank)
-    if os.path.exists(input_path) and not os.path.isfile(input_path):  # (a pipe reached every replica empty)
-        raise MindspecError(f"--dp needs its input as a regular file (every replica reads it): {input_path} is not one")
-    if _own_descriptor(input_path):  # (a replica opening /dev/stdin got its own: empty, and left empty parts)
-        raise MindspecError(f"--dp needs its input by its file's own path (every replica opens it): {input_path} "
-                            f"is this process's descriptor")
+    check_shared_input(input_path, "--dp", "replica")
     asked = f"--dp {dp}" + (f" over --nodes {nodes} ({len(here)} replicas on this machine)" if nodes > 1 else "")
     check_tp(tp, detect_device(), replicas=len(here), dp=asked)  # (replicas past the NPUs saw none: ran on the host)
     rows = _rows(_read_lines(input_path), input_path)  # a bad input stops here, before any replica starts

@@ -396,17 +396,19 @@ def test_an_output_removed_while_the_job_runs_stops_it_with_one_line(setup, tmp_
     next record, exit 2, saying so; the same command then writes every record anew."""
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_text("".join(json.dumps({"prompt_ids": [5, 6, i]}) + "\n" for i in range(40)))
-    p = subprocess.Popen(command(setup, out, inp), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(command(setup, out, inp, ["--max-new-tokens", "40"]), stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, text=True)
     while not out.exists() or len(records(out)) < 2:
         assert p.poll() is None, p.stderr.read()
         time.sleep(0.05)
     p.send_signal(signal.SIGSTOP)  # (so that the job cannot end first)
+    assert p.poll() is None, p.stderr.read()
     out.unlink()
     p.send_signal(signal.SIGCONT)
     err = p.communicate(timeout=300)[1]
     assert p.returncode == 2 and last(err) == (
-        f"mindspec: error: output {out} was removed or replaced while this job wrote it, and the records in it "
-        "with it; run the same command again to write them anew"), err
+        f"mindspec: error: output {out} was removed, replaced or moved while this job wrote it; run the same "
+        "command again to write its records there anew"), err
     assert "Traceback" not in err and not out.exists()
 
 
@@ -914,8 +916,14 @@ def test_scale_out_flags_that_cannot_work_exit_2_with_one_line(setup, tmp_path):
         from_file = subprocess.run(command(setup, tmp_path / "piped.jsonl", "/dev/stdin", ["--dp", "2"]),
                                    stdin=f, capture_output=True, text=True, timeout=300)
     assert from_file.returncode == 2 and from_file.stderr == (
-        "mindspec: error: --dp needs its input by its file's own path (every replica opens it): /dev/stdin is this "
-        "process's descriptor\n")
+        "mindspec: error: --dp needs its input by its file's own path (every replica opens it): /dev/stdin is a "
+        "descriptor of this process\n")
+    with open(tmp_path / "in1.jsonl", "rb") as f:  # (the review's: the same under --tp, each rank's stdin /dev/null)
+        from_file = subprocess.run(command(setup, tmp_path / "piped.jsonl", "/dev/fd/0", ["--tp", "2"]),
+                                   stdin=f, capture_output=True, text=True, timeout=300)
+    assert from_file.returncode == 2 and from_file.stderr == (
+        "mindspec: error: --tp needs its input by its file's own path (every rank opens it): /dev/fd/0 is a "
+        "descriptor of this process\n")
     assert not list(tmp_path.glob("piped.jsonl*"))
     _expect_usage_error(setup, out, "unmerged parts of a --dp 3 run")  # nor without --dp
     (tmp_path / "o.jsonl.part1of3").unlink()
