@@ -1,6 +1,7 @@
 """`mindspec.load(...)` -> Pipeline: target + draft + tokenizer, and thin drivers over the one engine:
 generate (one request), generate_many (many, continuously batched) and run (what serve and batch
 use)."""
+import functools
 import inspect
 import os
 import threading
@@ -24,6 +25,15 @@ from . import signals
 # MindSpore's graph runs and builds, process-wide: two pipelines' calls on two threads at once deadlocked in its
 # executor (one pipeline's calls take turns by its own _turn). Held per step, so two pipelines' calls interleave.
 _GRAPHS = threading.RLock()
+
+
+def _graphs(fn):
+    """fn holding _GRAPHS (it builds or runs graphs)."""
+    @functools.wraps(fn)
+    def holding(*args, **kw):
+        with _GRAPHS:
+            return fn(*args, **kw)
+    return holding
 
 __all__ = ["Pipeline", "Result", "load"]
 
@@ -73,8 +83,8 @@ class Pipeline:
         from mindspec.graphs.runner import init_mindspore
         with _GRAPHS:
             init_mindspore(self.device)
-            if max_seq:
-                self._build(max_seq, max_batch)
+        if max_seq:
+            self._build(max_seq, max_batch)
 
     # ---- what callers may read
 
@@ -117,8 +127,8 @@ class Pipeline:
         return m
 
     def set_draft(self, path):
-        """Swap the draft (None or False: target-only), keeping the compiled target. Not while requests run; a
-        draft refused changes nothing."""
+        """Swap the draft (None or False: target-only), keeping the compiled target. Not while a call of this
+        pipeline is open (a stream not yet ended, a callback's own call); a draft refused changes nothing."""
         # (the running rows' engine would be dropped: a call on another thread then spun for ever)
         if not self._turn.acquire(blocking=False):  # a call runs: on another thread, or this is its callback
             raise MindspecError("cannot change the draft while requests are running")
@@ -156,6 +166,7 @@ class Pipeline:
         self.costs = None
         self.engine = Engine(t, self.proposer, self.spec, prefix_cache=self.prefix_cache)
 
+    @_graphs
     def _build(self, max_seq, max_batch):
         """(Re)build the target graphs and the draft cache for `max_seq` positions and `max_batch` rows."""
         from mindspec.graphs.runner import TargetModel
@@ -263,6 +274,7 @@ class Pipeline:
         r.logprobs = logprobs
         return r
 
+    @_graphs
     def prepare(self, reqs, max_batch=1, every_graph=False, rows_now=None):
         """Size the cache for these requests (read them first, size once), compile what they need
         (every graph of every batch bucket with every_graph) and measure the dynamic-K costs. rows_now:
@@ -316,8 +328,8 @@ class Pipeline:
         return reqs
 
     def stream(self, reqs, max_batch=1, ready=None):
-        """Run requests to the end through the engine, up to max_batch at once (the rest join as rows
-        finish), yielding (request, text) after each step for each request that committed text or ended
+        """Run requests (a list or tuple of Requests) to the end through the engine, up to max_batch at once
+        (the rest join as rows finish), yielding (request, text) after each step for each request that committed text or ended
         (request.done). ready() is called once the warm-up (compiling, measuring costs) is done. Calls from
         several threads take turns (the graphs and caches are one: a stream holds them until it ends or is
         closed); one left by an exception (Ctrl-C, a consumer that raised) or closed half-way leaves the

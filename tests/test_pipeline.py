@@ -323,12 +323,15 @@ def test_set_draft_while_a_call_runs_is_refused_whatever_its_rows(pipe, noisy_dr
     want = pipe.generate(prompt_ids=[9, 8, 7], max_new_tokens=6).token_ids
     rs = [pipe.request(prompt_ids=[5, 6, 7], max_new_tokens=4), pipe.request(prompt_ids=[9, 8, 7], max_new_tokens=6)]
     s = pipe.stream(rs, max_batch=1)
-    for r, _ in s:
-        if r.done:
-            break  # the first ended, the second not yet added
-    with pytest.raises(MindspecError, match="cannot change the draft while requests are running"):
-        pipe.set_draft(None)
-    list(s)
+    try:
+        for r, _ in s:
+            if r.done:
+                break  # the first ended, the second not yet added
+        with pytest.raises(MindspecError, match="cannot change the draft while requests are running"):
+            pipe.set_draft(None)
+        list(s)
+    finally:
+        s.close()  # (a failure here must not leave the module's pipeline held)
     assert rs[1].result().token_ids == want and pipe.draft_path == noisy_draft
 
 
