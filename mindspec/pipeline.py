@@ -329,8 +329,8 @@ class Pipeline:
 
     def stream(self, reqs, max_batch=1, ready=None):
         """Run requests (a list or tuple of Requests) to the end through the engine, up to max_batch at once
-        (the rest join as rows finish), yielding (request, text) after each step for each request that committed text or ended
-        (request.done). ready() is called once the warm-up (compiling, measuring costs) is done. Calls from
+        (the rest join as rows finish), yielding (request, text) after each step for each request that
+        committed text or ended (request.done). ready() is called once the warm-up (compiling, measuring costs) is done. Calls from
         several threads take turns (the graphs and caches are one: a stream holds them until it ends or is
         closed); one left by an exception (Ctrl-C, a consumer that raised) or closed half-way leaves the
         engine empty. A Ctrl-C is held back only while MindSpore runs (each warm-up and step, see _held):

@@ -199,8 +199,8 @@ def _msrun():
 
 class _Tail:
     """Copy what a growing file gains to a stream (rank 0's output to the user's terminal). A failed write
-    (the reader left, a full disk, a closed descriptor) is kept in `error`, not raised: the launcher stops
-    the job and cleans up first; nothing more is written."""
+    (the reader left, a full disk, a closed descriptor) is kept in `error`, not raised: nothing more is
+    written, and the launcher stops the job where that output was its product (launch's `product`)."""
 
     def __init__(self, path, stream):
         self.path, self.stream, self.f, self.error = path, stream, None, None
@@ -321,7 +321,7 @@ def launch(argv, n, script=None, timeout=CLUSTER_TIMEOUT, log_dir=None, grace=FA
     if interrupted:  # (its logs are a failed job's only)
         shutil.rmtree(job, ignore_errors=True)
         return 130
-    if out.error is not None and product:  # said as at TP=1 (cli._exit_code): a reader gone quietly, else one line, exit 2
+    if out.error is not None and product:  # said as at TP=1 (cli._exit_code): a reader gone, quietly; else one line
         shutil.rmtree(job, ignore_errors=True)
         e = out.error
         raise e if isinstance(e, (BrokenPipeError, StdoutError)) else StdoutError(e.errno, e.strerror)
