@@ -124,6 +124,22 @@ def test_ctrl_c_while_generate_loads_or_compiles_exits_130_quietly(pair, tmp_pat
     assert set(os.listdir(tmp_path)) <= {"home", "tmp"} and not os.listdir(tmp_path / "tmp")  # (no ./rank_0)
 
 
+def test_the_empty_dump_directories_of_killed_commands_are_removed_by_the_next(pair, tmp_path):
+    """Found by a launcher probe: a command killed (a --dp replica SIGKILLed) left its empty
+    $TMPDIR/mindspec-om-* for good. The next command removes those of dead processes; a dump stays."""
+    target, draft, _ = pair
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    tmp = tmp_path / "tmp"
+    for name in (f"mindspec-om-{gone.pid}-a", f"mindspec-om-{gone.pid}-b/rank_0/om", f"mindspec-om-{os.getpid()}-c"):
+        (tmp / name).mkdir(parents=True)
+    (tmp / f"mindspec-om-{gone.pid}-b/rank_0/om/analyze_fail.ir").write_text("a failed compile's dump")
+    code, out, err = run("generate", "hi", "--target", target, "--draft", draft, "--max-new-tokens", "2",
+                         env={"TMPDIR": str(tmp)})
+    assert code == 0, err
+    assert set(os.listdir(tmp)) == {f"mindspec-om-{gone.pid}-b", f"mindspec-om-{os.getpid()}-c"}
+
+
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
 def test_ctrl_c_while_generate_waits_for_its_prompt_on_stdin_exits_130(pair, sig):
     """Found by a signals probe: `generate -` read stdin with the signals held back, deaf to Ctrl-C; a SIGTERM
