@@ -1,8 +1,8 @@
 """Draft -> ONNX: build the graph from checkpoint weights, optionally quantize, write the manifest."""
 import os
 import shutil
-import tempfile
 
+from mindspec import scratch
 from mindspec.checkpoint import Checkpoint
 from mindspec.errors import MindspecError
 from mindspec.spec import QUANTIZE_MODES
@@ -25,8 +25,14 @@ def export_draft(model_dir, out_path, quantize=None, layers=None, max_seq=None, 
         raise MindspecError(f"--quantize must be one of int8, q8, q4 (or none), got {quantize!r}")
     if dtype not in DTYPES:
         raise MindspecError(f"--dtype must be one of {', '.join(DTYPES)} for a draft, got {dtype!r}")
+    if quantize == "int8" and dtype == "float16":  # (its every load failed: INVALID_GRAPH)
+        raise MindspecError("--quantize int8 does not go with --dtype float16 (onnxruntime's DynamicQuantizeLinear "
+                            "reads float32 only): use q8 or q4")
     ckpt = Checkpoint(model_dir)
     cfg = ckpt.config
+    if not os.path.exists(os.path.join(ckpt.dir, "tokenizer.json")):  # (what a load checks against its target's)
+        raise MindspecError(f"{ckpt.dir} has no tokenizer.json: a draft must carry its tokenizer's fingerprint, "
+                            "checked against its target's when loaded")
     n = cfg.num_hidden_layers
     if profile == "cpu" and cfg.head_dim % 16:
         raise MindspecError(f"--profile cpu needs a head_dim that is a multiple of 16 (onnxruntime's GroupQueryAttention "
@@ -51,7 +57,7 @@ def export_draft(model_dir, out_path, quantize=None, layers=None, max_seq=None, 
                                 f"give a path ending in .onnx")
     try:  # (before the model is built: an --out where nothing can be written is found at once)
         os.makedirs(out_dir, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=".export-", dir=out_dir)
+        tmp = scratch.mkdtemp(".export-", dir=out_dir)  # (a killed export's is removed)
     except OSError as e:
         raise MindspecError(f"cannot write the draft into {out_dir}: {e.strerror or e}") from None
     try:  # everything is made in tmp: a failure (or Ctrl-C) before the swap leaves an earlier draft whole

@@ -30,6 +30,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from mindspec.checkpoint import narrow
+
 OPSET = 17
 ASCEND_OPSET = 13  # inside the opset range of every op the ascend profile uses (cann_ops.py)
 IR_VERSION = 8  # what opset 17 needs; newer IRs are refused by older runtimes
@@ -68,7 +70,7 @@ class _Graph:
 
     def weight(self, value, name):
         """An initializer in the export's dtype."""
-        return self.const(np.ascontiguousarray(value, self.np_dtype), name)
+        return self.const(narrow(value, self.np_dtype, name), name)
 
     def wide(self, x):
         """x in float32 (a no-op for a float32 export)."""

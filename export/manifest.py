@@ -29,8 +29,6 @@ def _sha256(path):
 
 def _tokenizer_fingerprint(model_dir):
     """The draft's vocabulary identity: a draft must tokenize exactly like its target."""
-    if not os.path.exists(os.path.join(model_dir, "tokenizer.json")):
-        return None
     from mindspec.tokenizer import Tokenizer
     return Tokenizer(model_dir).vocab_fingerprint()
 
@@ -99,6 +97,9 @@ def read_manifest(onnx_path):
             if not ok]
     if bad:
         raise MindspecError(f"garbled draft manifest {mpath} (bad or missing {bad[0]})")
+    if not isinstance(m.get("tokenizer_fingerprint"), str):  # (then paired with any target of its vocabulary size)
+        raise MindspecError(f"draft {onnx_path} was exported without its tokenizer, so nothing shows it tokenizes as "
+                            "its target does: re-export it from a checkpoint with tokenizer.json")
     if os.path.getsize(onnx_path) != m["onnx_bytes"] or _sha256(onnx_path) != m["onnx_sha256"]:
         if not _is_onnx(onnx_path):
             raise MindspecError(f"not an ONNX file: {onnx_path}")

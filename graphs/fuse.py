@@ -13,6 +13,7 @@ plan's slots, empty slots zero) and their KV heads, its intermediate and vocabul
 rank the plan is the identity and the result is exactly the unsharded fold."""
 import numpy as np
 
+from mindspec.checkpoint import narrow
 from mindspec.reference import rope_tables
 from .tp import shard_plan
 
@@ -67,7 +68,7 @@ class _Cast(dict):
         self.dtype = dtype
 
     def __setitem__(self, key, value):
-        super().__setitem__(key, np.ascontiguousarray(value, dtype=self.dtype))
+        super().__setitem__(key, narrow(value, self.dtype, key))
 
 
 def fused_weights(cfg, get, plan=None, get_slice=None, dtype=np.float32, rot_rows=True):

@@ -7,13 +7,12 @@ import hashlib
 import json
 import math
 import os
-import stat
 import struct
 
 import numpy as np
 
 from .config import load_config
-from .errors import MindspecError, is_int, parse_json, read_json
+from .errors import MindspecError, is_int, parse_json, read_json, regular
 
 _DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I64": np.int64,
            "I32": np.int32, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
@@ -33,10 +32,8 @@ class SafetensorsFile:
     def __init__(self, path):
         self.path = path
         try:
-            if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO would block the open for ever
-                raise MindspecError(f"not a valid safetensors file: {path} is not a regular file")
             size = os.path.getsize(path)
-            with open(path, "rb") as f:
+            with open(regular(path), "rb") as f:
                 (n,) = struct.unpack("<Q", f.read(8))
                 if n <= 0 or 8 + n > size:
                     raise ValueError("header length out of range")
@@ -65,12 +62,24 @@ class SafetensorsFile:
         return arr.astype(np.float32) if np.dtype(dt).kind == "f" or info["dtype"] == "BF16" else np.array(arr)
 
 
-def _finite(w, name, path):
+def finite(w, name, path):
     """w, refused if a weight is NaN or infinite (a broken checkpoint generated token 0 for ever). The sum
     in float64 is NaN or inf exactly then, and needs no array of w's size."""
     if w.dtype.kind == "f" and not np.isfinite(np.sum(w, dtype=np.float64)):
         raise MindspecError(f"{path}: tensor {name} holds NaN or infinite values: the checkpoint is broken")
     return w
+
+
+def narrow(w, dtype, name):
+    """w as a contiguous array of dtype, refused if a value is beyond float16's range (+-65504: it became
+    inf, and a float16 target generated token 0 for ever, a float16 draft accepted nothing)."""
+    with np.errstate(over="ignore", invalid="ignore"):  # (numpy's warnings: the one line below says it)
+        out = np.ascontiguousarray(w, dtype=dtype)
+        bad = out.dtype == np.float16 and not np.isfinite(np.sum(out, dtype=np.float64))
+    if bad:
+        raise MindspecError(f"weight {name} holds values beyond float16's range (+-65504): this model needs "
+                            "--dtype float32")
+    return out
 
 
 def _check_layout(header, data_bytes, path):
@@ -164,7 +173,7 @@ class Checkpoint:
     def get(self, name):
         """A weight as float32 (its shape and dtype were checked when the checkpoint was opened)."""
         name, sf = self._shard(name)
-        return _finite(sf.get(name), name, sf.path)
+        return finite(sf.get(name), name, sf.path)
 
     def get_slice(self, name, axis, start, stop):
         """Rows (axis 0) or columns (axis 1) start:stop of a 2-D tensor, equal to get(name) sliced,
@@ -178,7 +187,7 @@ class Checkpoint:
         b, e = info["data_offsets"]
         full = sf._data[b:e].view(dt).reshape(shape)  # a view of the mapping: nothing read yet
         part = full[start:stop] if axis == 0 else full[:, start:stop]
-        return _finite(part.astype(np.float32) if np.dtype(dt).kind == "f" or info["dtype"] == "BF16"
+        return finite(part.astype(np.float32) if np.dtype(dt).kind == "f" or info["dtype"] == "BF16"
                        else np.array(part), name, sf.path)
 
     def fingerprint(self):

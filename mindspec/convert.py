@@ -9,13 +9,13 @@ import json
 import os
 import re
 import shutil
-import tempfile
 
 import numpy as np
 
-from .checkpoint import expected_shape, umask, weight_names, write_checkpoint
+from . import scratch
+from .checkpoint import finite, expected_shape, umask, weight_names, write_checkpoint
 from .config import config_from_dict
-from .errors import MindspecError
+from .errors import MindspecError, regular
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -146,7 +146,7 @@ def _tensors(reader, cfg, path):
             w = _unpermute(w, cfg["num_attention_heads"])
         elif name.endswith("k_proj.weight"):
             w = _unpermute(w, cfg["num_key_value_heads"])
-        out[name] = w
+        out[name] = finite(w, t.name, path)  # (a NaN written was refused by every command after)
     return out
 
 
@@ -212,9 +212,11 @@ def convert_gguf(gguf_path, out_dir):
     if os.path.isdir(out_dir) and os.listdir(out_dir):
         raise MindspecError(f"--out {out_dir} is not empty: give a new directory")
     try:
-        reader = _reader_class()(gguf_path, "r")
+        reader = _reader_class()(regular(gguf_path), "r")
     except FileNotFoundError:
         raise MindspecError(f"GGUF file not found: {gguf_path}") from None
+    except MindspecError:
+        raise
     except Exception as e:  # GGUFReader raises ValueError, struct errors, numpy errors... on junk
         raise MindspecError(f"not a readable GGUF file: {gguf_path} ({type(e).__name__}: {e})") from None
     meta = _Meta(reader, gguf_path)
@@ -235,7 +237,7 @@ def convert_gguf(gguf_path, out_dir):
     parent = os.path.dirname(os.path.abspath(out_dir))
     try:  # a scratch directory of its own beside OUT (a fixed OUT.partial was deleted, even a user's)
         os.makedirs(parent, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=os.path.basename(os.path.normpath(out_dir)) + ".partial-", dir=parent)
+        tmp = scratch.mkdtemp(os.path.basename(os.path.normpath(out_dir)) + ".partial-", dir=parent)
     except OSError as e:
         raise MindspecError(f"cannot write {out_dir}: {e.strerror or e}") from None
     try:

@@ -1,6 +1,8 @@
 """User-facing errors: the CLI prints them on one line and exits 2 (the server maps them to 4xx)."""
 import json
 import numbers
+import os
+import stat
 
 
 class MindspecError(Exception):
@@ -35,10 +37,20 @@ def is_number(v):
     return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
 
+def regular(path):
+    """path, refused if a pipe, a device or a socket: a model's file that was a FIFO blocked its open for ever,
+    deaf to Ctrl-C (a missing one raises FileNotFoundError; a directory is left to its open's IsADirectoryError)."""
+    mode = os.stat(path).st_mode
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        raise MindspecError(f"{path} is not a regular file (a pipe, a device or a socket)")
+    return path
+
+
 def read_json(path):
-    """json.load of a file (UTF-8). A document nested deeper than Python's stack is a ValueError like any
-    other bad JSON (json raises RecursionError): callers catch (OSError, ValueError) for one-line errors."""
-    with open(path, encoding="utf-8") as f:
+    """json.load of a file (UTF-8), which must be a regular file. A document nested deeper than Python's
+    stack is a ValueError like any other bad JSON (json raises RecursionError): callers catch (OSError,
+    ValueError) for one-line errors."""
+    with open(regular(path), encoding="utf-8") as f:
         text = f.read()
     return parse_json(text)
 

@@ -1,13 +1,12 @@
 """Where MindSpore writes a failed compile's dump (rank_N/om/analyze_fail.ir, by default into the current
 directory): a temporary directory ($MS_OM_PATH) a command removes at its end unless something was written
-there. A stopped compile writes one too. A user's own MS_OM_PATH is left alone. A command killed (SIGKILL) leaves
-its directory: the next command removes those of dead processes that stayed empty."""
+there. A stopped compile writes one too. A user's own MS_OM_PATH is left alone. A command killed outright
+leaves its directory: the next command removes it if it stayed empty (scratch.py)."""
 import os
-import re
-import shutil
-import tempfile
 
-_NAME = re.compile(r"mindspec-om-(\d+)-")
+from . import scratch
+
+PREFIX = "mindspec-om-"
 
 
 class OmDir:
@@ -17,8 +16,7 @@ class OmDir:
     def __enter__(self):
         self.path = None
         if "MS_OM_PATH" not in os.environ:
-            _sweep(tempfile.gettempdir())
-            self.path = os.environ["MS_OM_PATH"] = tempfile.mkdtemp(prefix=f"mindspec-om-{os.getpid()}-")
+            self.path = os.environ["MS_OM_PATH"] = scratch.mkdtemp(PREFIX, only_empty=True)
         return self
 
     def __exit__(self, *exc):
@@ -27,32 +25,5 @@ class OmDir:
     def remove(self):
         if self.path is not None:
             os.environ.pop("MS_OM_PATH", None)
-            _remove_empty(self.path)
+            scratch.remove(self.path, only_empty=True)
             self.path = None
-
-
-def _remove_empty(path):
-    if not any(files for _, _, files in os.walk(path)):
-        shutil.rmtree(path, ignore_errors=True)
-
-
-def _sweep(tmp):
-    """Remove the empty directories of `tmp` that processes now gone left (one with a dump stays)."""
-    try:
-        names = os.listdir(tmp)
-    except OSError:
-        return
-    for name in names:
-        m = _NAME.match(name)
-        if m and not _alive(int(m.group(1))):
-            _remove_empty(os.path.join(tmp, name))
-
-
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError):  # (another user's, or a name not ours)
-        return True
-    return True

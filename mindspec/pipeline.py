@@ -120,8 +120,7 @@ class Pipeline:
         if m["vocab_size"] != self.cfg.vocab_size:
             raise MindspecError(f"draft {path} has vocabulary size {m['vocab_size']}, the target has "
                                 f"{self.cfg.vocab_size}: a draft must share its target's tokenizer")
-        fp = m.get("tokenizer_fingerprint")
-        if fp and fp != self.tokenizer.vocab_fingerprint():
+        if m["tokenizer_fingerprint"] != self.tokenizer.vocab_fingerprint():
             raise MindspecError(f"draft {path} was exported from a model with a different tokenizer "
                                 f"({m.get('source')}): a draft must share its target's tokenizer")
         return m

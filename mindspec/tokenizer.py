@@ -9,7 +9,7 @@ import json
 import os
 import re
 
-from .errors import MindspecError, read_json
+from .errors import MindspecError, read_json, regular
 
 
 def _byte_level_alphabet():
@@ -35,6 +35,7 @@ class Tokenizer:
         path = os.path.join(model_dir, "tokenizer.json")
         if not os.path.exists(path):
             raise MindspecError(f"tokenizer.json not found: {path}")
+        regular(path)
         try:
             self._tok = _HFTokenizer.from_file(path)
         except Exception as e:  # tokenizers raises a bare Exception on bad JSON

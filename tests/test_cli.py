@@ -319,6 +319,29 @@ def test_export_bad_arguments(tiny_target, tmp_path):
     # README's `--quantize none` (float weights) was an argparse error
     code, out, err = run("export", "--model", tiny_target[0], "--out", str(tmp_path / "f.onnx"), "--quantize", "none")
     assert code == 0 and "float32, quantize=None" in out, err
+    # found by a CLI probe: written, exit 0, and then every load failed on onnxruntime's INVALID_GRAPH
+    code, out, err = run("export", "--model", tiny_target[0], "--out", str(tmp_path / "h" / "d.onnx"), "--dtype",
+                         "float16", "--quantize", "int8")
+    assert (code, out, err) == (2, "", "mindspec: error: --quantize int8 does not go with --dtype float16 "
+                                "(onnxruntime's DynamicQuantizeLinear reads float32 only): use q8 or q4\n")
+    assert not os.path.exists(tmp_path / "h")
+
+
+@pytest.mark.parametrize("name", ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                                  "model.safetensors.index.json", "model.gguf"])
+def test_a_models_file_that_is_a_fifo_is_refused_not_waited_on(tiny_target, tmp_path, name):
+    """Found by a CLI probe: export (or generate, convert) of a model whose tokenizer.json, config.json... was
+    a FIFO blocked for ever (tokenizer.json: deaf to Ctrl-C and SIGTERM). One line, exit 2."""
+    model = tmp_path / "m"
+    make_tiny_checkpoint(model, shard_bytes=60_000)
+    path = model / name
+    path.unlink(missing_ok=True)
+    os.mkfifo(path)
+    args = ["convert", "--gguf", str(path), "--out", str(tmp_path / "c")] if name.endswith(".gguf") else \
+        ["export", "--model", str(model), "--out", str(tmp_path / "d.onnx")]
+    p = subprocess.run([sys.executable, "-m", "mindspec", *args], capture_output=True, text=True, timeout=60)
+    assert (p.returncode, p.stdout, p.stderr) == (
+        2, "", f"mindspec: error: {path} is not a regular file (a pipe, a device or a socket)\n"), p.stderr
 
 
 def test_draft_with_another_tokenizer_is_refused(pair, tmp_path):
@@ -332,6 +355,14 @@ def test_draft_with_another_tokenizer_is_refused(pair, tmp_path):
     export_draft(other, str(tmp_path / "othertok.onnx"))
     _expect_error(["generate", "--prompt-ids", "5,6", "--target", target, "--draft",
                    str(tmp_path / "othertok.onnx")], "different tokenizer")
+    # found by a CLI probe: exported without tokenizer.json, it had no fingerprint and paired silently
+    (tmp_path / "othertok" / "tokenizer.json").unlink()
+    _expect_error(["export", "--model", other, "--out", str(tmp_path / "notok.onnx")],
+                  f"{other} has no tokenizer.json: a draft must carry its tokenizer's fingerprint")
+    m = json.loads((tmp_path / "othertok.onnx.json").read_text())
+    (tmp_path / "othertok.onnx.json").write_text(json.dumps(dict(m, tokenizer_fingerprint=None)))
+    _expect_error(["generate", "--prompt-ids", "5,6", "--target", target, "--draft", str(tmp_path / "othertok.onnx")],
+                  "was exported without its tokenizer")
 
 
 def test_generate_refuses_what_cannot_fit_before_loading(pair):

@@ -248,6 +248,8 @@ def _writer_patch(method, replace):
     ("merges", lambda mp: mp.setattr(__import__(__name__), "MERGES", MERGES + ["zz qq"]), "unusable GGUF metadata"),
     ("missing", None, "has no tensor blk.1.ffn_up.weight"),
     ("extra", None, "has tensors of more layers than its block_count 2"),
+    # a CLI probe's: written, exit 0, and every command after refused the model
+    ("nan", None, "tensor blk.0.ffn_down.weight holds NaN or infinite values"),
 ])
 def test_hostile_gguf_files_are_one_line_errors_and_write_nothing(tmp_path, monkeypatch, kind, patch, words):
     import gguf
@@ -266,6 +268,11 @@ def test_hostile_gguf_files_are_one_line_errors_and_write_nothing(tmp_path, monk
             if name == "blk.1.attn_norm.weight":
                 add(w, "blk.2.attn_norm.weight", t)
         monkeypatch.setattr(gguf.GGUFWriter, "add_tensor", add_and_more)
+    if kind == "nan":
+        add = gguf.GGUFWriter.add_tensor
+        monkeypatch.setattr(gguf.GGUFWriter, "add_tensor", lambda w, name, t, *a, **kw: add(
+            w, name, np.where(np.arange(t.size).reshape(t.shape) == 7, np.nan, t).astype(t.dtype)
+            if name == "blk.0.ffn_down.weight" else t, *a, **kw))
     if kind == "bomb":
         _bomb(path)
     else:
@@ -355,6 +362,20 @@ def test_a_conversion_leaves_other_directories_beside_out_alone(converted, tmp_p
     # (and OUT's parent is made, as the default pair's conversion into a new $MINDSPEC_HOME needs)
     assert convert_gguf(gguf, str(tmp_path / "new" / "dirs" / "m")) == str(tmp_path / "new" / "dirs" / "m")
     assert Checkpoint(str(tmp_path / "new" / "dirs" / "m")).config.hidden_size == 64
+
+
+def test_the_scratch_directories_of_killed_conversions_are_removed_by_the_next(converted, tmp_path):
+    """Found by a CLI probe: `convert` killed (SIGKILL, a closed terminal's SIGHUP) left its OUT.partial-*,
+    446-503 MB each, that no rerun removed. The next conversion beside it removes those of dead processes."""
+    import subprocess
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    for name in (f"m.partial-{gone.pid}-abc", f"m.partial-{os.getpid()}-def", "m.partial-ghi"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model.safetensors").write_bytes(b"half")
+    gguf = os.path.join(os.path.dirname(converted[0]), "tiny.gguf")
+    assert convert_gguf(gguf, str(tmp_path / "m")) == str(tmp_path / "m")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m", f"m.partial-{os.getpid()}-def", "m.partial-ghi"]
 
 
 @pytest.mark.parametrize("exc", [KeyboardInterrupt, SystemExit])

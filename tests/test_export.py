@@ -472,6 +472,20 @@ def test_a_failed_export_leaves_an_earlier_draft_whole(tiny_target, tmp_path):
             export_draft(tiny_target[0], where)
 
 
+def test_the_scratch_directories_of_killed_exports_are_removed_by_the_next(tiny_target, tmp_path):
+    """Found by a CLI probe: an export killed (SIGKILL, the OOM killer, SIGHUP) left its whole model in
+    OUTDIR/.export-* (624 MB for the default pair, each time). The next export there removes those of dead
+    processes, not a running one's."""
+    import subprocess
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    for name in (f".export-{gone.pid}-abc", f".export-{os.getpid()}-def"):
+        (tmp_path / name / "fp32").mkdir(parents=True)
+        (tmp_path / name / "fp32" / "d.onnx").write_bytes(b"half")
+    export_draft(tiny_target[0], str(tmp_path / "d.onnx"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f".export-{os.getpid()}-def", "d.onnx", "d.onnx.json"]
+
+
 def test_providers_and_options(monkeypatch):
     monkeypatch.setenv("ASCEND_DEVICE_ID", "0")  # inherited from an Ascend env script
     monkeypatch.setenv("DEVICE_ID", "3")  # msrun's, this rank's

@@ -153,3 +153,23 @@ def test_one_row_decode_takes_the_kernels_of_verification(tmp_path):
     assert ("greedy", 1, 3) in names and ("greedy", 1, 1) not in names and ("greedy", 2, 1) in names
     acc, nxt = m.step([seq[8:9]], [0], [8], [0])
     assert acc.tolist() == [0] and nxt.tolist() == [int(three.argmax())]
+
+
+def test_weights_beyond_float16s_range_are_refused_in_float16(tiny_target, tmp_path):
+    """Found by a CLI probe: a checkpoint with weights past +-65504 ran in float16 as inf (generate: token 0
+    for ever, exit 0; export: a draft that accepted nothing). Refused in one line; float32 still runs it."""
+    big = dict(tiny_target[1])
+    big["model.layers.1.mlp.down_proj.weight"] = big["model.layers.1.mlp.down_proj.weight"] * 1e6
+    model = make_tiny_checkpoint(tmp_path / "big", base=big)[0]
+    msg = "mindspec: error: weight {} holds values beyond float16's range (+-65504): this model needs --dtype float32"
+    gen = [sys.executable, "-m", "mindspec", "generate", "--target", model, "--no-speculate", "--prompt-ids", "5,6",
+           "--max-new-tokens", "2", "--json"]
+    p = subprocess.run(gen + ["--dtype", "float16"], capture_output=True, text=True, env=ENV)
+    assert (p.returncode, p.stdout, p.stderr.splitlines()) == (2, "", [msg.format("down.1")]), p.stderr
+    p = subprocess.run(gen, capture_output=True, text=True, env=ENV)
+    assert p.returncode == 0 and len(json.loads(p.stdout)["token_ids"]) == 2, p.stderr
+    out = tmp_path / "d" / "draft.onnx"
+    p = subprocess.run([sys.executable, "-m", "mindspec", "export", "--model", model, "--out", str(out),
+                        "--dtype", "float16"], capture_output=True, text=True, env=ENV)
+    assert (p.returncode, p.stderr.splitlines()) == (2, [msg.format("l1.down")]), p.stderr
+    assert os.listdir(out.parent) == []
