@@ -43,6 +43,7 @@ def export_draft(model_dir, out_path, quantize=None, layers=None, max_seq=None, 
     if isinstance(max_seq, bool) or not isinstance(max_seq, int) or not 1 <= max_seq <= cfg.max_position_embeddings:
         raise MindspecError(f"--max-seq must be an integer from 1 to {cfg.max_position_embeddings} (the model's "
                             f"positions), got {max_seq!r}")
+    _check_memory(cfg, max_seq)
     out_path = os.path.abspath(out_path)
     out_dir = os.path.dirname(out_path)
     if out_path.endswith((".onnx.json", ".onnx.data")):  # would replace a draft's manifest (or data) with a model
@@ -67,11 +68,25 @@ def export_draft(model_dir, out_path, quantize=None, layers=None, max_seq=None, 
                                dtype, profile), out_path)
     except OSError as e:
         raise MindspecError(f"cannot write the draft to {out_path}: {e.strerror or e}") from None
-    except MemoryError:  # (RoPE tables for a config's 10**15 positions)
-        raise MindspecError(f"not enough memory to build the draft for {max_seq} positions: give a smaller "
-                            f"--max-seq") from None
+    except MemoryError:
+        raise MindspecError(_TOO_BIG.format(max_seq)) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+_TOO_BIG = "not enough memory to build the draft for {} positions: give a smaller --max-seq"
+
+
+def _check_memory(cfg, max_seq):
+    """Refuse RoPE tables larger than the machine's memory before building them: a config's 2**31 positions
+    (a GGUF's context length, converted) were not a MemoryError but an OOM kill at 12.8 GB, of whichever
+    process the kernel chose."""
+    from mindspec.plan import GB
+    tables = 4 * 8 * (max_seq + 1) * (cfg.head_dim // 2)  # angles, cos, sin and a copy, float64 while built
+    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if tables > have:
+        raise MindspecError(_TOO_BIG.format(max_seq) + f" (its RoPE tables need about {tables / GB:.0f} GB, this "
+                            f"machine has {have / GB:.0f} GB)")
 
 
 def _write(model, ckpt, tmp, base, layers, quantize, max_seq, dtype, profile):

@@ -237,3 +237,12 @@ def test_a_config_is_checked_against_the_weights_before_anything_is_sized_by_it(
     with pytest.raises(MindspecError, match="not enough memory to build the draft for 1000000000000000 positions: "
                                             "give a smaller --max-seq"):
         export_draft(str(d), str(tmp_path / "d.onnx"))
+    # a CLI probe's: 2**31 positions (what convert writes for a GGUF that claims them) were no MemoryError but
+    # an OOM kill at 12.8 GB; refused before anything is built (export's --max-seq still gets its tables)
+    (d / "config.json").write_text(json.dumps(dict(json.loads((d / "config.json").read_text()),
+                                                   max_position_embeddings=2 ** 31)))
+    with pytest.raises(MindspecError, match=r"not enough memory to build the draft for 2147483648 positions: give a "
+                                            r"smaller --max-seq \(its RoPE tables need about 550 GB, this machine"):
+        export_draft(str(d), str(tmp_path / "d.onnx"))
+    assert export_draft(str(d), str(tmp_path / "d.onnx"), max_seq=64)["max_seq"] == 64
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c", "d.onnx", "d.onnx.json"]
