@@ -198,8 +198,6 @@ def cmd_generate(a):
         raise MindspecError("--chat wraps a text prompt in the chat template: it does not apply to --prompt-ids")
     from .request import run
     pipe = load_pipeline(a)
-    if not a.json and hasattr(sys.stdout, "reconfigure"):  # (a GBK locale lacks emoji: '?', not a traceback)
-        sys.stdout.reconfigure(errors="replace")
     stream = None if a.json else (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
     # the path of a server's request: an explicit --max-new-tokens beyond what fits is refused, not cut
     _, res = run(pipe, dict(sampling_kwargs(a), seed=_seed(a), prompt=a.prompt, prompt_ids=a.prompt_ids, chat=a.chat,

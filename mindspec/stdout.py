@@ -73,6 +73,8 @@ def hold():
                 os.close(fd)
         sys.stdout = _Closed()
     if not isinstance(sys.stdout, _Stdout):
+        if hasattr(sys.stdout, "reconfigure"):  # what the terminal's encoding lacks (a GBK locale: emoji, in a
+            sys.stdout.reconfigure(errors="replace")  # generated text or a path) prints as '?', not a traceback
         sys.stdout = _Stdout(sys.stdout)
 
 

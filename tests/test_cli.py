@@ -75,6 +75,16 @@ def test_text_the_terminals_encoding_lacks_is_replaced_not_a_traceback(pair):
     assert out.rstrip("\n") == text.encode("gbk", "replace").decode("gbk")
 
 
+def test_a_path_the_terminals_encoding_lacks_is_replaced_not_a_traceback(tiny_target, tmp_path):
+    """Found by a CLI probe: export (convert, doctor) printing a path stdout's encoding lacks ended in
+    UnicodeEncodeError, exit 1, after the work was done."""
+    out = tmp_path / "草稿🙂" / "d.onnx"
+    p = subprocess.run([sys.executable, "-m", "mindspec", "export", "--model", tiny_target[0], "--out", str(out)],
+                       capture_output=True, timeout=600, env=dict(os.environ, PYTHONIOENCODING="gbk"))
+    assert (p.returncode, p.stderr) == (0, b""), p.stderr
+    assert str(out).replace("🙂", "?") in p.stdout.decode("gbk") and os.path.exists(str(out) + ".json")
+
+
 @pytest.mark.parametrize("extra", [[], ["--json", "--logprobs", "2"]])
 def test_generate_into_a_pipe_that_closed_ends_quietly(pair, extra):
     """Found piping it into `head -c 10`: a BrokenPipeError traceback, exit 1. Now quiet, with the
