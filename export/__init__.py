@@ -7,10 +7,10 @@ from mindspec.checkpoint import Checkpoint
 from mindspec.errors import MindspecError
 from mindspec.spec import QUANTIZE_MODES
 
-from .manifest import PROFILES, read_manifest, write_manifest
+from .manifest import PROFILES, read_manifest, read_pair_manifest, write_manifest
 from .runtime import DraftSession, providers
 
-__all__ = ["export_draft", "DraftSession", "read_manifest", "providers"]
+__all__ = ["export_draft", "DraftSession", "read_manifest", "read_pair_manifest", "providers"]
 DTYPES = ("float32", "float16")
 
 
@@ -56,6 +56,9 @@ def export_draft(model_dir, out_path, quantize=None, layers=None, max_seq=None, 
         if os.path.exists(path) and not path.endswith((".onnx", ".onnx.json", ".onnx.data")):
             raise MindspecError(f"--out would replace {path}, which is not an exported draft's file: "
                                 f"give a path ending in .onnx")
+    if not out_path.endswith(".onnx"):  # (written once, it was then refused as "not an exported draft's file")
+        raise MindspecError(f"--out {out_path} does not end in .onnx: give the draft's file name, e.g. "
+                            f"{out_path}.onnx")
     try:  # (before the model is built: an --out where nothing can be written is found at once)
         os.makedirs(out_dir, exist_ok=True)
         tmp = scratch.mkdtemp(".export-", dir=out_dir)  # (a killed export's is removed)

@@ -106,3 +106,16 @@ def read_manifest(onnx_path):
         raise MindspecError(f"manifest {mpath} was written for another ONNX file (size/sha256 differ): "
                             "re-export the draft")
     return m
+
+
+def read_pair_manifest(onnx_path, cfg, tokenizer):
+    """read_manifest(onnx_path), refused if the draft does not share the tokenizer of its target (cfg, a
+    LlamaConfig; tokenizer, a mindspec Tokenizer)."""
+    m = read_manifest(onnx_path)
+    if m["vocab_size"] != cfg.vocab_size:
+        raise MindspecError(f"draft {onnx_path} has vocabulary size {m['vocab_size']}, the target has "
+                            f"{cfg.vocab_size}: a draft must share its target's tokenizer")
+    if m["tokenizer_fingerprint"] != tokenizer.vocab_fingerprint():
+        raise MindspecError(f"draft {onnx_path} was exported from a model with a different tokenizer "
+                            f"({m.get('source')}): a draft must share its target's tokenizer")
+    return m

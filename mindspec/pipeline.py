@@ -115,15 +115,8 @@ class Pipeline:
     # ---- model setup
 
     def _check_draft(self, path):
-        from mindspec.export import read_manifest
-        m = read_manifest(path)
-        if m["vocab_size"] != self.cfg.vocab_size:
-            raise MindspecError(f"draft {path} has vocabulary size {m['vocab_size']}, the target has "
-                                f"{self.cfg.vocab_size}: a draft must share its target's tokenizer")
-        if m["tokenizer_fingerprint"] != self.tokenizer.vocab_fingerprint():
-            raise MindspecError(f"draft {path} was exported from a model with a different tokenizer "
-                                f"({m.get('source')}): a draft must share its target's tokenizer")
-        return m
+        from mindspec.export import read_pair_manifest
+        return read_pair_manifest(path, self.cfg, self.tokenizer)
 
     def set_draft(self, path):
         """Swap the draft (None or False: target-only), keeping the compiled target. Not while a call of this

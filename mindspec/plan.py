@@ -365,6 +365,11 @@ def cmd_plan(a):
     if target is None:
         raise MindspecError("give the target: --target DIR, or --params, --layers, --kv-heads and --head-dim")
     draft = _model_from_args(a, "draft_", a.draft)
+    if a.target and a.draft and not os.path.isdir(a.draft):  # (a pair no command would run: found planned)
+        from mindspec.export import read_pair_manifest
+        from .tokenizer import Tokenizer
+        from .checkpoint import Checkpoint
+        read_pair_manifest(a.draft, Checkpoint(a.target).config, Tokenizer(a.target))
     plan = make_plan(target, draft, tp=a.tp, devices=a.devices, device_mem=parse_size(a.device_mem, "--device-mem"),
                      reserve=a.reserve, seq_len=a.seq_len,
                      device_bw=parse_size(a.device_bw, "--device-bw", rate=True),

@@ -443,6 +443,8 @@ def test_export_validation(tiny_target, tmp_path):
     assert weights.read_bytes() == before
     with pytest.raises(MindspecError, match="is a directory"):
         export_draft(str(ckpt), str(tmp_path))
+    with pytest.raises(MindspecError, match=r"noext does not end in .onnx: give the draft's file name, e.g. .*noext.onnx"):
+        export_draft(str(ckpt), str(tmp_path / "noext"))  # (a CLI probe's: written once, then refused to replace)
     # ... and an export's manifest: --out e.onnx.json wrote a model over e.onnx's manifest (e.onnx unusable)
     for suffix in (".onnx.json", ".onnx.data"):
         side = tmp_path / f"e{suffix}"
