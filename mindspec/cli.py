@@ -236,14 +236,19 @@ def cmd_serve(a):
 
 
 def _check_model_paths(a):
-    """A model path that is not there, refused before a server binds its port (health answers 503 while it
-    loads: not after a "listening" line) or a data-parallel launcher starts its replicas."""
-    from .config import load_config
-    from mindspec.export.manifest import check_file
+    """A model that is not there or broken (what can be seen without reading every weight: the config, the
+    weights' headers, the tokenizer, the draft's manifest and that it pairs with the target), refused before
+    a server binds its port (health answers 503 while it loads: not after a "listening" line) or a
+    data-parallel launcher starts its replicas."""
+    from .checkpoint import Checkpoint
+    from .tokenizer import Tokenizer
+    from mindspec.export.manifest import check_file, read_pair_manifest
     if a.target is not None:
-        load_config(a.target)
+        cfg, tokenizer = Checkpoint(a.target).config, Tokenizer(a.target)
     if a.draft is not None and not a.no_speculate:
         check_file(a.draft)
+        if a.target is not None:
+            read_pair_manifest(a.draft, cfg, tokenizer, hash=False)  # (the load reads it whole)
 
 
 def serve_defaults(a):

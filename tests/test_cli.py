@@ -237,6 +237,23 @@ def test_a_server_given_a_model_that_is_not_there_refuses_it_before_listening(pa
         _expect_error(["serve", "--port", "0", "--target", args[0], "--draft", args[1]], words)
 
 
+def test_a_server_given_a_broken_model_or_a_draft_of_another_tokenizer_refuses_it_before_listening(pair, tmp_path):
+    """Found by a CLI probe: a draft of another vocabulary, a file that is not ONNX or truncated weights
+    were refused after the "listening on" line (only missing paths and a bad config came first)."""
+    target, draft, d = pair
+    other = make_tiny_checkpoint(tmp_path / "other", vocab=400)[0]
+    export_draft(other, str(tmp_path / "other.onnx"), layers=1, max_seq=64)
+    (tmp_path / "junk.onnx").write_bytes(b"not a model")
+    cut = tmp_path / "cut"
+    shutil.copytree(target, cut)
+    weights = next(cut.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:-100])
+    for args, words in (((target, str(tmp_path / "other.onnx")), "has vocabulary size 400, the target has 320"),
+                        ((target, str(tmp_path / "junk.onnx")), "not an ONNX file"),
+                        ((str(cut), draft), "not a valid safetensors file")):
+        _expect_error(["serve", "--port", "0", "--target", args[0], "--draft", args[1]], words)
+
+
 def test_an_empty_draft_path_is_refused_not_read_as_no_draft(pair):
     """The CLI prober's: `load(target, draft="")` ran target-only; False (or --no-speculate) says that."""
     import mindspec
