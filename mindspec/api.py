@@ -203,6 +203,8 @@ class Api:
         """One-line JSON errors: OpenAI's shape on /v1/* and the rest, TGI/MindIE's {"error", "error_type"}
         on theirs, where input validation answers 422 as TGI and MindIE do."""
         msg = one_line(message)
+        if status in (429, 503):  # busy, loading or stopping: a client's retry loop waits a second, not at once
+            headers = {"Retry-After": "1", **(headers or {})}
         if family == "tgi":
             status = 422 if status == 400 else status
             return web.json_response(tgi_error(status, msg), status=status, headers=headers)

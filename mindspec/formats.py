@@ -11,7 +11,7 @@ import uuid
 
 def openai_error(status, message, param=None):
     """OpenAI's error body (also the shape of the errors that are no API's own: transport, routing)."""
-    kind = "invalid_request_error" if status < 500 else "server_error"
+    kind = "rate_limit_error" if status == 429 else "invalid_request_error" if status < 500 else "server_error"
     return {"error": {"message": " ".join(str(message).split()), "type": kind, "param": param, "code": status}}
 
 

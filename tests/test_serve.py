@@ -308,7 +308,7 @@ def test_a_full_queue_answers_429_at_once(pipe, monkeypatch):
     The engine's steps are held until the refusals are back: on a busy machine the first requests could
     end before the last arrived, and fewer were refused."""
     max_batch, max_queue, sent = 2, 4, 14
-    admitted, released, got = max_batch + max_queue, threading.Event(), queue.Queue()
+    admitted, released, got, retry = max_batch + max_queue, threading.Event(), queue.Queue(), {}
     real = pipe.target.step
 
     def held(*a, **kw):
@@ -319,9 +319,11 @@ def test_a_full_queue_answers_429_at_once(pipe, monkeypatch):
 
     def check():
         def ask(tgi):  # 7 of each API: 8 refused, so each has one refused at least
-            answer = call(base, "/generate", {"inputs": TEXT, "parameters": {"max_new_tokens": N}}) if tgi \
-                else call(base, "/v1/completions", {"prompt": IDS, "max_tokens": N})
-            got.put((tgi, *answer))
+            path, body = ("/generate", {"inputs": TEXT, "parameters": {"max_new_tokens": N}}) if tgi \
+                else ("/v1/completions", {"prompt": IDS, "max_tokens": N})
+            status, headers, text = fetch(base, path, json.dumps(body).encode())
+            retry[tgi, status] = headers.get("Retry-After")
+            got.put((tgi, status, text))
 
         threads = [threading.Thread(target=ask, args=(i % 2,), daemon=True) for i in range(sent)]
         early, bad = [], []  # the answers while the engine holds every request: no admitted one can end
@@ -350,6 +352,9 @@ def test_a_full_queue_answers_429_at_once(pipe, monkeypatch):
         # TGI's own kind of a 429 (found: "validation", as if the request were at fault)
         assert {b["error_type"] for tgi, b in busy if tgi} == {"overloaded"}, busy
         assert {tgi for tgi, _ in busy} == {0, 1}
+        # a serve probe's: OpenAI's 429 said "invalid_request_error", and no answer said when to retry
+        assert {b["error"]["type"] for tgi, b in busy if not tgi} == {"rate_limit_error"}, busy
+        assert retry == {(0, 429): "1", (1, 429): "1", (0, 200): None, (1, 200): None}, retry
         assert all(("generated_text" if tgi else "choices") in json.loads(text) for tgi, _, text in late)
 
     monkeypatch.setattr(pipe.target, "step", held)
