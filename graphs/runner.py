@@ -17,6 +17,7 @@ from mindspec import signals
 from mindspec.errors import MindspecError
 from mindspec.device import detect_device, device_id
 from mindspec.spec import PREFILL_CHUNK, attention_windows, cache_positions, round_up
+from .cache_budget import evict
 from .fuse import rot_rows_for
 from .llama import GreedyStep, LlamaDecoder, Logits, Prefill, SampleStep
 from .exact import redo_prefill, redo_step
@@ -403,6 +404,10 @@ class TargetModel:
             if tp_size() == 1:
                 whole = whole or os.path.exists(path + ".whole")  # (filled while this one waited)
             self._cache = (path, lock)
+            try:
+                evict(cache_dir, os.path.basename(path))  # the least recently used others, beyond the bound
+            except OSError:  # (it never stops a run)
+                pass
         first = set(names[:now] if whole else names)
         while self.pending and self.pending[0] in first and self.load_next():
             pass

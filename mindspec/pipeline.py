@@ -18,6 +18,7 @@ from .sequence import WAITING, Request, Result
 from .device import check_device_env, detect_device
 from .spec import BATCH_BUCKETS, K_BUCKETS, PLAN_DTYPE, TOP_LOGPROBS, SpecConfig, cache_positions, resolve_dtype
 from .tokenizer import Tokenizer
+from .graphs.cache_budget import budget
 from .graphs.tp import in_msrun
 from .tp import share
 from . import signals
@@ -57,6 +58,7 @@ class Pipeline:
         if device_mem is not None and not (is_number(device_mem) and 0 < device_mem < float("inf")):
             raise MindspecError(f"device_mem must be a number of bytes, got {device_mem!r}")
         check_device_env()  # (before MindSpore's import, which aborts on a bad one)
+        budget()  # (a bad $MINDSPEC_COMPILE_CACHE_GB: refused before anything loads)
         self.device = detect_device(device)  # target and draft: "CPU" or "Ascend"
         self.dtype = resolve_dtype(dtype, self.device)  # the target's; refused before any weight loads
         self.spec = SpecConfig(k, buckets, batch_buckets, max_batch)

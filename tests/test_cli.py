@@ -470,6 +470,21 @@ def test_compile_cache_is_written_then_used(pair, tmp_path):
     code, out2, err = run(*args, env=dict(env, GLOG_v="2"), cwd=other)  # MindSpore says when it uses the cache
     assert code == 0 and "Use the compilation cache" in err
     assert json.loads(out2)["token_ids"] == json.loads(out1)["token_ids"]
+    # found while probing: each key an entry of its own (a server's 0.5-0.9 GB), none ever removed. Beyond
+    # $MINDSPEC_COMPILE_CACHE_GB the least recently used go (the lock files stay)
+    size = sum(f.stat().st_size for f in (tmp_path / "compile_cache" / key).rglob("*") if f.is_file())
+    env["MINDSPEC_COMPILE_CACHE_GB"] = str(size * 1.5 / 1e9)  # one entry fits, two do not
+    code, _, err = run(*args[:7], "--max-seq", "128", *args[9:], env=env)
+    assert code == 0, err
+    entries = sorted(os.listdir(tmp_path / "compile_cache"))
+    new = next(e for e in entries if "." not in e and e != key)
+    assert entries == sorted([key, key + ".lock", key + ".whole", new, new + ".lock", new + ".whole"])  # (one fits)
+    code, _, err = run(*args[:7], "--max-seq", "1000", *args[9:], env=env)
+    entries = sorted(os.listdir(tmp_path / "compile_cache"))
+    assert code == 0 and key not in entries and new in entries and len(entries) == 7, (err, entries)
+    code, _, err = run(*args, env=dict(env, MINDSPEC_COMPILE_CACHE_GB="lots"))
+    assert (code, err) == (2, "mindspec: error: $MINDSPEC_COMPILE_CACHE_GB must be a number of gigabytes >= 0, got "
+                              "'lots'\n"), err
 
 
 def test_plan_with_tp_runs_in_this_process():

@@ -1,0 +1,72 @@
+"""The compile cache's size bound: each (weights, cache size, slots, graphs...) key is an entry of its own
+(a server's is 0.5-0.9 GB for the default model), so a user trying --max-seq or --max-batch values filled
+the disk for good. Before a warm-up writes an entry, the least recently used others go until the rest fits
+in $MINDSPEC_COMPILE_CACHE_GB (default 8). An entry in use (its lock held) stays; lock files stay, so two
+processes never lock different files of one entry."""
+import fcntl
+import os
+import shutil
+
+from mindspec.errors import MindspecError
+
+ENV = "MINDSPEC_COMPILE_CACHE_GB"
+DEFAULT_GB = 8.0
+
+
+def budget():
+    """Bytes the other entries may hold."""
+    raw = os.environ.get(ENV, "")
+    try:
+        gb = float(raw) if raw else DEFAULT_GB
+    except ValueError:
+        gb = -1.0
+    if not 0 <= gb < float("inf"):
+        raise MindspecError(f"${ENV} must be a number of gigabytes >= 0, got {raw!r}")
+    return int(gb * 1e9)
+
+
+def evict(cache_dir, keep):
+    """Remove the least recently used entries of cache_dir other than `keep` (a name) until the rest fit in
+    budget(). Use = the last open of an entry's lock (each warm-up opens it for writing)."""
+    limit = budget()
+    entries = []
+    for name in os.listdir(cache_dir):
+        path = os.path.join(cache_dir, name)
+        if name != keep and "." not in name and os.path.isdir(path) and not os.path.islink(path):
+            try:
+                used = os.stat(path + ".lock").st_mtime
+            except OSError:
+                used = 0.0  # (no lock: never used since)
+            entries.append((used, path, _size(path)))
+    total = sum(size for *_, size in entries)
+    for _, path, size in sorted(entries):
+        if total <= limit:
+            break
+        if _remove_unused(path):
+            total -= size
+
+
+def _size(path):
+    n = 0
+    for top, _, files in os.walk(path):
+        for f in files:
+            try:
+                n += os.lstat(os.path.join(top, f)).st_size
+            except OSError:
+                pass
+    return n
+
+
+def _remove_unused(path):
+    """Remove an entry nobody holds (its lock taken without waiting); whether it went."""
+    try:
+        with open(path + ".lock", "a") as lock:  # ("a": its mtime, the entry's last use, stays)
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            try:  # not whole first: a reader that comes meanwhile compiles afresh
+                os.remove(path + ".whole")
+            except FileNotFoundError:
+                pass
+            shutil.rmtree(path, ignore_errors=True)
+        return True
+    except OSError:  # BlockingIOError: in use
+        return False
