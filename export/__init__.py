@@ -59,22 +59,27 @@ def export_draft(model_dir, out_path, quantize=None, layers=None, max_seq=None, 
     if not out_path.endswith(".onnx"):  # (written once, it was then refused as "not an exported draft's file")
         raise MindspecError(f"--out {out_path} does not end in .onnx: give the draft's file name, e.g. "
                             f"{out_path}.onnx")
+    made = []
     try:  # (before the model is built: an --out where nothing can be written is found at once)
-        os.makedirs(out_dir, exist_ok=True)
+        made = scratch.makedirs(out_dir)
         tmp = scratch.mkdtemp(".export-", dir=out_dir)  # (a killed export's is removed)
     except OSError as e:
+        scratch.unmake(made)
         raise MindspecError(f"cannot write the draft into {out_dir}: {e.strerror or e}") from None
     try:  # everything is made in tmp: a failure (or Ctrl-C) before the swap leaves an earlier draft whole
         from .builder import build_decoder
         model = build_decoder(ckpt, layers, dtype, profile, max_seq)
-        return _swap_in(_write(model, ckpt, tmp, os.path.basename(out_path), layers or n, quantize, max_seq,
-                               dtype, profile), out_path)
+        manifest = _swap_in(_write(model, ckpt, tmp, os.path.basename(out_path), layers or n, quantize, max_seq,
+                                   dtype, profile), out_path)
+        made = []  # (the draft's directories stay)
+        return manifest
     except OSError as e:
         raise MindspecError(f"cannot write the draft to {out_path}: {e.strerror or e}") from None
     except MemoryError:
         raise MindspecError(_TOO_BIG.format(max_seq)) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        scratch.unmake(made)  # (a failed export's new directories go)
 
 
 _TOO_BIG = "not enough memory to build the draft for {} positions: give a smaller --max-seq"

@@ -70,7 +70,8 @@ class _Graph:
 
     def weight(self, value, name):
         """An initializer in the export's dtype."""
-        return self.const(narrow(value, self.np_dtype, name), name)
+        return self.const(narrow(value, self.np_dtype, name, "export this draft with --dtype float32 (--profile "
+                                                             "cpu)"), name)
 
     def wide(self, x):
         """x in float32 (a no-op for a float32 export)."""

@@ -111,12 +111,12 @@ def read_manifest(onnx_path, hash=True):
 
 def read_pair_manifest(onnx_path, cfg, tokenizer, hash=True):
     """read_manifest(onnx_path, hash), refused if the draft does not share the tokenizer of its target (cfg,
-    a LlamaConfig; tokenizer, a mindspec Tokenizer)."""
+    a LlamaConfig; tokenizer, a mindspec Tokenizer, or None: the vocabulary's size alone)."""
     m = read_manifest(onnx_path, hash)
     if m["vocab_size"] != cfg.vocab_size:
         raise MindspecError(f"draft {onnx_path} has vocabulary size {m['vocab_size']}, the target has "
                             f"{cfg.vocab_size}: a draft must share its target's tokenizer")
-    if m["tokenizer_fingerprint"] != tokenizer.vocab_fingerprint():
+    if tokenizer is not None and m["tokenizer_fingerprint"] != tokenizer.vocab_fingerprint():
         raise MindspecError(f"draft {onnx_path} was exported from a model with a different tokenizer "
                             f"({m.get('source')}): a draft must share its target's tokenizer")
     return m

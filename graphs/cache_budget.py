@@ -1,16 +1,19 @@
 """The compile cache's size bound: each (weights, cache size, slots, graphs...) key is an entry of its own
 (a server's is 0.5-0.9 GB for the default model), so a user trying --max-seq or --max-batch values filled
 the disk for good. Before a warm-up writes an entry, the least recently used others go until the rest fits
-in $MINDSPEC_COMPILE_CACHE_GB (default 8). An entry in use (its lock held) stays; lock files stay, so two
-processes never lock different files of one entry."""
+in $MINDSPEC_COMPILE_CACHE_GB (default 8). An entry in use (its lock held) or used in the last RECENT_S stays
+(a tensor-parallel rank decides whether an entry is whole before it locks it, with the other ranks); lock
+files stay, so two processes never lock different files of one entry."""
 import fcntl
 import os
 import shutil
+import time
 
 from mindspec.errors import MindspecError
 
 ENV = "MINDSPEC_COMPILE_CACHE_GB"
 DEFAULT_GB = 8.0
+RECENT_S = 600
 
 
 def budget():
@@ -38,11 +41,11 @@ def evict(cache_dir, keep):
             except OSError:
                 used = 0.0  # (no lock: never used since)
             entries.append((used, path, _size(path)))
-    total = sum(size for *_, size in entries)
-    for _, path, size in sorted(entries):
-        if total <= limit:
+    total, now = sum(size for *_, size in entries), time.time()
+    for used, path, size in sorted(entries):
+        if total <= limit or used > now - RECENT_S:
             break
-        if _remove_unused(path):
+        if _remove_unused(path, used):
             total -= size
 
 
@@ -57,11 +60,13 @@ def _size(path):
     return n
 
 
-def _remove_unused(path):
-    """Remove an entry nobody holds (its lock taken without waiting); whether it went."""
+def _remove_unused(path, used):
+    """Remove an entry nobody holds (its lock taken without waiting) nor opened since `used`; whether it went."""
     try:
         with open(path + ".lock", "a") as lock:  # ("a": its mtime, the entry's last use, stays)
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if used and os.fstat(lock.fileno()).st_mtime != used:  # (used 0: it had no lock, "a" made one)
+                return False
             try:  # not whole first: a reader that comes meanwhile compiles afresh
                 os.remove(path + ".whole")
             except FileNotFoundError:

@@ -68,7 +68,8 @@ class _Cast(dict):
         self.dtype = dtype
 
     def __setitem__(self, key, value):
-        super().__setitem__(key, narrow(value, self.dtype, key))
+        super().__setitem__(key, narrow(value, self.dtype, key, "run this model in float32 (--dtype float32), or "
+                                                                  "bfloat16 where the device runs it"))
 
 
 def fused_weights(cfg, get, plan=None, get_slice=None, dtype=np.float32, rot_rows=True):

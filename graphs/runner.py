@@ -401,8 +401,11 @@ class TargetModel:
         if cached:  # one process fills an entry while the others wait; once whole, readers share it (a server
             # may hold it for as long as some graphs stay pending)
             fcntl.flock(lock, fcntl.LOCK_SH if whole else fcntl.LOCK_EX)
-            if tp_size() == 1:
-                whole = whole or os.path.exists(path + ".whole")  # (filled while this one waited)
+            if tp_size() == 1:  # filled while this one waited, or gone (cache_budget): a shared lock writes nothing
+                whole = os.path.exists(path + ".whole")
+                if not whole:
+                    fcntl.flock(lock, fcntl.LOCK_EX)  # (from LOCK_SH: it may wait for another writer)
+                    whole = os.path.exists(path + ".whole")
             self._cache = (path, lock)
             try:
                 evict(cache_dir, os.path.basename(path))  # the least recently used others, beyond the bound

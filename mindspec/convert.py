@@ -235,10 +235,12 @@ def convert_gguf(gguf_path, out_dir):
     tensors = _tensors(reader, cfg, gguf_path)
     cfg["tie_word_embeddings"] = "lm_head.weight" not in tensors
     parent = os.path.dirname(os.path.abspath(out_dir))
+    made = []
     try:  # a scratch directory of its own beside OUT (a fixed OUT.partial was deleted, even a user's)
-        os.makedirs(parent, exist_ok=True)
+        made = scratch.makedirs(parent)
         tmp = scratch.mkdtemp(os.path.basename(os.path.normpath(out_dir)) + ".partial-", dir=parent)
     except OSError as e:
+        scratch.unmake(made)
         raise MindspecError(f"cannot write {out_dir}: {e.strerror or e}") from None
     try:
         os.chmod(tmp, 0o777 & ~umask())  # (mkdtemp's is 0700) as a directory made by os.makedirs
@@ -254,6 +256,7 @@ def convert_gguf(gguf_path, out_dir):
         os.replace(tmp, out_dir)
     except BaseException as e:  # (Ctrl-C or SIGTERM too: never a half-written OUT.partial-* left behind)
         shutil.rmtree(tmp, ignore_errors=True)
+        scratch.unmake(made)
         if _write_error(e):
             raise MindspecError(f"cannot write {out_dir}: {_cause(e)}") from None
         raise

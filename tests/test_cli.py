@@ -4,9 +4,11 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
+from mindspec import scratch
 from mindspec.cli import _ids
 from mindspec.export import export_draft
 
@@ -141,13 +143,15 @@ def test_the_empty_dump_directories_of_killed_commands_are_removed_by_the_next(p
     gone = subprocess.Popen(["true"])
     gone.wait()
     tmp = tmp_path / "tmp"
-    for name in (f"mindspec-om-{gone.pid}-a", f"mindspec-om-{gone.pid}-b/rank_0/om", f"mindspec-om-{os.getpid()}-c"):
+    dead, alive = scratch.name("mindspec-om-", gone.pid), scratch.name("mindspec-om-")
+    other = f"mindspec-om-elsewhere-{gone.pid}-d"  # (another host's: its pids are not ours to judge)
+    for name in (dead + "a", dead + "b/rank_0/om", alive + "c", other):
         (tmp / name).mkdir(parents=True)
-    (tmp / f"mindspec-om-{gone.pid}-b/rank_0/om/analyze_fail.ir").write_text("a failed compile's dump")
+    (tmp / f"{dead}b/rank_0/om/analyze_fail.ir").write_text("a failed compile's dump")
     code, out, err = run("generate", "hi", "--target", target, "--draft", draft, "--max-new-tokens", "2",
                          env={"TMPDIR": str(tmp)})
     assert code == 0, err
-    assert set(os.listdir(tmp)) == {f"mindspec-om-{gone.pid}-b", f"mindspec-om-{os.getpid()}-c"}
+    assert set(os.listdir(tmp)) == {dead + "b", alive + "c", other}
 
 
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
@@ -479,6 +483,8 @@ def test_compile_cache_is_written_then_used(pair, tmp_path):
     entries = sorted(os.listdir(tmp_path / "compile_cache"))
     new = next(e for e in entries if "." not in e and e != key)
     assert entries == sorted([key, key + ".lock", key + ".whole", new, new + ".lock", new + ".whole"])  # (one fits)
+    hour_ago = time.time() - 3600  # (an entry used in the last 10 minutes stays: a TP rank may be about to read it)
+    os.utime(tmp_path / "compile_cache" / (key + ".lock"), (hour_ago, hour_ago))
     code, _, err = run(*args[:7], "--max-seq", "1000", *args[9:], env=env)
     entries = sorted(os.listdir(tmp_path / "compile_cache"))
     assert code == 0 and key not in entries and new in entries and len(entries) == 7, (err, entries)

@@ -1523,7 +1523,7 @@ def test_http_head_options_chunked_and_limits(server):
     try:
         time.sleep(0.3)
         out = raw(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
-        assert out.startswith("HTTP/1.1 503") and "too many connections" in out, out
+        assert out.startswith("HTTP/1.1 503") and "too many connections" in out and "Retry-After: 1\r\n" in out, out
         assert threads() <= before + 2  # idle connections cost no thread each
     finally:
         for s in idle:
