@@ -43,7 +43,7 @@ def export_draft(model_dir, out_path, quantize=None, layers=None, max_seq=None, 
     if isinstance(max_seq, bool) or not isinstance(max_seq, int) or not 1 <= max_seq <= cfg.max_position_embeddings:
         raise MindspecError(f"--max-seq must be an integer from 1 to {cfg.max_position_embeddings} (the model's "
                             f"positions), got {max_seq!r}")
-    _check_memory(cfg, max_seq)
+    _check_memory(cfg, max_seq, profile)
     out_path = os.path.abspath(out_path)
     out_dir = os.path.dirname(out_path)
     if out_path.endswith((".onnx.json", ".onnx.data")):  # would replace a draft's manifest (or data) with a model
@@ -85,13 +85,14 @@ def export_draft(model_dir, out_path, quantize=None, layers=None, max_seq=None, 
 _TOO_BIG = "not enough memory to build the draft for {} positions: give a smaller --max-seq"
 
 
-def _check_memory(cfg, max_seq):
+def _check_memory(cfg, max_seq, profile):
     """Refuse RoPE tables larger than the machine's memory before building them: a config's 2**31 positions
     (a GGUF's context length, converted) were not a MemoryError but an OOM kill at 12.8 GB, of whichever
     process the kernel chose."""
-    from mindspec.plan import GB
-    tables = 4 * 8 * (max_seq + 1) * (cfg.head_dim // 2)  # angles, cos, sin and a copy, float64 while built
-    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    from mindspec.plan import GB, host_memory
+    width = cfg.head_dim if profile == "ascend" else cfg.head_dim // 2  # (builder.py: _rope_lookup, _gqa_attention)
+    tables = 4 * 8 * (max_seq + 1) * width  # angles, cos, sin and a copy, float64 while built
+    have = host_memory()
     if tables > have:
         raise MindspecError(_TOO_BIG.format(max_seq) + f" (its RoPE tables need about {tables / GB:.0f} GB, this "
                             f"machine has {have / GB:.0f} GB)")

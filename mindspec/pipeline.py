@@ -177,10 +177,10 @@ class Pipeline:
                        tp=self.tp, device_mem=self.device_mem, seq_len=positions * max_batch)
         elif self.device == "CPU":  # the host's memory is the device's: rows that need more than all of it
             # (swap and the weights aside: a coarse bound) are refused, not tried
-            from .plan import DTYPE_BYTES, GB, host_bytes_per_row
+            from .plan import DTYPE_BYTES, GB, host_bytes_per_row, host_memory
             row = host_bytes_per_row(self.cfg, DTYPE_BYTES[PLAN_DTYPE[self.dtype]], positions, self.manifest)
             need = row * max_batch
-            have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            have = host_memory()
             if need > have:
                 raise MindspecError(f"{max_batch} rows of {max_seq} positions need about {need / GB:.1f} GB (KV "
                                     f"caches and graph workspace), more than this machine's {have / GB:.1f} GB: "

@@ -121,6 +121,21 @@ def kv_bytes_per_token(m, dtype_bytes=None):
     return 2 * dims[0] * dims[1] * dims[2] * b
 
 
+def host_memory():
+    """Bytes this process may hold: the machine's memory, or its container's limit (cgroup v2 or v1) where
+    lower (the OOM killer counts that one)."""
+    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path, encoding="ascii") as f:
+                limit = f.read().strip()
+        except (OSError, ValueError):
+            continue
+        if limit.isdigit():  # ("max": none)
+            have = min(have, int(limit))
+    return have
+
+
 def host_bytes_per_row(cfg, dtype_bytes, positions, draft=None, chunk=PREFILL_CHUNK):
     """A lower bound of what one KV-cache row of `positions` costs a CPU host: the target's K/V, the
     draft's (`draft`: its manifest) and the graphs' workspace, measured at about four float32 copies of a

@@ -244,5 +244,7 @@ def test_a_config_is_checked_against_the_weights_before_anything_is_sized_by_it(
     with pytest.raises(MindspecError, match=r"not enough memory to build the draft for 2147483648 positions: give a "
                                             r"smaller --max-seq \(its RoPE tables need about 550 GB, this machine"):
         export_draft(str(d), str(tmp_path / "d.onnx"))
+    with pytest.raises(MindspecError, match=r"its RoPE tables need about 1100 GB"):  # ([P, D] tables there)
+        export_draft(str(d), str(tmp_path / "d.onnx"), profile="ascend")
     assert export_draft(str(d), str(tmp_path / "d.onnx"), max_seq=64)["max_seq"] == 64
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c", "d.onnx", "d.onnx.json"]

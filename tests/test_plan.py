@@ -351,3 +351,13 @@ def test_a_draft_or_target_that_is_a_device_says_so_not_not_found(tmp_path, caps
             run_plan(["plan", "--target", path, "--device-mem", "64GB"], capsys)
         assert str(e.value) == (f"{path} is not a directory (a device, a pipe or a socket): give the model's "
                                 "checkpoint directory")
+
+
+def test_host_memory_is_the_machines_or_its_containers_limit():
+    """What the CPU's memory checks (export's RoPE tables, a pipeline's rows) compare with."""
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    limits = []
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        if os.path.exists(path) and open(path).read().strip().isdigit():
+            limits.append(int(open(path).read()))
+    assert plan.host_memory() == min([physical] + limits)
