@@ -1,6 +1,7 @@
 """Tiny random Llama checkpoints, written by the tests themselves (HF layout, real files)."""
 import json
 import os
+import signal
 import time
 
 import numpy as np
@@ -8,6 +9,12 @@ import pytest
 
 from mindspec.checkpoint import LAYER_WEIGHTS, QKV_BIASES, expected_shape, write_checkpoint
 from mindspec.config import config_from_dict
+
+# A runner that starts the suite with SIGINT ignored (a shell's `cmd &` without job control, nohup) passes that on
+# to every command a test starts, and the tests of Ctrl-C then saw it ignored (exit -15, a prompt read at EOF).
+# A handler of ours is reset to the default in each child.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content']"

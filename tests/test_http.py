@@ -241,7 +241,8 @@ def test_max_connections_admits_that_many_and_a_connection_beyond_gets_one_503_a
             assert get(first, "/4") == "HTTP/1.1 200 OK"  # (the two admitted are still served)
     head, body = got.split(b"\r\n\r\n", 1)
     assert got.count(b"HTTP/1.") == 1 and head == (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: "
-                                                   b"application/json\r\nConnection: close\r\nContent-Length: "
+                                                   b"application/json\r\nRetry-After: 1\r\nConnection: close\r\n"
+                                                   b"Content-Length: "
                                                    b"%d" % len(body))
     assert json.loads(body) == {"error": {"message": "too many connections (at most 2); retry later",
                                           "type": "server_error", "param": None, "code": 503}}
