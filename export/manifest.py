@@ -69,8 +69,8 @@ def check_file(onnx_path):
         raise MindspecError(f"draft model not found: {onnx_path}")
 
 
-def read_manifest(onnx_path, hash=True):
-    """The manifest dict of an exported draft; MindspecError (one line) when it does not belong. hash=False:
+def read_manifest(onnx_path, sha=True):
+    """The manifest dict of an exported draft; MindspecError (one line) when it does not belong. sha=False:
     the ONNX file's size is checked, not its sha256 (a 7B draft's takes half a minute)."""
     mpath = manifest_path(onnx_path)
     check_file(onnx_path)
@@ -101,7 +101,7 @@ def read_manifest(onnx_path, hash=True):
     if not isinstance(m.get("tokenizer_fingerprint"), str):  # (then paired with any target of its vocabulary size)
         raise MindspecError(f"draft {onnx_path} was exported without its tokenizer, so nothing shows it tokenizes as "
                             "its target does: re-export it from a checkpoint with tokenizer.json")
-    if os.path.getsize(onnx_path) != m["onnx_bytes"] or hash and _sha256(onnx_path) != m["onnx_sha256"]:
+    if os.path.getsize(onnx_path) != m["onnx_bytes"] or sha and _sha256(onnx_path) != m["onnx_sha256"]:
         if not _is_onnx(onnx_path):
             raise MindspecError(f"not an ONNX file: {onnx_path}")
         raise MindspecError(f"manifest {mpath} was written for another ONNX file (size/sha256 differ): "
@@ -109,10 +109,10 @@ def read_manifest(onnx_path, hash=True):
     return m
 
 
-def read_pair_manifest(onnx_path, cfg, tokenizer, hash=True):
-    """read_manifest(onnx_path, hash), refused if the draft does not share the tokenizer of its target (cfg,
+def read_pair_manifest(onnx_path, cfg, tokenizer, sha=True):
+    """read_manifest(onnx_path, sha), refused if the draft does not share the tokenizer of its target (cfg,
     a LlamaConfig; tokenizer, a mindspec Tokenizer, or None: the vocabulary's size alone)."""
-    m = read_manifest(onnx_path, hash)
+    m = read_manifest(onnx_path, sha)
     if m["vocab_size"] != cfg.vocab_size:
         raise MindspecError(f"draft {onnx_path} has vocabulary size {m['vocab_size']}, the target has "
                             f"{cfg.vocab_size}: a draft must share its target's tokenizer")

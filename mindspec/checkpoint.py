@@ -74,6 +74,7 @@ def narrow(w, dtype, name, fix):
     """w as a contiguous array of dtype, refused if a value is beyond float16's range (+-65504: it became
     inf, and a float16 target generated token 0 for ever, a float16 draft accepted nothing). fix: what to
     do instead, for the message. (w holds no NaN or inf: finite() passed.)"""
+    w = np.asarray(w)
     if np.dtype(dtype) == np.float16 and w.size and max(w.max(), -w.min()) >= 65520:  # (what rounds to inf)
         raise MindspecError(f"weight {name} holds values beyond float16's range (+-65504): {fix}")
     return np.ascontiguousarray(w, dtype=dtype)

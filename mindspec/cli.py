@@ -143,8 +143,8 @@ def add_sampling_args(p):
                    help="the draft's temperature (e.g. 1.1): changes acceptance, never the output distribution")
     p.add_argument("--draft-min-conf", type=float, default=None,
                    help="stop drafting before a token the draft gives less than this probability (off)")
-    p.add_argument("--seed", type=int, default=None, help="seed: same seed + same K schedule = same text (a fixed -k: dynamic K's schedule follows the "
-                   "batch and timings)")
+    p.add_argument("--seed", type=int, default=None, help="seed: same seed + same K schedule = same text (a fixed "
+                   "-k: dynamic K's schedule follows the batch and timings)")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
 
 
@@ -249,7 +249,7 @@ def _check_model_paths(a):
     if a.draft is not None and not a.no_speculate:
         check_file(a.draft)
         if a.target is not None:
-            read_pair_manifest(a.draft, cfg, tokenizer, hash=False)  # (the load reads it whole)
+            read_pair_manifest(a.draft, cfg, tokenizer, sha=False)  # (the load reads it whole)
 
 
 def serve_defaults(a):

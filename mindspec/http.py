@@ -112,7 +112,8 @@ class _Server(web.Server):
         if self.max_connections and len(self._connections) > self.max_connections:
             body = _json_error(503, f"too many connections (at most {self.max_connections}); retry later").encode()
             transport.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-                            b"Retry-After: 1\r\nConnection: close\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+                            b"Retry-After: 1\r\nConnection: close\r\nContent-Length: " + str(len(body)).encode()
+                            + b"\r\n\r\n" + body)
             handler.force_close()
             self.on_error(503)
 

@@ -385,7 +385,7 @@ def cmd_plan(a):
         from .tokenizer import Tokenizer
         from .checkpoint import Checkpoint
         has = os.path.exists(os.path.join(a.target, "tokenizer.json"))  # (a plan needs none: then the vocabulary)
-        read_pair_manifest(a.draft, Checkpoint(a.target).config, Tokenizer(a.target) if has else None, hash=False)
+        read_pair_manifest(a.draft, Checkpoint(a.target).config, Tokenizer(a.target) if has else None, sha=False)
     plan = make_plan(target, draft, tp=a.tp, devices=a.devices, device_mem=parse_size(a.device_mem, "--device-mem"),
                      reserve=a.reserve, seq_len=a.seq_len,
                      device_bw=parse_size(a.device_bw, "--device-bw", rate=True),
