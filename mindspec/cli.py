@@ -371,7 +371,8 @@ def parser():
     s.add_argument("--strict-model-name", action="store_true",
                    help="answer 404 to a request naming another model (default: any name is this model)")
     s.add_argument("--max-connections", type=positive_int, default=1000,
-                   help="open connections at most (MindIE's maxLinkNum); beyond, 503 and closed (default 1000)")
+                   help="open connections at most (MindIE's maxLinkNum); at it, the one idle longest is closed "
+                   "for a new one, and with none idle the new one gets a 503 (default 1000)")
     s.add_argument("--read-timeout", type=positive_int, default=30,
                    help="seconds a request's headers, and then its body, may take to arrive; also how long an "
                         "idle connection stays open (default 30)")

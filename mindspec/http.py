@@ -1,6 +1,7 @@
 """The HTTP transport of `mindspec serve`: aiohttp's server on its own thread and event loop (the
-engine keeps the main thread). What it adds to aiohttp: a connection limit (MindIE's maxLinkNum:
-a connection beyond it gets a 503 and is closed), aiohttp's own errors (a malformed request line,
+engine keeps the main thread). What it adds to aiohttp: a connection limit (MindIE's maxLinkNum: at
+it, the connection idle longest is closed to admit a new one; with none idle, the new one gets a 503
+and is closed), aiohttp's own errors (a malformed request line,
 a bad header) as one line of JSON of at most 300 characters without a traceback in the log, and one
 log line per request.
 A connection whose request headers have not all arrived within `keepalive` seconds, or that stays
@@ -34,6 +35,12 @@ class _Protocol(RequestHandler):
         super().connection_made(transport)
         if self._keepalive_timeout:
             self._watch(transport, None, self._loop.time())
+
+    def idle(self):
+        """Whether this connection waits for a request (kept alive after an answer, or its headers not all
+        arrived) rather than being answered: one that may be closed to make room."""
+        return (self.transport is not None and not self._force_close and not self._messages
+                and not self._request_in_progress and self._waiter is not None and not self._waiter.done())
 
     def connection_lost(self, exc):
         if self.watchdog is not None:
@@ -110,6 +117,9 @@ class _Server(web.Server):
     def connection_made(self, handler, transport):
         super().connection_made(handler, transport)
         if self.max_connections and len(self._connections) > self.max_connections:
+            idle = [h for h in self._connections if h is not handler and h.idle()]
+            if idle:  # the idle longest (its keep-alive timer the first due) makes room, as nginx does
+                return min(idle, key=lambda h: h._next_keepalive_close_time).force_close()
             body = _json_error(503, f"too many connections (at most {self.max_connections}); retry later").encode()
             transport.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
                             b"Retry-After: 1\r\nConnection: close\r\nContent-Length: " + str(len(body)).encode()

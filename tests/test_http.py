@@ -223,21 +223,27 @@ def test_a_parser_error_quotes_at_most_300_characters_on_one_line(capfd):
 
 
 def test_max_connections_admits_that_many_and_a_connection_beyond_gets_one_503_and_is_closed_unserved(capfd):
-    """maxLinkNum N admits N connections at once (not N - 1); the next one gets a 503 and is closed before
-    its request is read (its handler never runs); each request answered is one log line."""
-    paths, errors = [], []
+    """maxLinkNum N admits N connections at once (not N - 1); with all N answering a request, the next one gets a
+    503 and is closed before its request is read (its handler never runs); each request answered is one log line."""
+    paths, errors, release = [], [], threading.Event()
 
     async def handle(request):
         paths.append(request.path_qs)
+        while request.path.startswith("/slow") and not release.is_set():
+            await asyncio.sleep(0.01)
         return web.Response(text="ok")
 
     with serving(handle, max_connections=2, on_error=errors.append) as port:
         with connect(port) as first, connect(port) as second:
-            assert get(first, "/1") == "HTTP/1.1 200 OK"  # (answered: the server holds the connection)
-            assert get(second, "/2?x=1") == "HTTP/1.1 200 OK"  # the 2nd of 2, while the 1st stays open
+            first.sendall(b"GET /slow1 HTTP/1.1\r\nHost: x\r\n\r\n")
+            second.sendall(b"GET /slow2?x=1 HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert wait_for(lambda: len(paths) == 2, 10)  # both answering
             with connect(port) as third:
                 third.sendall(b"GET /3 HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
                 got = read_all(third)
+            release.set()
+            for s in (first, second):
+                assert s.recv(4096).startswith(b"HTTP/1.1 200 OK")
             assert get(first, "/4") == "HTTP/1.1 200 OK"  # (the two admitted are still served)
     head, body = got.split(b"\r\n\r\n", 1)
     assert got.count(b"HTTP/1.") == 1 and head == (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: "
@@ -246,8 +252,46 @@ def test_max_connections_admits_that_many_and_a_connection_beyond_gets_one_503_a
                                                    b"%d" % len(body))
     assert json.loads(body) == {"error": {"message": "too many connections (at most 2); retry later",
                                           "type": "server_error", "param": None, "code": 503}}
-    assert paths == ["/1", "/2?x=1", "/4"] and errors == [503]
-    assert capfd.readouterr().err.splitlines() == [f'mindspec: 127.0.0.1 "GET {p}" 200' for p in paths]
+    assert sorted(paths) == ["/4", "/slow1", "/slow2?x=1"] and errors == [503]
+    assert sorted(capfd.readouterr().err.splitlines()) == [f'mindspec: 127.0.0.1 "GET {p}" 200' for p in sorted(paths)]
+
+
+def test_at_max_connections_the_longest_idle_connection_makes_room_for_a_new_one(capfd):
+    """Found by a server probe: 1000 idle sockets (a client pool's keep-alive connections, or an attacker's that
+    send nothing) filled --max-connections, and /health got 503 until they timed out 30 s later. At the limit,
+    the connection idle longest — answered and kept alive, or its headers not all arrived — is closed to admit
+    the new one (nginx reuses its keep-alive connections likewise); one answering a request never is."""
+    paths, errors, release = [], [], threading.Event()
+
+    async def handle(request):
+        paths.append(request.path_qs)
+        while request.path.startswith("/slow") and not release.is_set():
+            await asyncio.sleep(0.01)
+        return web.Response(text="ok")
+
+    with serving(handle, max_connections=3, on_error=errors.append) as port:
+        with connect(port) as busy, connect(port) as kept:
+            busy.sendall(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert get(kept, "/1") == "HTTP/1.1 200 OK"  # answered, kept alive: idle since
+            assert wait_for(lambda: "/slow" in paths, 10)
+            time.sleep(0.05)
+            with connect(port) as partial:
+                partial.sendall(b"GET /2 HTTP/1.1\r\nHost:")  # headers not all arrived: idle since it came
+                time.sleep(0.05)
+                with connect(port) as new:
+                    assert get(new, "/3") == "HTTP/1.1 200 OK"  # served, no 503
+                    assert read_all(kept) == b""  # the idle longest was closed
+                    with connect(port) as newer:
+                        assert get(newer, "/4") == "HTTP/1.1 200 OK"
+                        assert read_all(partial) == b""  # then the next idle longest
+                        with connect(port) as beyond:  # (idle now: the two answered, "new" the longer)
+                            assert get(beyond, "/5") == "HTTP/1.1 200 OK"
+                            assert read_all(new) == b""
+            release.set()
+            assert busy.recv(4096).startswith(b"HTTP/1.1 200 OK")  # the one answering was never closed
+    assert sorted(paths) == ["/1", "/3", "/4", "/5", "/slow"]
+    assert errors == []
+    assert len(capfd.readouterr().err.splitlines()) == 5  # a line per answer, none for the connections closed
 
 
 def test_a_bad_header_is_a_400_of_one_line_and_one_log_line(capfd):

@@ -1520,13 +1520,27 @@ def test_http_head_options_chunked_and_limits(server):
 
     before = threads()
     idle = [socket.create_connection((host, int(port)), timeout=30) for _ in range(MAX_CONN)]
+    busy = []
     try:
         time.sleep(0.3)
-        out = raw(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
-        assert out.startswith("HTTP/1.1 503") and "too many connections" in out and "Retry-After: 1\r\n" in out, out
         assert threads() <= before + 2  # idle connections cost no thread each
+        out = raw(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        assert out.startswith("HTTP/1.1 200"), out  # the idle longest made room (found: a 503 for 30 s)
+        for _ in range(MAX_CONN):  # requests whose bodies are on their way: none idle
+            busy.append(socket.create_connection((host, int(port)), timeout=30))
+            busy[-1].sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+        time.sleep(0.3)
+        out = raw(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")  # (within the bodies' 3 s)
+        assert out.startswith("HTTP/1.1 503") and "too many connections" in out and "Retry-After: 1\r\n" in out, out
+        def closed(c):
+            try:
+                return c.recv(1) == b""
+            except ConnectionResetError:
+                return True
+
+        assert all(closed(c) for c in idle)  # each made room for one
     finally:
-        for s in idle:
+        for s in idle + busy:
             s.close()
 
     def health():
