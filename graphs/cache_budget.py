@@ -14,6 +14,14 @@ from mindspec.errors import MindspecError
 ENV = "MINDSPEC_COMPILE_CACHE_GB"
 DEFAULT_GB = 8.0
 RECENT_S = 600
+MIN_FREE = 256 << 20  # bytes a disk must have free for a warm-up to write an entry
+FULL = 16 << 20  # free bytes left after a graph's save under which its files may have been cut short
+
+
+def free_bytes(path):
+    """Bytes free for this user on path's disk. A full disk made MindSpore log two [ERROR] lines per graph it
+    could not save, and the entry cut short was marked whole: every later start logged more loading it."""
+    return shutil.disk_usage(path).free
 
 
 def budget():

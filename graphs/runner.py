@@ -4,6 +4,7 @@ moving that integer)."""
 import fcntl
 import hashlib
 import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -17,7 +18,7 @@ from mindspec import signals
 from mindspec.errors import MindspecError
 from mindspec.device import detect_device, device_id
 from mindspec.spec import PREFILL_CHUNK, attention_windows, cache_positions, round_up
-from .cache_budget import evict
+from . import cache_budget
 from .fuse import rot_rows_for
 from .llama import GreedyStep, LlamaDecoder, Logits, Prefill, SampleStep
 from .exact import redo_prefill, redo_step
@@ -408,9 +409,11 @@ class TargetModel:
                     whole = os.path.exists(path + ".whole")
             self._cache = (path, lock)
             try:
-                evict(cache_dir, os.path.basename(path))  # the least recently used others, beyond the bound
+                cache_budget.evict(cache_dir, os.path.basename(path))  # the least recently used others, over the bound
             except OSError:  # (it never stops a run)
                 pass
+            if not whole:
+                self._cache_full(cache_budget.MIN_FREE, f"has under {cache_budget.MIN_FREE >> 20} MB free")
         first = set(names[:now] if whole else names)
         while self.pending and self.pending[0] in first and self.load_next():
             pass
@@ -441,10 +444,30 @@ class TargetModel:
                 os.environ.pop("MS_COMPILER_CACHE_ENABLE")  # later graphs compile in any order
                 unpin()
         self.pending.pop(0)
+        if cached and self._cache is not None:
+            self._cache_full(cache_budget.FULL, f"came within {cache_budget.FULL >> 20} MB of full as graphs were "
+                             "saved")
         if not self.pending and self._cache is not None:
-            open(self._cache[0] + ".whole", "w").close()  # every graph of this entry is in it
+            try:
+                open(self._cache[0] + ".whole", "w").close()  # every graph of this entry is in it
+            except OSError:  # (a disk full to its last inode: not marked, compiled again next time)
+                pass
             self._close_cache()
         return True
+
+    def _cache_full(self, least, said):
+        """With under `least` bytes free on the compile cache's disk, drop the entry being written (its files may be
+        cut short: never marked whole) and compile on without the cache."""
+        path = self._cache[0]
+        try:
+            free = cache_budget.free_bytes(os.path.dirname(path))
+        except OSError:
+            return
+        if free < least:
+            self._close_cache()
+            shutil.rmtree(path, ignore_errors=True)
+            print(f"mindspec: warning: the disk of {os.path.dirname(path)} {said} ({free >> 20} MB free): graphs "
+                  "compile afresh in each process, not saved to the compile cache", file=sys.stderr, flush=True)
 
     def _close_cache(self):
         if self._cache is not None:

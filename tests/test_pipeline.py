@@ -576,6 +576,35 @@ def test_a_compile_cache_that_cannot_be_made_is_done_without(tiny_target, noisy_
         f"afresh in each process"], p.stderr[-3000:]
 
 
+@pytest.mark.parametrize("frees, said", [
+    ("100000000", "has under 256 MB free (95 MB free)"),  # full before the warm-up: nothing written
+    ("1000000000000,1000", "came within 16 MB of full as graphs were saved (0 MB free)")])  # after its first graph
+def test_a_compile_cache_on_a_full_disk_is_not_written_nor_marked_whole(tiny_target, noisy_draft, pipe, tmp_path,
+                                                                        frees, said):
+    """Found by a user probe: with MINDSPEC_HOME's disk full, MindSpore logged two [ERROR] lines per graph it could
+    not save, and the entry cut short was marked whole, so every later start logged three more per graph loading
+    it (and compiled them all the same). Under 256 MB free a warm-up writes no entry; a disk that comes within
+    16 MB of full as graphs are saved drops the entry being written. One warning line either way. (The disk's
+    free space is what cache_budget.free_bytes reports: each call the next of `frees`, the last repeated.)"""
+    import subprocess
+    import sys
+    script = tmp_path / "run.py"  # (a script file: `python -c` runs without the compile cache at all)
+    script.write_text("import sys, mindspec\n"
+                      "from mindspec.graphs import cache_budget\n"
+                      "frees = [int(x) for x in sys.argv[3].split(',')]\n"
+                      "cache_budget.free_bytes = lambda path: frees.pop(0) if len(frees) > 1 else frees[0]\n"
+                      "pipe = mindspec.load(target=sys.argv[1], draft=sys.argv[2], k=4, max_seq=128)\n"
+                      "print(pipe.generate(prompt_ids=[5, 6, 7], max_new_tokens=12).token_ids)\n")
+    p = subprocess.run([sys.executable, str(script), tiny_target[0], noisy_draft, frees], capture_output=True,
+                       text=True, env=dict(os.environ, MINDSPEC_HOME=str(tmp_path)), timeout=600)
+    want = pipe.generate(prompt_ids=[5, 6, 7], max_new_tokens=12).token_ids
+    assert (p.returncode, p.stdout.strip()) == (0, str(want)), p.stderr[-3000:]
+    assert [line for line in p.stderr.splitlines() if "compile cache" in line] == [
+        f"mindspec: warning: the disk of {tmp_path / 'compile_cache'} {said}: graphs compile afresh in each process, "
+        "not saved to the compile cache"], p.stderr[-3000:]
+    assert [e for e in os.listdir(tmp_path / "compile_cache") if not e.endswith(".lock")] == []
+
+
 RESENT_SCRIPT = """
 import os, signal, sys
 from mindspec import signals
