@@ -7,7 +7,7 @@ import sys
 import tempfile
 import time
 
-from . import signals
+from . import scratch, signals
 from .errors import MindspecError
 
 PROMPT_SETS = {  # name -> [(prompt, chat)]
@@ -382,12 +382,13 @@ def cmd_bench(a):
     if os.path.isfile(a.out):  # found only after the whole run, its results lost
         raise MindspecError(f"--out {a.out} is a file: give a directory for bench.json and its plots")
     try:
-        os.makedirs(a.out, exist_ok=True)
+        made = scratch.makedirs(a.out)  # (removed again if the run fails before saving anything)
     except OSError as e:
         raise MindspecError(f"cannot write --out {a.out}: {e.strerror}") from None
     try:  # (an existing directory that takes no files failed only after the whole run)
         tempfile.TemporaryFile(dir=a.out).close()
     except OSError as e:
+        scratch.unmake(made)
         raise MindspecError(f"cannot write in --out {a.out}: {e.strerror}") from None
     out, partial, saved = os.path.join(a.out, "bench.json"), os.path.join(a.out, "bench.partial.json"), []
     unsaved = []  # a save that failed: its error says it all (one line)
@@ -418,6 +419,8 @@ def cmd_bench(a):
         if saved and not unsaved:
             print(f"mindspec bench: {'stopped' if isinstance(e, KeyboardInterrupt) else 'failed'}; {partial} holds "
                   f"the {saved[-1]} finished (prompt set, batch size) runs (\"complete\": false)", file=sys.stderr)
+        if not saved:  # the directories it made, if still empty (found: a draft refused at load left --out)
+            scratch.unmake(made)
         raise
     save(result)
     if os.path.exists(partial):

@@ -109,13 +109,14 @@ def test_a_bench_stopped_half_way_keeps_the_sets_it_finished(pair):
 @pytest.mark.parametrize("args, needle", [
     (["--prompts", "poetry"], "unknown prompt set"),
     (["--prompts", "{bad}.jsonl"], "cannot read prompts file"),
+    (["--draft", "/nonexistent/d.onnx"], "draft model not found"),  # refused at load: --out was made before
 ])
 def test_bench_bad_input_exits_2_with_one_line(pair, args, needle):
     target, draft, d = pair
     code, _, err = bench("--target", target, "--draft", draft, "--out", str(d / "bad"), *args, home=d / "home")
     assert code == 2 and needle in err and "Traceback" not in err, err
     assert len(err.strip().splitlines()) == 1
-    assert not (d / "bad").exists()  # found trying it: a bad prompts file left an empty --out behind
+    assert not (d / "bad").exists()  # found trying it: a bad prompts file (or draft) left an empty --out behind
 
 
 def test_bench_refuses_before_loading_what_would_fail_after(pair, tmp_path):
