@@ -140,7 +140,7 @@ class HttpServer:
 
     async def _logged(self, request):
         resp = await self.handle(request)
-        sys.stderr.write(f"mindspec: {request.remote} \"{request.method} {request.path_qs}\" {resp.status}\n")
+        sys.stderr.write(f"mindspec: {request.remote} \"{request.method} {request.raw_path}\" {resp.status}\n")
         return resp
 
     async def _open(self):

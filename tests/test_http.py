@@ -329,3 +329,17 @@ def test_start_raises_one_line_when_it_cannot_listen_and_never_hangs():
             f"('127.0.0.1', {port}): address already in use")
     e = started(HttpServer(handle, "127.0.0.1", 70000))
     assert isinstance(e, MindspecError) and str(e) == "cannot listen on 127.0.0.1:70000: bind(): port must be 0-65535."
+
+
+def test_the_log_line_shows_the_request_target_as_sent(capfd):
+    """Found by a server probe: the log line of a request for //path said ////path (aiohttp's path_qs of a target
+    that starts with //); the line now shows the target as the client sent it."""
+    async def handle(request):
+        return web.Response(text="ok")
+
+    with serving(handle) as port:
+        for target in ("//path", "//a//b?x=1", "/v1//models", "http://h/abs?y"):
+            with connect(port) as s:
+                assert get(s, target) == "HTTP/1.1 200 OK"
+    assert capfd.readouterr().err.splitlines() == [f'mindspec: 127.0.0.1 "GET {t}" 200' for t in (
+        "//path", "//a//b?x=1", "/v1//models", "http://h/abs?y")]
