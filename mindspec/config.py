@@ -43,6 +43,13 @@ def _eos_list(v, where):
     return tuple(ids)
 
 
+def _eos_in_vocab(ids, vocab, where):
+    """(found: an EOS id outside the vocabulary loaded, and a model whose only EOS it was never stopped)"""
+    bad = [i for i in ids if not 0 <= i < vocab]
+    if bad:
+        raise MindspecError(f"{where}: eos_token_id {bad[0]} is not a token id of the vocabulary [0, {vocab})")
+
+
 def config_from_dict(raw, where="config.json"):
     archs = raw.get("architectures") or ["LlamaForCausalLM"]
     if not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
@@ -111,6 +118,7 @@ def config_from_dict(raw, where="config.json"):
         raise MindspecError(f"{where}: missing key {e.args[0]!r}") from None
     except (TypeError, ValueError) as e:
         raise MindspecError(f"{where}: bad value ({e})") from None
+    _eos_in_vocab(cfg.eos_token_ids, cfg.vocab_size, where)
     if cfg.num_attention_heads % cfg.num_key_value_heads:
         raise MindspecError(f"{where}: num_attention_heads {heads} is not a multiple of "
                             f"num_key_value_heads {cfg.num_key_value_heads}")
@@ -147,6 +155,8 @@ def load_config(model_dir):
     if os.path.exists(gen_path):
         gen = _read_json(gen_path, "generation_config.json")
         if isinstance(gen, dict) and gen.get("eos_token_id") is not None:
+            if isinstance(raw.get("vocab_size"), int):  # (named by its own file; a bad vocab_size: below)
+                _eos_in_vocab(_eos_list(gen["eos_token_id"], gen_path), raw["vocab_size"], gen_path)
             raw = dict(raw, eos_token_id=sorted(set(_eos_list(raw.get("eos_token_id"), path))
                                                 | set(_eos_list(gen["eos_token_id"], gen_path))))
     return config_from_dict(raw, path)

@@ -139,9 +139,16 @@ def check_tp(tp, device, probe=None, replicas=1, dp=None):
 
 
 def check_device_env(env=None):
-    """DEVICE_ID / ASCEND_DEVICE_ID, when set, are device numbers: MindSpore's import aborts the process
-    on a negative one (std::runtime_error in UlongToUint), so they are checked before it loads."""
+    """What MindSpore's import aborts the process on, checked before it loads: DEVICE_ID / ASCEND_DEVICE_ID,
+    when set, are device numbers (a negative one: std::runtime_error in UlongToUint), and the working
+    directory exists (its import calls os.getcwd(): found, a FileNotFoundError inside it, then
+    "Fatal Python error" and exit 134)."""
     env = os.environ if env is None else env
+    try:
+        os.getcwd()
+    except FileNotFoundError:
+        raise MindspecError("the working directory no longer exists (removed since this process started): cd to "
+                            "one that does") from None
     for name in ("DEVICE_ID", "ASCEND_DEVICE_ID"):
         v = env.get(name)
         if v not in (None, "") and not (re.fullmatch(r"\s*[0-9]+\s*", v) and int(v) < 2 ** 31):

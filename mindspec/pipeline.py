@@ -75,6 +75,8 @@ class Pipeline:
         self._turn, self._holder = threading.Lock(), None  # run(): one call at a time, threads take turns
         self.prefix_cache = bool(prefix_cache)  # a new request reuses the K/V of a prefix a finished one left (engine.py)
         self.set_draft(draft)
+        if self.draft_path is None and k != "auto":  # (ran target-only; the CLI refuses it too)
+            raise MindspecError(f"k={k} sets the draft tokens of a step: there is no draft (give one, or k='auto')")
         self.fixed_max_seq = max_seq
         self.device_mem, self.tp = device_mem, tp  # bytes per device: refuse what cannot fit
         from .default import home
@@ -195,7 +197,7 @@ class Pipeline:
             barrier()
         self._engine()
 
-    def ensure(self, positions, max_batch):
+    def _ensure(self, positions, max_batch):
         """A cache of at least `positions` positions and `max_batch` slots (rebuilt only while idle)."""
         t = self.target
         if t is not None and t.max_seq >= positions and t.max_batch >= max_batch:
@@ -244,6 +246,8 @@ class Pipeline:
                 raise MindspecError(f"{flag} must be True or False, got {v!r}")
         if not speculate and k is not None and k != "auto":  # (was ignored; the CLI refuses it too)
             raise MindspecError(f"k={k} sets the draft tokens of a step: it does not apply with speculate=False")
+        if self.draft_path is None and k is not None and k != "auto":
+            raise MindspecError(f"k={k} sets the draft tokens of a step: there is no draft (load one, or set_draft)")
         k = self.spec.k_for_request(k)
         stop = stop_strings(stop)
         if seed is None and temperature:
@@ -275,12 +279,18 @@ class Pipeline:
         where the compile cache holds every graph and the costs are known (measuring them runs every
         graph), load only the graphs of batches up to that many rows now, the others left to
         target.load_next. Returns the seconds spent compiling (or loading from the compile cache)."""
+        if not isinstance(reqs, (list, tuple)) or not all(isinstance(r, Request) for r in reqs):
+            raise MindspecError("prepare takes a list of Requests (made by Pipeline.request), [] for none")
+        if not (is_int(max_batch) and max_batch >= 1):  # (0 returned as if done)
+            raise MindspecError(f"max_batch must be an integer >= 1, got {max_batch!r}")
+        if rows_now is not None and not (is_int(rows_now) and rows_now >= 1):
+            raise MindspecError(f"rows_now must be an integer >= 1 or None, got {rows_now!r}")
         before = self.target
         compiled = before.compile_s if before else 0.0
         need = max(len(r.prompt_ids) + r.max_new_tokens for r in reqs) if reqs else 1
         positions = self.fixed_max_seq or self.spec.seq_for(need, self.max_positions)
         n = max_batch if every_graph else min(max_batch, max(len(reqs), 1))  # (no slot for rows that cannot come)
-        self.ensure(positions, n)
+        self._ensure(positions, n)
         t, spec = self.target, self.spec
         sizes = [b for b in spec.batch_buckets if b <= spec.batch_bucket(n)]
         drafting = self.proposer is not None and (every_graph or any(r.speculate for r in reqs))

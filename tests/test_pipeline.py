@@ -267,6 +267,58 @@ def test_load_refuses_bad_arguments_before_loading(tiny_target, noisy_draft):
     assert p.draft_path == noisy_draft
 
 
+def test_a_fixed_k_without_a_draft_is_refused_as_the_cli_does(tiny_target, pipe):
+    """Found by a library probe: load(k=4, draft=False) and generate(k=2) on a pipeline without a draft ran
+    target-only silently, where generate(k=2, speculate=False) and the CLI's -k without a draft are refused."""
+    from mindspec.errors import MindspecError
+    with pytest.raises(MindspecError, match="k=4 sets the draft tokens of a step: there is no draft"):
+        mindspec.load(tiny_target[0], draft=False, k=4)
+    plain = mindspec.load(tiny_target[0], draft=False, max_seq=64)
+    for call in (lambda: plain.generate(prompt_ids=[5, 6], max_new_tokens=2, k=2),
+                 lambda: plain.generate_many([{"prompt_ids": [5, 6], "max_new_tokens": 2, "k": 2}])):
+        with pytest.raises(MindspecError, match="k=2 sets the draft tokens of a step: there is no draft"):
+            call()
+    assert plain.generate(prompt_ids=[5, 6, 7], max_new_tokens=6, k="auto").token_ids == pipe.generate(
+        prompt_ids=[5, 6, 7], max_new_tokens=6, speculate=False).token_ids
+
+
+def test_prepare_refuses_bad_arguments_naming_them(pipe):
+    """Found by a library probe: README's p.prepare([], 8, every_graph=True) given a string, a list of ids or
+    None was an AttributeError or TypeError from inside, and max_batch 0 or -1 returned as if done."""
+    from mindspec.errors import MindspecError
+    for args, words in ((("x",), "prepare takes a list of Requests"), (([1, 2],), "prepare takes a list of Requests"),
+                        ((None,), "prepare takes a list of Requests"), (([], "2"), "max_batch must be an integer >= 1"),
+                        (([], 0), "max_batch must be an integer >= 1"), (([], -1), "max_batch must be an integer >= 1")):
+        with pytest.raises(MindspecError, match=words):
+            pipe.prepare(*args)
+    with pytest.raises(MindspecError, match="rows_now must be an integer >= 1 or None"):
+        pipe.prepare([], 2, rows_now="1")
+    assert pipe.generate(prompt_ids=[5, 6, 7], max_new_tokens=4).token_ids  # (still works)
+
+
+def test_a_working_directory_that_is_gone_is_one_line_before_mindspore_loads(tiny_target, noisy_draft, tmp_path):
+    """Found by a library probe: from a deleted working directory, MindSpore's import (os.getcwd() at import)
+    raised inside, then the interpreter aborted ("Fatal Python error", exit 134), the CLI too."""
+    import subprocess
+    import sys
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    code = ("import os, sys, mindspec\nos.chdir(sys.argv[3]); os.rmdir(sys.argv[3])\n"
+            "try:\n    mindspec.load(sys.argv[1], sys.argv[2], max_seq=64)\n"
+            "except mindspec.MindspecError as e:\n    print(e)\n")
+    p = subprocess.run([sys.executable, "-c", code, tiny_target[0], noisy_draft, str(gone)], capture_output=True,
+                       text=True, timeout=300)
+    assert (p.returncode, p.stdout) == (0, "the working directory no longer exists (removed since this process "
+                                           "started): cd to one that does\n"), p.stderr[-3000:]
+    gone.mkdir()
+    p = subprocess.run([os.path.join(os.path.dirname(sys.executable), "mindspec"), "generate", "--target",
+                        tiny_target[0], "--draft", noisy_draft, "--prompt-ids", "5,6", "--max-new-tokens", "2"],
+                       capture_output=True, text=True, timeout=300, cwd=gone.parent,
+                       preexec_fn=lambda: (os.chdir(gone), os.rmdir(gone)))
+    assert (p.returncode, p.stderr) == (2, "mindspec: error: the working directory no longer exists (removed since "
+                                           "this process started): cd to one that does\n"), p.stderr[-3000:]
+
+
 def test_threads_sharing_a_pipeline_take_turns(pipe):
     """Found: two threads calling generate on one pipeline at once crashed the process inside MindSpore
     (a segfault) or hung it. A pipeline runs one call at a time; the others wait their turn."""
