@@ -620,7 +620,9 @@ def run_batch(load, defaults, input_path, output_path, share=None, model=None, m
     job = _Job(path, bar=part is None)
     writer = share is None or _rank0()
     with Signals(share is None, job.hard_stop, final=True) as sig, job.om:
-        rows = _rows(_read_lines(input_path), input_path)
+        with sig.waiting():  # (an input FIFO: its writer may never come)
+            lines = _read_lines(input_path)
+        rows = _rows(lines, input_path)
         job.out = Output(path if writer else None, job_key, input_path)
         if part:
             rows = rows[part[0]::part[1]]

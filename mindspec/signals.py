@@ -66,6 +66,22 @@ class Signals:
                 return self.pass_on()
             raise KeyboardInterrupt
 
+    @contextlib.contextmanager
+    def waiting(self):
+        """A wait with nothing to undo (a batch job's read of an input FIFO that has no writer yet): a command's
+        signal raises KeyboardInterrupt in it at once, not at the next safe point (found: the first Ctrl-C was
+        recorded, the read went on waiting, and a second one exited 130 without a word)."""
+        if not (self.active and self.command):
+            yield
+            return
+        self.check()
+        for s in SIGNALS:
+            signal.signal(s, signal.default_int_handler)
+        try:
+            yield
+        finally:
+            self.reinstall()
+
     def pass_on(self):
         """A library call's recorded signal, after its step: to the handler the caller had in force (Python's
         KeyboardInterrupt, a script's own, or nothing for an ignored one; SIGTERM's default ends the process)."""

@@ -26,6 +26,8 @@ from mindspec import batch as B
 from mindspec.errors import MindspecError
 from mindspec.export import export_draft
 
+from conftest import wait_for
+
 MAX_SEQ = 128
 LINES = [
     json.dumps({"id": "a", "prompt_ids": [5, 6, 7, 8], "max_new_tokens": 10}),
@@ -410,6 +412,31 @@ def test_an_output_removed_while_the_job_runs_stops_it_with_one_line(setup, tmp_
         f"mindspec: error: output {out} was removed, replaced or moved while this job wrote it; run the same "
         "command again to write its records there anew"), err
     assert "Traceback" not in err and not out.exists()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_while_an_input_fifo_waits_for_its_writer_exits_130_at_once(setup, tmp_path, sig):
+    """Found by a batch probe: with --input a FIFO that no writer had opened, the first Ctrl-C was recorded for
+    the next safe point while the read went on waiting (10 minutes, until a second one, which exited 130
+    without a word). Nothing has run there: the first signal ends the job, exit 130, no output made."""
+    inp, out = tmp_path / "in.fifo", tmp_path / "out.jsonl"
+    os.mkfifo(inp)
+    p = subprocess.Popen(command(setup, out, inp), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    def waits():  # blocked opening the FIFO (the kernel's fifo_open)
+        try:
+            with open(f"/proc/{p.pid}/wchan") as f:
+                return f.read() == "wait_for_partner"
+        except OSError:
+            return False
+
+    try:
+        assert wait_for(waits, 60), p.poll()
+        p.send_signal(sig)
+        assert p.wait(timeout=30) == 130
+    finally:
+        p.kill()
+    assert p.stderr.read() == "" and not out.exists()
 
 
 @pytest.mark.parametrize("delay,sigs", [(0.0, "INT"), (0.5, "TERM"), (1.2, "INT"), (3.0, "TERM"), (0.3, "TERM TERM")])
