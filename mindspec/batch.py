@@ -300,7 +300,8 @@ class Output:
     def _open(self):
         flags = os.O_RDWR | os.O_APPEND | os.O_CLOEXEC  # never O_TRUNC: a foreign file stays untouched
         # O_EXCL refuses any symlink: a link to a file not yet made is followed, as a shell's `>` does
-        self.real = os.path.realpath(self.path)
+        # (a process's open file, /dev/stdout: opened as named; its real path, /proc/PID/fd/pipe:[N], is no file)
+        self.real = self.path if _descriptor(self.path) else os.path.realpath(self.path)
         try:
             try:
                 self.fd, self.created = os.open(self.real, flags | os.O_CREAT | os.O_EXCL, 0o666), True

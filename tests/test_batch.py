@@ -215,6 +215,18 @@ def test_unusable_input_or_output_exits_2_with_one_line_and_touches_nothing(setu
     _expect_usage_error(setup, theirs, "holds the results of another job", extra=["--max-new-tokens", "6"])
 
 
+def test_an_output_that_is_stdout_a_pipe_gets_the_records(setup, tmp_path):
+    """Found by a batch probe: `--output /dev/stdout | cat` was "cannot write output /dev/stdout: No such file or
+    directory" (its real path, /proc/PID/fd/pipe:[N], is no file), though a pipe is written as /dev/null is: no
+    lock, nothing to resume."""
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps({"prompt_ids": [5, 6, i]}) + "\n" for i in range(3)))
+    p = subprocess.run(command(setup, "/dev/stdout", inp), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                       timeout=600)
+    assert p.returncode == 0, p.stderr.decode()[-3000:]
+    assert sorted(json.loads(line)["id"] for line in p.stdout.splitlines()) == [1, 2, 3]
+
+
 def test_a_second_job_on_the_same_output_is_refused(setup, tmp_path):
     out = tmp_path / "o.jsonl"
     out.write_bytes(b"")
