@@ -207,7 +207,9 @@ def _ours(line):
 
 def _torn(tail):
     """A last line without its newline that starts like our records but is no whole JSON: a write cut short
-    (a whole one is checked like any record), or blanks (an editor's)."""
+    (a whole one is checked like any record), or blanks (an editor's); NUL bytes at its end are a power cut's
+    (ext4, XFS: the file's length written, not its data)."""
+    tail = tail.rstrip(b"\0")
     if not tail.strip():
         return True
     if not HEAD.startswith(tail[:len(HEAD)]):
