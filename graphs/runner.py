@@ -155,7 +155,7 @@ class TargetModel:
         # than the next, default model, 2 cores: timings that include one say nothing of the steady state)
         self.ran, self.cold_runs, self.warm_names = set(), 0, []
         self.pending = []  # graphs warm-up left to load_next, in its order
-        self._cache = None  # (path, lock) of the compile cache the pending graphs go through
+        self._cache = None  # (path, lock, writing) of the compile cache the pending graphs go through
         self.load_error = None  # why the next pending graph did not compile (load_next)
         self.writes = 0  # graph runs (each writes K/V into cache slots): the engine's prefix cache checks it
         self.host_rows = 0  # sampling rows redone on the host (_sampled)
@@ -407,7 +407,7 @@ class TargetModel:
                 if not whole:
                     fcntl.flock(lock, fcntl.LOCK_EX)  # (from LOCK_SH: it may wait for another writer)
                     whole = os.path.exists(path + ".whole")
-            self._cache = (path, lock)
+            self._cache = (path, lock, not whole)  # (writing: this process fills the entry, under LOCK_EX)
             try:
                 cache_budget.evict(cache_dir, os.path.basename(path))  # the least recently used others, over the bound
             except OSError:  # (it never stops a run)
@@ -444,7 +444,7 @@ class TargetModel:
                 os.environ.pop("MS_COMPILER_CACHE_ENABLE")  # later graphs compile in any order
                 unpin()
         self.pending.pop(0)
-        if cached and self._cache is not None:
+        if cached and self._cache is not None and self._cache[2]:  # (a reader's entry is whole: never dropped)
             self._cache_full(cache_budget.FULL, f"came within {cache_budget.FULL >> 20} MB of full as graphs were "
                              "saved")
         if not self.pending and self._cache is not None:
@@ -464,8 +464,8 @@ class TargetModel:
         except OSError:
             return
         if free < least:
+            shutil.rmtree(path, ignore_errors=True)  # (under the lock: a writer waiting for it finds no remains)
             self._close_cache()
-            shutil.rmtree(path, ignore_errors=True)
             print(f"mindspec: warning: the disk of {os.path.dirname(path)} {said} ({free >> 20} MB free): graphs "
                   "compile afresh in each process, not saved to the compile cache", file=sys.stderr, flush=True)
 

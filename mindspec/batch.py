@@ -207,9 +207,7 @@ def _ours(line):
 
 def _torn(tail):
     """A last line without its newline that starts like our records but is no whole JSON: a write cut short
-    (a whole one is checked like any record), or blanks (an editor's); NUL bytes at its end are a power cut's
-    (ext4, XFS: the file's length written, not its data)."""
-    tail = tail.rstrip(b"\0")
+    (a whole one is checked like any record), or blanks (an editor's)."""
     if not tail.strip():
         return True
     if not HEAD.startswith(tail[:len(HEAD)]):
@@ -229,6 +227,8 @@ def _scan(data, path, job):
     (the first result wins)."""
     lines = data.split(b"\n")
     tail = lines.pop()  # b"" when the file ends with a newline
+    zeros = len(tail) - len(tail.rstrip(b"\0"))  # a power cut's zero-filled end (ext4, XFS: the length written,
+    tail = tail[:len(tail) - zeros]  # not the data): never kept
     if tail and _ours(tail) is not None:  # a whole record whose newline was lost (an editor, $(cat ...)): kept
         lines, tail = lines + [tail], b""
     done, errors, asked = set(), {}, {}
@@ -249,7 +249,7 @@ def _scan(data, path, job):
             done.add(_key(rec["id"]))
     if tail and not _torn(tail):
         raise MindspecError(f"{path}:{len(lines) + 1} is not a mindspec batch record; not writing to that file")
-    return done, errors, asked, len(data) - len(tail)
+    return done, errors, asked, len(data) - len(tail) - zeros
 
 
 def _lock_holder(fd):
@@ -303,8 +303,15 @@ class Output:
         flags = os.O_RDWR | os.O_APPEND | os.O_CLOEXEC  # never O_TRUNC: a foreign file stays untouched
         # O_EXCL refuses any symlink: a link to a file not yet made is followed, as a shell's `>` does
         # (a process's open file, /dev/stdout: opened as named; its real path, /proc/PID/fd/pipe:[N], is no file)
-        self.real = self.path if _descriptor(self.path) else os.path.realpath(self.path)
+        descriptor = _descriptor(self.path)
+        self.real = self.path if descriptor else os.path.realpath(self.path)
         try:
+            if descriptor:  # write-only: a pipe opened for reading too would never tell its reader left (EPIPE)
+                self.fd = os.open(self.real, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+                if stat.S_ISREG(os.fstat(self.fd).st_mode):  # a file: read back too, to resume
+                    os.close(self.fd)
+                    self.fd = os.open(self.real, flags)
+                return
             try:
                 self.fd, self.created = os.open(self.real, flags | os.O_CREAT | os.O_EXCL, 0o666), True
             except FileExistsError:
@@ -334,7 +341,7 @@ class Output:
         self.done, self.errors, self.asked, keep = _scan(data, self.path, self.job)
         if keep < len(data):
             self._truncate(keep)
-        elif data and not data.endswith(b"\n"):  # the next record starts on a line of its own
+        if keep and not data[:keep].endswith(b"\n"):  # the next record starts on a line of its own
             try:
                 os.write(self.fd, b"\n")
             except OSError as e:

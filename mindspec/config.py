@@ -44,10 +44,12 @@ def _eos_list(v, where):
 
 
 def _eos_in_vocab(ids, vocab, where):
-    """(found: an EOS id outside the vocabulary loaded, and a model whose only EOS it was never stopped)"""
-    bad = [i for i in ids if not 0 <= i < vocab]
-    if bad:
-        raise MindspecError(f"{where}: eos_token_id {bad[0]} is not a token id of the vocabulary [0, {vocab})")
+    """The ids that are token ids of the vocabulary; none of several is refused (found: a model whose only EOS
+    was outside the vocabulary loaded and never stopped at it). Others out of range are dropped: never made."""
+    good = tuple(i for i in ids if 0 <= i < vocab)
+    if ids and not good:
+        raise MindspecError(f"{where}: eos_token_id {ids[0]} is not a token id of the vocabulary [0, {vocab})")
+    return good
 
 
 def config_from_dict(raw, where="config.json"):
@@ -118,7 +120,7 @@ def config_from_dict(raw, where="config.json"):
         raise MindspecError(f"{where}: missing key {e.args[0]!r}") from None
     except (TypeError, ValueError) as e:
         raise MindspecError(f"{where}: bad value ({e})") from None
-    _eos_in_vocab(cfg.eos_token_ids, cfg.vocab_size, where)
+    cfg = replace(cfg, eos_token_ids=_eos_in_vocab(cfg.eos_token_ids, cfg.vocab_size, where))
     if cfg.num_attention_heads % cfg.num_key_value_heads:
         raise MindspecError(f"{where}: num_attention_heads {heads} is not a multiple of "
                             f"num_key_value_heads {cfg.num_key_value_heads}")

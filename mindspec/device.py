@@ -10,6 +10,7 @@ import glob
 import os
 import platform
 import re
+import sys
 from dataclasses import dataclass, field
 
 from .errors import MindspecError
@@ -145,7 +146,8 @@ def check_device_env(env=None):
     "Fatal Python error" and exit 134)."""
     env = os.environ if env is None else env
     try:
-        os.getcwd()
+        if "mindspore" not in sys.modules:  # (once imported, a process whose directory went still runs)
+            os.getcwd()
     except FileNotFoundError:
         raise MindspecError("the working directory no longer exists (removed since this process started): cd to "
                             "one that does") from None

@@ -24,6 +24,9 @@ from .errors import MindspecError, one_line
 from .formats import openai_error
 
 
+IDLE_S = 1.0  # seconds a connection waits for a request before it may be closed to make room for another
+
+
 def _json_error(status, message):
     return json.dumps(openai_error(status, message))
 
@@ -36,11 +39,13 @@ class _Protocol(RequestHandler):
         if self._keepalive_timeout:
             self._watch(transport, None, self._loop.time())
 
-    def idle(self):
-        """Whether this connection waits for a request (kept alive after an answer, or its headers not all
-        arrived) rather than being answered: one that may be closed to make room."""
-        return (self.transport is not None and not self._force_close and not self._messages
-                and not self._request_in_progress and self._waiter is not None and not self._waiter.done())
+    def idle_since(self):
+        """Since when this connection has waited for a request (kept alive after an answer, or its headers not all
+        arrived), None while one is answered or not yet parsed: the time its keep-alive timer was armed."""
+        if (self.transport is None or self._force_close or self._messages or self._request_in_progress
+                or self._waiter is None or self._waiter.done()):
+            return None
+        return self._next_keepalive_close_time - self._keepalive_timeout
 
     def connection_lost(self, exc):
         if self.watchdog is not None:
@@ -117,9 +122,12 @@ class _Server(web.Server):
     def connection_made(self, handler, transport):
         super().connection_made(handler, transport)
         if self.max_connections and len(self._connections) > self.max_connections:
-            idle = [h for h in self._connections if h is not handler and h.idle()]
-            if idle:  # the idle longest (its keep-alive timer the first due) makes room, as nginx does
-                return min(idle, key=lambda h: h._next_keepalive_close_time).force_close()
+            # the idle longest makes room, as nginx does; not one idle under IDLE_S, whose next request may be in
+            # the kernel's buffer unparsed (a pool's POST, reset, is not retried)
+            idle = [(t, h) for h in self._connections if h is not handler and (t := h.idle_since()) is not None
+                    and t <= self._loop.time() - IDLE_S]
+            if idle:
+                return min(idle, key=lambda x: x[0])[1].force_close()
             body = _json_error(503, f"too many connections (at most {self.max_connections}); retry later").encode()
             transport.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
                             b"Retry-After: 1\r\nConnection: close\r\nContent-Length: " + str(len(body)).encode()

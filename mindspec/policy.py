@@ -211,10 +211,54 @@ class Costs(dict):
         self.feed = feed
 
 
+def cgroup_cpu(proc_cgroup="/proc/self/cgroup", root="/sys/fs/cgroup"):
+    """(CPU s used by the processes of this process's cgroup, its CPU quota in CPUs) where a cgroup (v2 or v1) of
+    it or an ancestor caps its CPU time, else None. (A container's /proc/stat shows the whole host: two busy
+    processes beside this one under a 2-CPU quota on a 64-CPU host are 3% of it.)"""
+    try:
+        with open(proc_cgroup) as f:
+            lines = [line.rstrip("\n").split(":", 2) for line in f]
+    except OSError:
+        return None
+    for _, controllers, rel in lines:
+        v2 = controllers == ""
+        if not (v2 or "cpu" in controllers.split(",")):
+            continue
+        parts = [x for x in rel.split("/") if x]
+        for n in range(len(parts), -1, -1):  # this cgroup, then its ancestors
+            sub = "/".join(parts[:n])
+            try:
+                if v2:
+                    with open(os.path.join(root, sub, "cpu.max")) as f:
+                        quota, period = f.read().split()
+                    if quota == "max":
+                        continue
+                    with open(os.path.join(root, sub, "cpu.stat")) as f:
+                        used = next(int(x.split()[1]) for x in f if x.startswith("usage_usec ")) / 1e6
+                else:
+                    with open(os.path.join(root, "cpu", sub, "cpu.cfs_quota_us")) as f:
+                        quota = f.read().strip()
+                    if int(quota) <= 0:
+                        continue
+                    with open(os.path.join(root, "cpu", sub, "cpu.cfs_period_us")) as f:
+                        period = f.read().strip()
+                    with open(os.path.join(root, "cpuacct", sub, "cpuacct.usage")) as f:
+                        used = int(f.read()) / 1e9
+                return used, int(quota) / int(period)
+            except (OSError, ValueError, StopIteration):
+                continue
+    return None
+
+
 def cpu_sample():
     """(monotonic s, busy s of the CPUs this process may run on, this process's CPU s, their number), or None
-    where /proc/stat cannot tell (not Linux)."""
+    where /proc/stat cannot tell (not Linux); under a CPU quota (cgroup_cpu) its cgroup's use and quota."""
     try:
+        own = os.times()
+        capped = cgroup_cpu()
+        if capped is not None:
+            cpus = len(os.sched_getaffinity(0))
+            return time.monotonic(), capped[0], own.user + own.system, min(capped[1], cpus)
         cpus, busy = os.sched_getaffinity(0), 0
         with open("/proc/stat") as f:
             for line in f:
@@ -222,7 +266,6 @@ def cpu_sample():
                 if name[:3] == "cpu" and name[3:].isdigit() and int(name[3:]) in cpus:
                     t = [int(x) for x in ticks[:8]]
                     busy += sum(t) - t[3] - t[4]  # all but idle and iowait (steal: a neighbour VM's)
-        own = os.times()
         return time.monotonic(), busy / os.sysconf("SC_CLK_TCK"), own.user + own.system, len(cpus)
     except (OSError, AttributeError, ValueError, IndexError):
         return None
@@ -319,7 +362,8 @@ def _measure_costs(pipe, batch_sizes, reps=5, cache=True):
     t, s = pipe.target, pipe.proposer.session
     if all(h and isinstance(h["c"], dict) and "feed" in h and all(str(k) in h["c"] for k in t.k_buckets)
            and all(str(k) in h["v"] for k in (0,) + t.k_buckets)
-           and "others_cpu" in h and (h["others_cpu"] is None or h["others_cpu"] <= NOISY) for h in hits.values()):
+           and "others_cpu" in h and (h["others_cpu"] is None or isinstance(h["others_cpu"], (int, float))
+                                      and h["others_cpu"] <= NOISY) for h in hits.values()):
         # ratios: the machine's speed drifts (20-70% from one day to the next here), they keep
         return Costs({B: tuple({int(k): x for k, x in h[n].items()} for n in "cv") for B, h in hits.items()
                       if B in batch_sizes}, hits[1]["feed"])

@@ -74,10 +74,10 @@ class Signals:
         if not (self.active and self.command):
             yield
             return
-        self.check()
         for s in SIGNALS:
             signal.signal(s, signal.default_int_handler)
         try:
+            self.check()  # (after: a signal in between would only be recorded)
             yield
         finally:
             self.reinstall()

@@ -227,6 +227,21 @@ def test_an_output_that_is_stdout_a_pipe_gets_the_records(setup, tmp_path):
     assert sorted(json.loads(line)["id"] for line in p.stdout.splitlines()) == [1, 2, 3]
 
 
+def test_an_output_pipe_whose_reader_left_is_a_broken_pipe(tmp_path):
+    """Found by a review: the pipe behind /dev/stdout opened for reading and writing held a read end itself, so
+    after `| head -1` left, writes filled the pipe's 64 kB and then blocked for ever (no EPIPE)."""
+    inp = _input(tmp_path / "in.jsonl", 1)
+    r, w = os.pipe()
+    out = B.Output(f"/dev/fd/{w}", B.job_id(DEFAULTS), str(inp))
+    try:
+        os.close(r)  # the reader leaves
+        with pytest.raises(BrokenPipeError):
+            os.write(out.fd, b"x")
+    finally:
+        out.close()
+        os.close(w)
+
+
 def test_a_second_job_on_the_same_output_is_refused(setup, tmp_path):
     out = tmp_path / "o.jsonl"
     out.write_bytes(b"")
@@ -435,12 +450,15 @@ def test_a_signal_while_an_input_fifo_waits_for_its_writer_exits_130_at_once(set
     os.mkfifo(inp)
     p = subprocess.Popen(command(setup, out, inp), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
-    def waits():  # blocked opening the FIFO (the kernel's fifo_open)
+    start = time.monotonic()
+
+    def waits():  # blocked opening the FIFO (the kernel's fifo_open); where wchan is hidden ("0"), after 5 s
         try:
             with open(f"/proc/{p.pid}/wchan") as f:
-                return f.read() == "wait_for_partner"
+                wchan = f.read()
         except OSError:
-            return False
+            wchan = "0"
+        return wchan == "wait_for_partner" or (wchan == "0" and time.monotonic() - start > 5)
 
     try:
         assert wait_for(waits, 60), p.poll()
@@ -669,6 +687,9 @@ def test_a_torn_last_line_is_cut_only_when_the_file_is_ours(tmp_path, monkeypatc
     for zeros in (b"\0" * 4096, _rec(2, job, **OK)[:20] + b"\0" * 100):
         out.write_bytes(_rec(1, job, **OK) + zeros)
         assert _batch(inp, out) == 0 and [r["id"] for r in records(out)] == [1, 2], zeros
+    out.write_bytes(_rec(1, job, **OK) + _rec(2, job, **dict(OK, text="kept"))[:-1] + b"\0" * 100)  # (a review's)
+    assert _batch(inp, out) == 0
+    assert [r["text"] for r in records(out)] == ["ok", "kept"] and out.read_bytes().endswith(b"}\n")
     # found by mutation testing: a last line of blanks without its newline refused the file (with it: fine)
     for blank in (b"  ", b"\r", b"\t"):
         out.write_bytes(_rec(1, job, **OK) + _rec(2, job, **OK) + blank)

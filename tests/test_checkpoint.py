@@ -106,9 +106,6 @@ def test_a_weight_that_is_not_finite_is_refused(tmp_path, tiny_target, bad):
     (dict(architectures={"a": 1}), "architectures must be a list of class names"),
     (dict(rope_scaling="linear"), "rope_scaling must be an object"),
     (dict(eos_token_id=[2, None]), "eos_token_id must be an integer or a list of integers"),
-    # a library probe's: loaded, and a model whose only EOS is out of range never stops at it
-    (dict(eos_token_id=-1), r"eos_token_id -1 is not a token id of the vocabulary \[0, "),
-    (dict(eos_token_id=[2, 10 ** 9]), r"eos_token_id 1000000000 is not a token id of the vocabulary \[0, "),
     # a user probe's: each ran as a SiLU, full-RoPE model, giving another model's tokens
     (dict(hidden_act="gelu"), "hidden_act 'gelu' is not supported .only silu."),
     (dict(partial_rotary_factor=0.5), "partial_rotary_factor 0.5 is not supported .RoPE over whole heads only."),
@@ -124,12 +121,27 @@ def test_a_config_that_does_not_describe_the_weights_is_refused(tmp_path, tiny_t
         Checkpoint(str(d))
 
 
-def test_an_eos_of_generation_config_outside_the_vocabulary_is_refused_naming_that_file(tmp_path, tiny_target):
+def test_eos_ids_outside_the_vocabulary_are_refused_when_no_other_is_in_it(tmp_path, tiny_target):
+    """Found by a library probe: an EOS id outside the vocabulary loaded, and a model whose only EOS it was never
+    stopped at it. None in range is refused, naming the file; one of several is dropped (never generated)."""
     d = tmp_path / "g"
     shutil.copytree(tiny_target[0], d)
-    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 99999]}))
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "generation_config.json").unlink()
+    for eos, want in ((-1, None), ([10 ** 9, -3], None), ([2, 10 ** 9], (2,))):
+        (d / "config.json").write_text(json.dumps(dict(cfg, eos_token_id=eos)))
+        if want is None:
+            with pytest.raises(MindspecError, match=rf"config.json: eos_token_id {eos if eos == -1 else eos[0]} is "
+                                                    r"not a token id of the vocabulary \[0, "):
+                Checkpoint(str(d))
+        else:
+            assert Checkpoint(str(d)).config.eos_token_ids == want
+    (d / "config.json").write_text(json.dumps(cfg))
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [99999]}))
     with pytest.raises(MindspecError, match=f"{d / 'generation_config.json'}: eos_token_id 99999 is not a token id"):
         Checkpoint(str(d))
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 99999]}))  # one never made: dropped
+    assert Checkpoint(str(d)).config.eos_token_ids == (2,)
 
 
 def test_odd_safetensors_files_are_one_line_errors(tmp_path):

@@ -13,7 +13,7 @@ import weakref
 from aiohttp import web
 
 from mindspec.errors import MindspecError
-from mindspec.http import HttpServer
+from mindspec.http import IDLE_S, HttpServer
 
 from conftest import wait_for
 
@@ -51,6 +51,11 @@ def read_all(s):
 def get(s, path):
     """The status line of a keep-alive GET of `path` on s (whose handler answers "ok"); s stays open."""
     s.sendall(b"GET %s HTTP/1.1\r\nHost: x\r\n\r\n" % path.encode())
+    return answer(s)
+
+
+def answer(s):
+    """The status line of the answer "ok" read whole from s."""
     got = b""
     while not got.endswith(b"\r\n\r\nok"):
         chunk = s.recv(4096)
@@ -242,8 +247,7 @@ def test_max_connections_admits_that_many_and_a_connection_beyond_gets_one_503_a
                 third.sendall(b"GET /3 HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
                 got = read_all(third)
             release.set()
-            for s in (first, second):
-                assert s.recv(4096).startswith(b"HTTP/1.1 200 OK")
+            assert answer(first) == answer(second) == "HTTP/1.1 200 OK"
             assert get(first, "/4") == "HTTP/1.1 200 OK"  # (the two admitted are still served)
     head, body = got.split(b"\r\n\r\n", 1)
     assert got.count(b"HTTP/1.") == 1 and head == (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: "
@@ -260,7 +264,8 @@ def test_at_max_connections_the_longest_idle_connection_makes_room_for_a_new_one
     """Found by a server probe: 1000 idle sockets (a client pool's keep-alive connections, or an attacker's that
     send nothing) filled --max-connections, and /health got 503 until they timed out 30 s later. At the limit,
     the connection idle longest — answered and kept alive, or its headers not all arrived — is closed to admit
-    the new one (nginx reuses its keep-alive connections likewise); one answering a request never is."""
+    the new one (nginx reuses its keep-alive connections likewise); one answering a request never is, nor one idle
+    under IDLE_S (its next request may be in the kernel's buffer, unparsed: a review)."""
     paths, errors, release = [], [], threading.Event()
 
     async def handle(request):
@@ -274,23 +279,26 @@ def test_at_max_connections_the_longest_idle_connection_makes_room_for_a_new_one
             busy.sendall(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
             assert get(kept, "/1") == "HTTP/1.1 200 OK"  # answered, kept alive: idle since
             assert wait_for(lambda: "/slow" in paths, 10)
-            time.sleep(0.05)
             with connect(port) as partial:
                 partial.sendall(b"GET /2 HTTP/1.1\r\nHost:")  # headers not all arrived: idle since it came
-                time.sleep(0.05)
+                with connect(port) as early:  # none idle IDLE_S yet (a next request may be in the kernel's buffer)
+                    early.sendall(b"GET /early HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                    assert read_all(early).startswith(b"HTTP/1.1 503 Service Unavailable")
+                time.sleep(IDLE_S + 0.1)  # both idle past IDLE_S now, "kept" the longer
                 with connect(port) as new:
                     assert get(new, "/3") == "HTTP/1.1 200 OK"  # served, no 503
                     assert read_all(kept) == b""  # the idle longest was closed
                     with connect(port) as newer:
                         assert get(newer, "/4") == "HTTP/1.1 200 OK"
                         assert read_all(partial) == b""  # then the next idle longest
-                        with connect(port) as beyond:  # (idle now: the two answered, "new" the longer)
+                        time.sleep(IDLE_S + 0.1)  # (idle now: the two answered, "new" the longer)
+                        with connect(port) as beyond:
                             assert get(beyond, "/5") == "HTTP/1.1 200 OK"
                             assert read_all(new) == b""
             release.set()
-            assert busy.recv(4096).startswith(b"HTTP/1.1 200 OK")  # the one answering was never closed
+            assert answer(busy) == "HTTP/1.1 200 OK"  # the one answering was never closed
     assert sorted(paths) == ["/1", "/3", "/4", "/5", "/slow"]
-    assert errors == []
+    assert errors == [503]  # (early's)
     assert len(capfd.readouterr().err.splitlines()) == 5  # a line per answer, none for the connections closed
 
 

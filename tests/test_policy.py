@@ -383,16 +383,44 @@ def test_others_share_counts_the_cpu_time_of_other_processes_only():
     assert others_share(None, (1.0, 0.0, 0.5, 2)) is None and others_share((1.0, 0, 0, 2), (1.0, 0, 0, 2)) is None
 
 
-def _spinning(n):
+def test_a_cpu_quota_counts_its_cgroup_not_the_host(tmp_path):
+    """Found by a review: a container's /proc/stat is the whole host's, so two busy processes beside this one
+    under a 2-CPU quota on a 64-CPU host were 3% of it and their costs kept as quiet. Under a quota (cgroup v2's
+    cpu.max or v1's cfs_quota_us, on this cgroup or an ancestor) the cgroup's own use is counted, per quota CPU."""
+    from mindspec.policy import cgroup_cpu
+    proc = tmp_path / "cgroup"
+    root = tmp_path / "fs"
+    (root / "a" / "b").mkdir(parents=True)
+    proc.write_text("0::/a/b\n")
+    (root / "a" / "b" / "cpu.max").write_text("max 100000\n")  # no quota here: its parent's
+    (root / "a" / "cpu.max").write_text("200000 100000\n")
+    (root / "a" / "cpu.stat").write_text("usage_usec 5000000\nuser_usec 4000000\n")
+    assert cgroup_cpu(str(proc), str(root)) == (5.0, 2.0)
+    (root / "a" / "cpu.max").write_text("max 100000\n")
+    assert cgroup_cpu(str(proc), str(root)) is None  # no quota anywhere: /proc/stat's CPUs
+    proc.write_text("4:memory:/x\n3:cpu,cpuacct:/c\n0::/\n")  # cgroup v1
+    (root / "cpu" / "c").mkdir(parents=True)
+    (root / "cpuacct" / "c").mkdir(parents=True)
+    (root / "cpu" / "c" / "cpu.cfs_quota_us").write_text("150000\n")
+    (root / "cpu" / "c" / "cpu.cfs_period_us").write_text("100000\n")
+    (root / "cpuacct" / "c" / "cpuacct.usage").write_text("2500000000\n")
+    assert cgroup_cpu(str(proc), str(root)) == (2.5, 1.5)
+    (root / "cpu" / "c" / "cpu.cfs_quota_us").write_text("-1\n")
+    assert cgroup_cpu(str(proc), str(root)) is None
+    assert cgroup_cpu(str(tmp_path / "none"), str(root)) is None
+
+
+def _spinning():
+    """A busy process for each CPU this process may run on."""
     import subprocess
     import sys
-    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in os.sched_getaffinity(0)]
 
 
 def test_cpu_sample_sees_other_processes_busy():
     import time
     from mindspec.policy import cpu_sample, others_share
-    procs = _spinning(2)
+    procs = _spinning()
     try:
         time.sleep(0.3)
         before = cpu_sample()
@@ -402,7 +430,7 @@ def test_cpu_sample_sees_other_processes_busy():
         for p in procs:
             p.kill()
             p.wait()
-    assert others_share(before, after) >= 0.4, (before, after)  # two busy loops on this machine's CPUs
+    assert others_share(before, after) >= 0.4, (before, after)  # a busy loop for each CPU
 
 
 def test_costs_measured_while_other_processes_load_the_cpu_are_measured_again_at_the_next_start(pipe, tmp_path,
@@ -414,7 +442,7 @@ def test_costs_measured_while_other_processes_load_the_cpu_are_measured_again_at
     measured them but are not trusted by the next; costs measured quietly are reused."""
     import time
     monkeypatch.setenv("MINDSPEC_HOME", str(tmp_path))
-    procs = _spinning(2)
+    procs = _spinning()
     try:
         time.sleep(0.3)
         measure_costs(pipe, (1, 2), reps=3)
