@@ -227,16 +227,21 @@ def test_a_parser_error_quotes_at_most_300_characters_on_one_line(capfd):
         f"mindspec: 127.0.0.1 {message}"]
 
 
-def test_max_connections_admits_that_many_and_a_connection_beyond_gets_one_503_and_is_closed_unserved(capfd):
-    """maxLinkNum N admits N connections at once (not N - 1); with all N answering a request, the next one gets a
-    503 and is closed before its request is read (its handler never runs); each request answered is one log line."""
-    paths, errors, release = [], [], threading.Event()
-
+def holding(paths, release):
+    """A handler that notes each path and answers "ok", those under /slow once `release` is set."""
     async def handle(request):
         paths.append(request.path_qs)
         while request.path.startswith("/slow") and not release.is_set():
             await asyncio.sleep(0.01)
         return web.Response(text="ok")
+    return handle
+
+
+def test_max_connections_admits_that_many_and_a_connection_beyond_gets_one_503_and_is_closed_unserved(capfd):
+    """maxLinkNum N admits N connections at once (not N - 1); with all N answering a request, the next one gets a
+    503 and is closed before its request is read (its handler never runs); each request answered is one log line."""
+    paths, errors, release = [], [], threading.Event()
+    handle = holding(paths, release)
 
     with serving(handle, max_connections=2, on_error=errors.append) as port:
         with connect(port) as first, connect(port) as second:
@@ -267,12 +272,7 @@ def test_at_max_connections_the_longest_idle_connection_makes_room_for_a_new_one
     the new one (nginx reuses its keep-alive connections likewise); one answering a request never is, nor one idle
     under IDLE_S (its next request may be in the kernel's buffer, unparsed: a review)."""
     paths, errors, release = [], [], threading.Event()
-
-    async def handle(request):
-        paths.append(request.path_qs)
-        while request.path.startswith("/slow") and not release.is_set():
-            await asyncio.sleep(0.01)
-        return web.Response(text="ok")
+    handle = holding(paths, release)
 
     with serving(handle, max_connections=3, on_error=errors.append) as port:
         with connect(port) as busy, connect(port) as kept:
