@@ -19,6 +19,7 @@ from .tp import is_rank0, share
 
 COST_CONTEXT = 64  # positions of context at which costs are measured (a typical mid-request state)
 NOISY = 0.25  # others' share of the CPUs' time above which measured costs are not trusted by the next start
+NOISY_ENV = "MINDSPEC_COSTS_NOISY"  # another share (1: keep every measurement, for a host busy all the time)
 
 
 def expected_tokens(alpha, k):
@@ -211,6 +212,19 @@ class Costs(dict):
         self.feed = feed
 
 
+def noisy():
+    """The share of the CPUs' time other processes may take while costs are measured for them to be kept:
+    $MINDSPEC_COSTS_NOISY, else NOISY."""
+    raw = os.environ.get(NOISY_ENV, "")
+    try:
+        share_ = float(raw) if raw else NOISY
+    except ValueError:
+        share_ = -1.0
+    if not 0 <= share_ <= 1:
+        raise MindspecError(f"${NOISY_ENV} must be a share of the CPUs' time between 0 and 1, got {raw!r}")
+    return share_
+
+
 def cgroup_cpu(proc_cgroup="/proc/self/cgroup", root="/sys/fs/cgroup"):
     """(CPU s used by the processes of this process's cgroup, its CPU quota in CPUs) where a cgroup (v2 or v1) of
     it or an ancestor caps its CPU time, else None. (A container's /proc/stat shows the whole host: two busy
@@ -355,6 +369,7 @@ def _measure_costs(pipe, batch_sizes, reps=5, cache=True):
     Uses slots 0..B-1 and draft rows 0..B-1: only while the engine is idle."""
     if pipe.proposer is None:
         raise MindspecError("measuring the draft/target cost ratio needs a draft")
+    limit = noisy()
     saved = _read_costs() if cache else {}
     sizes = sorted(set(batch_sizes) | {1})  # batch 1's decode is the unit
     # rank 0's: every rank measures (a collective a call), or none does
@@ -363,7 +378,7 @@ def _measure_costs(pipe, batch_sizes, reps=5, cache=True):
     if all(h and isinstance(h["c"], dict) and "feed" in h and all(str(k) in h["c"] for k in t.k_buckets)
            and all(str(k) in h["v"] for k in (0,) + t.k_buckets)
            and "others_cpu" in h and (h["others_cpu"] is None or isinstance(h["others_cpu"], (int, float))
-                                      and h["others_cpu"] <= NOISY) for h in hits.values()):
+                                      and h["others_cpu"] <= limit) for h in hits.values()):
         # ratios: the machine's speed drifts (20-70% from one day to the next here), they keep
         return Costs({B: tuple({int(k): x for k, x in h[n].items()} for n in "cv") for B, h in hits.items()
                       if B in batch_sizes}, hits[1]["feed"])

@@ -464,3 +464,12 @@ def test_costs_measured_while_other_processes_load_the_cpu_are_measured_again_at
                 e["others_cpu"] = others
         (tmp_path / "costs.json").write_text(json.dumps(saved))
         assert (measure_costs(pipe, (2,), reps=1)[2][0] == {1: 123.0, 2: 123.0, 4: 123.0}) == reused, others
+    for e in saved.values():  # a host busy all the time: $MINDSPEC_COSTS_NOISY 1 keeps every measurement
+        e["c"], e["others_cpu"] = {k: 123.0 for k in e["c"]}, 0.6
+    (tmp_path / "costs.json").write_text(json.dumps(saved))
+    monkeypatch.setenv("MINDSPEC_COSTS_NOISY", "1")
+    assert measure_costs(pipe, (2,), reps=1)[2][0] == {1: 123.0, 2: 123.0, 4: 123.0}
+    monkeypatch.setenv("MINDSPEC_COSTS_NOISY", "lots")
+    with pytest.raises(mindspec.MindspecError, match=r"\$MINDSPEC_COSTS_NOISY must be a share of the CPUs' time between 0 "
+                                            r"and 1, got 'lots'"):
+        measure_costs(pipe, (2,), reps=1)
