@@ -9,7 +9,7 @@ import os
 import shutil
 import time
 
-from mindspec.errors import MindspecError
+from mindspec.errors import env_number
 
 ENV = "MINDSPEC_COMPILE_CACHE_GB"
 DEFAULT_GB = 8.0
@@ -26,14 +26,7 @@ def free_bytes(path):
 
 def budget():
     """Bytes the other entries may hold."""
-    raw = os.environ.get(ENV, "")
-    try:
-        gb = float(raw) if raw else DEFAULT_GB
-    except ValueError:
-        gb = -1.0
-    if not 0 <= gb < float("inf"):
-        raise MindspecError(f"${ENV} must be a number of gigabytes >= 0, got {raw!r}")
-    return int(gb * 1e9)
+    return int(env_number(ENV, DEFAULT_GB, lambda gb: 0 <= gb < float("inf"), "a number of gigabytes >= 0") * 1e9)
 
 
 def evict(cache_dir, keep):

@@ -341,7 +341,7 @@ class Output:
         self.done, self.errors, self.asked, keep = _scan(data, self.path, self.job)
         if keep < len(data):
             self._truncate(keep)
-        if keep and not data[:keep].endswith(b"\n"):  # the next record starts on a line of its own
+        if keep and data[keep - 1:keep] != b"\n":  # the next record starts on a line of its own
             try:
                 os.write(self.fd, b"\n")
             except OSError as e:

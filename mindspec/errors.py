@@ -37,6 +37,18 @@ def is_number(v):
     return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
 
+def env_number(name, default, ok, what):
+    """$name as a float (default when unset or empty), refused in one line unless ok(value): "must be {what}"."""
+    raw = os.environ.get(name, "")
+    try:
+        v = float(raw) if raw else default
+    except ValueError:
+        v = float("nan")  # (fails every ok)
+    if not ok(v):
+        raise MindspecError(f"${name} must be {what}, got {raw!r}")
+    return v
+
+
 def regular(path):
     """path, refused if a pipe, a device or a socket: a model's file that was a FIFO blocked its open for ever,
     deaf to Ctrl-C (a missing one raises FileNotFoundError; a directory is left to its open's IsADirectoryError)."""

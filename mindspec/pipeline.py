@@ -75,8 +75,7 @@ class Pipeline:
         self._turn, self._holder = threading.Lock(), None  # run(): one call at a time, threads take turns
         self.prefix_cache = bool(prefix_cache)  # a new request reuses the K/V of a prefix a finished one left (engine.py)
         self.set_draft(draft)
-        if self.draft_path is None and k != "auto":  # (ran target-only; the CLI refuses it too)
-            raise MindspecError(f"k={k} sets the draft tokens of a step: there is no draft (give one, or k='auto')")
+        self._check_k(k)
         self.fixed_max_seq = max_seq
         self.device_mem, self.tp = device_mem, tp  # bytes per device: refuse what cannot fit
         from .default import home
@@ -121,6 +120,11 @@ class Pipeline:
     def _check_draft(self, path):
         from mindspec.export import read_pair_manifest
         return read_pair_manifest(path, self.cfg, self.tokenizer)
+
+    def _check_k(self, k):
+        """A fixed k needs a draft (found: without one it ran target-only silently; the CLI refuses it too)."""
+        if self.draft_path is None and k is not None and k != "auto":
+            raise MindspecError(f"k={k} sets the draft tokens of a step: there is no draft (give one, or set_draft)")
 
     def set_draft(self, path):
         """Swap the draft (None or False: target-only), keeping the compiled target. Not while a call of this
@@ -246,8 +250,7 @@ class Pipeline:
                 raise MindspecError(f"{flag} must be True or False, got {v!r}")
         if not speculate and k is not None and k != "auto":  # (was ignored; the CLI refuses it too)
             raise MindspecError(f"k={k} sets the draft tokens of a step: it does not apply with speculate=False")
-        if self.draft_path is None and k is not None and k != "auto":
-            raise MindspecError(f"k={k} sets the draft tokens of a step: there is no draft (load one, or set_draft)")
+        self._check_k(k)
         k = self.spec.k_for_request(k)
         stop = stop_strings(stop)
         if seed is None and temperature:
@@ -279,10 +282,7 @@ class Pipeline:
         where the compile cache holds every graph and the costs are known (measuring them runs every
         graph), load only the graphs of batches up to that many rows now, the others left to
         target.load_next. Returns the seconds spent compiling (or loading from the compile cache)."""
-        if not isinstance(reqs, (list, tuple)) or not all(isinstance(r, Request) for r in reqs):
-            raise MindspecError("prepare takes a list of Requests (made by Pipeline.request), [] for none")
-        if not (is_int(max_batch) and max_batch >= 1):  # (0 returned as if done)
-            raise MindspecError(f"max_batch must be an integer >= 1, got {max_batch!r}")
+        _check_call("prepare", reqs, max_batch)  # (0 rows returned as if done)
         if rows_now is not None and not (is_int(rows_now) and rows_now >= 1):
             raise MindspecError(f"rows_now must be an integer >= 1 or None, got {rows_now!r}")
         before = self.target
@@ -342,11 +342,7 @@ class Pipeline:
         if self._holder == threading.get_ident():
             raise MindspecError("generate was called from inside its own callback, or while a stream of this "
                                 "pipeline is open: call it after that one ends (or close the stream)")
-        if not (is_int(max_batch) and max_batch >= 1):  # (0 waited for ever)
-            raise MindspecError(f"max_batch must be an integer >= 1, got {max_batch!r}")
-        if not isinstance(reqs, (list, tuple)) or not all(isinstance(r, Request) for r in reqs):
-            # (a generator was read by this check, a lone Request was "not iterable")
-            raise MindspecError("run and stream take a list of Requests (made by Pipeline.request)")
+        _check_call("run and stream", reqs, max_batch)  # (0 rows waited for ever)
         if len({id(r) for r in reqs}) < len(reqs):  # (its second turn never came: a spin)
             raise MindspecError("the same request is given twice: make one per generation")
         if any(r.state != WAITING or r.output or r.pos for r in reqs):  # (it went on after its old output)
@@ -452,6 +448,15 @@ def _path(what, p):
     if not os.fspath(p):  # (an unset "$DRAFT" ran target-only: no draft is None, or False in load)
         raise MindspecError(f"the {what} path is empty")
     return os.fspath(p)
+
+
+def _check_call(who, reqs, max_batch):
+    """reqs a list or tuple of Requests (a generator was read by the check, a lone Request was "not iterable"),
+    max_batch an integer >= 1."""
+    if not (is_int(max_batch) and max_batch >= 1):
+        raise MindspecError(f"max_batch must be an integer >= 1, got {max_batch!r}")
+    if not isinstance(reqs, (list, tuple)) or not all(isinstance(r, Request) for r in reqs):
+        raise MindspecError(f"{who} take{'' if ' and ' in who else 's'} a list of Requests (made by Pipeline.request)")
 
 
 def load(target=None, draft=None, k="auto", **kw):

@@ -14,7 +14,7 @@ import time
 
 from mindspec.graphs.tp import tp_size
 
-from .errors import MindspecError
+from .errors import MindspecError, env_number
 from .tp import is_rank0, share
 
 COST_CONTEXT = 64  # positions of context at which costs are measured (a typical mid-request state)
@@ -215,14 +215,7 @@ class Costs(dict):
 def noisy():
     """The share of the CPUs' time other processes may take while costs are measured for them to be kept:
     $MINDSPEC_COSTS_NOISY, else NOISY."""
-    raw = os.environ.get(NOISY_ENV, "")
-    try:
-        share_ = float(raw) if raw else NOISY
-    except ValueError:
-        share_ = -1.0
-    if not 0 <= share_ <= 1:
-        raise MindspecError(f"${NOISY_ENV} must be a share of the CPUs' time between 0 and 1, got {raw!r}")
-    return share_
+    return env_number(NOISY_ENV, NOISY, lambda v: 0 <= v <= 1, "a share of the CPUs' time between 0 and 1")
 
 
 def cgroup_cpu(proc_cgroup="/proc/self/cgroup", root="/sys/fs/cgroup"):
