@@ -6,7 +6,13 @@ import stat
 
 
 class MindspecError(Exception):
-    """Bad input a user can fix: a broken checkpoint, a mismatched draft, a prompt too long..."""
+    """Bad input a user can fix: a broken checkpoint, a mismatched draft, a prompt too long... A message
+    over 1000 characters is cut (found: a library's temperature=10**2000 quoted in 2001 digits)."""
+
+    def __init__(self, message="", *args):
+        if isinstance(message, str) and len(message) > 1000:
+            message = one_line(message, 1000)
+        super().__init__(message, *args)
 
 
 def summary(e):
