@@ -31,6 +31,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from mindspec.checkpoint import narrow
+from mindspec.reference import rope_inv_freq
 
 OPSET = 17
 ASCEND_OPSET = 13  # inside the opset range of every op the ascend profile uses (cann_ops.py)
@@ -127,8 +128,7 @@ def _gqa_attention(g, cfg, max_seq):
     the whole buffer. RoPE tables of max_seq + 1 positions (a row sitting out of a call writes one
     token at its position, at most max_seq). Returns attend(i, qkv [B, T, (H+2KV)*D]) -> [B, T, H*D]."""
     H, KV, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, D, 2, dtype=np.float64) / D))
-    ang = np.arange(max_seq + 1, dtype=np.float64)[:, None] * inv_freq                   # [P, D/2], float64
+    ang = np.arange(max_seq + 1, dtype=np.float64)[:, None] * rope_inv_freq(cfg)        # [P, D/2], float64
     cos, sin = g.weight(np.cos(ang), "rope_cos"), g.weight(np.sin(ang), "rope_sin")
     end = g.op("Add", ["positions", g.dim("input_ids", 1)])                              # [B]: cached + T
     i32 = TensorProto.INT32
@@ -151,7 +151,7 @@ def _rope_lookup(g, cfg, P):
     """cos, signed sin [B, T, 1, D] gathered at positions [B, T] from tables of P positions computed
     here in float64: no float64 on the device, no per-call trigonometry."""
     D = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, D, 2, dtype=np.float64) / D))
+    inv_freq = rope_inv_freq(cfg)
     ang = np.arange(P, dtype=np.float64)[:, None] * np.concatenate([inv_freq, inv_freq])  # [P, D]
     sin = np.sin(ang) * np.repeat([-1.0, 1.0], D // 2)                                      # [-sin, sin]
     return tuple(_reshape(g, g.op("Gather", [g.weight(tab, name), "positions"], axis=0), [0, 0, 1, D])

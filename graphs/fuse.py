@@ -142,7 +142,7 @@ def rope_rows(cfg, max_seq, heads=None, kv_heads=None):
     H = cfg.num_attention_heads if heads is None else heads
     KV = cfg.num_key_value_heads if kv_heads is None else kv_heads
     D = cfg.head_dim
-    cos, sin = rope_tables(D, cfg.rope_theta, np.arange(max_seq))  # [S, D/2]
+    cos, sin = rope_tables(cfg, np.arange(max_seq))  # [S, D/2]
     cos, sin = np.concatenate([cos, cos], -1), np.concatenate([sin, sin], -1)  # [S, D]
     cos = np.concatenate([np.tile(cos, H + KV), np.ones((max_seq, KV * D), np.float32)], -1)
     sin = np.concatenate([np.tile(sin, H + KV), np.zeros((max_seq, KV * D), np.float32)], -1)

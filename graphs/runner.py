@@ -14,7 +14,7 @@ import numpy as np
 import mindspore as ms
 from mindspore import Tensor
 
-from mindspec import signals
+from mindspec import reference, signals
 from mindspec.errors import MindspecError
 from mindspec.device import detect_device, device_id
 from mindspec.spec import PREFILL_CHUNK, attention_windows, cache_positions, round_up
@@ -55,13 +55,14 @@ _COMPILES = 0  # graphs compiled in this process (see TargetModel.warmup)
 
 def _source_hash():
     """The graph code's identity, part of the compile-cache key: read once, at import, so it is the
-    code this process runs even if the files change later."""
+    code this process runs even if the files change later. The reference's file too: it defines the
+    RoPE tables the graphs hold as constants."""
     h = hashlib.sha256()
     here = os.path.dirname(os.path.abspath(__file__))
-    for name in sorted(os.listdir(here)):
-        if name.endswith(".py"):
-            with open(os.path.join(here, name), "rb") as f:
-                h.update(f.read())
+    names = [os.path.join(here, n) for n in sorted(os.listdir(here)) if n.endswith(".py")]
+    for path in names + [reference.__file__]:
+        with open(path, "rb") as f:
+            h.update(f.read())
     return h.hexdigest()
 
 

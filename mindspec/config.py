@@ -9,6 +9,19 @@ SUPPORTED_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
 
 @dataclass(frozen=True)
+class RopeScaling:
+    """Hugging Face's RoPE scaling of the kinds that change only the frequencies (attention is unscaled):
+    "linear" (every frequency / factor) and "llama3" (Llama 3.1's: wavelengths over
+    original_max_position_embeddings / low_freq_factor / factor, those under it / high_freq_factor kept,
+    a smooth blend between). The frequencies themselves: reference.rope_inv_freq."""
+    rope_type: str
+    factor: float
+    low_freq_factor: float = None
+    high_freq_factor: float = None
+    original_max_position_embeddings: int = None
+
+
+@dataclass(frozen=True)
 class LlamaConfig:
     vocab_size: int
     hidden_size: int
@@ -25,6 +38,7 @@ class LlamaConfig:
     eos_token_ids: tuple = field(default_factory=tuple)
     qkv_bias: bool = False  # q/k/v projections with biases (Qwen2)
     sliding_window: int = None  # Mistral's: max_position_embeddings is cut to it (up to it, full attention is the same)
+    rope_scaling: RopeScaling = None
 
     @property
     def q_per_kv(self):
@@ -52,6 +66,60 @@ def _eos_in_vocab(ids, vocab, where):
     return good
 
 
+def _rope(raw, where):
+    """rope_theta, rope_scaling (a RopeScaling or None) and partial_rotary_factor as config.json gives them:
+    at the top level (transformers 4) or in rope_parameters (transformers 5, which writes no top-level
+    rope_theta: found reading its format, the default 10000 would have been used for any base). Given both
+    ways, they must agree."""
+    params = raw.get("rope_parameters")
+    if params is not None and not isinstance(params, dict) or isinstance(params, dict) and \
+            any(isinstance(v, dict) for v in params.values()):
+        raise MindspecError(f"{where}: rope_parameters must be one object of RoPE settings (per-layer RoPE is "
+                            f"not supported), got {params!r}")
+    scaling = raw.get("rope_scaling")
+    if scaling is not None and not isinstance(scaling, dict):
+        raise MindspecError(f"{where}: rope_scaling must be an object, got {scaling!r}")
+    params = params or {}
+    out = {k: params[k] for k in ("rope_theta", "partial_rotary_factor") if k in params}
+    for key, v in out.items():
+        if raw.get(key) is not None and raw[key] != v:
+            raise MindspecError(f"{where}: {key} {raw[key]!r} and rope_parameters' {v!r} differ")
+    out["rope_scaling"] = _scaling({k: v for k, v in params.items() if k not in out} or scaling or {}, where)
+    if params and scaling and _scaling(scaling, where) != out["rope_scaling"]:
+        raise MindspecError(f"{where}: rope_scaling and rope_parameters differ")
+    return out
+
+
+def _rope_type(settings):
+    return settings.get("rope_type", settings.get("type"))
+
+
+def _scaling(settings, where):
+    """A RopeScaling from rope_scaling's (or rope_parameters') settings; None for plain RoPE."""
+    rope_type = _rope_type(settings)
+    if settings and rope_type is None:  # (Hugging Face refuses it too: a factor of which scaling?)
+        raise MindspecError(f"{where}: rope_scaling without a rope_type: {settings!r}")
+    if rope_type in (None, "default"):
+        return None
+    needs = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                                              "original_max_position_embeddings")}.get(rope_type)
+    if needs is None:
+        raise MindspecError(f"{where}: rope_scaling {rope_type!r} is not supported (plain RoPE, \"linear\" "
+                            "and \"llama3\" are)")
+    for key in needs:
+        v = settings.get(key)
+        what = {"factor": "a number >= 1",
+                "original_max_position_embeddings": "an integer >= 1"}.get(key, "a number > 0")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf") \
+                or key == "factor" and v < 1 or what.startswith("an integer") and not isinstance(v, int):
+            raise MindspecError(f"{where}: rope_scaling {rope_type!r} needs {key}, {what}, got {v!r}")
+    if rope_type == "llama3" and not settings["low_freq_factor"] < settings["high_freq_factor"]:
+        raise MindspecError(f"{where}: rope_scaling \"llama3\" needs low_freq_factor < high_freq_factor, got "
+                            f"{settings['low_freq_factor']!r} and {settings['high_freq_factor']!r}")
+    return RopeScaling(rope_type, **{k: float(settings[k]) if k != "original_max_position_embeddings"
+                                     else settings[k] for k in needs})
+
+
 def config_from_dict(raw, where="config.json"):
     archs = raw.get("architectures") or ["LlamaForCausalLM"]
     if not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
@@ -63,17 +131,10 @@ def config_from_dict(raw, where="config.json"):
                       ("use_sliding_window", "sliding-window attention")):
         if raw.get(key) and not (key == "attention_bias" and arch == "Qwen2ForCausalLM"):
             raise MindspecError(f"{where}: {key} = true ({what}) is not supported")
-    scaling = raw.get("rope_scaling")
-    if scaling is not None and not isinstance(scaling, dict):
-        raise MindspecError(f"{where}: rope_scaling must be an object, got {scaling!r}")
-    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
-    if scaling and rope_type is None:  # (Hugging Face refuses it too: a factor of which scaling?)
-        raise MindspecError(f"{where}: rope_scaling without a rope_type: {scaling!r}")
-    if rope_type not in (None, "default"):
-        raise MindspecError(f"{where}: rope_scaling {rope_type!r} is not supported (only plain RoPE)")
     act = raw.get("hidden_act", "silu")
     if act not in ("silu", "swish"):  # (Hugging Face's "swish" is SiLU too)
         raise MindspecError(f"{where}: hidden_act {act!r} is not supported (only silu)")
+    raw = dict(raw, **_rope(raw, where))
     if raw.get("partial_rotary_factor", 1) != 1:
         raise MindspecError(f"{where}: partial_rotary_factor {raw['partial_rotary_factor']!r} is not supported "
                             "(RoPE over whole heads only)")
@@ -110,6 +171,7 @@ def config_from_dict(raw, where="config.json"):
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=_eos_list(raw.get("eos_token_id"), where),
             qkv_bias=arch == "Qwen2ForCausalLM",  # Qwen2 always has them (its config has no flag)
+            rope_scaling=raw["rope_scaling"],
         )
         # Mistral's alone (Qwen2's applies only with use_sliding_window, refused above; Llama has none)
         mistral = arch == "MistralForCausalLM" or raw.get("model_type") == "mistral"

@@ -3,10 +3,26 @@ are tested against. Slow and cache-free on purpose: it is the definition, not th
 import numpy as np
 
 
-def rope_tables(head_dim, theta, positions):
+def rope_inv_freq(cfg):
+    """RoPE's frequencies [head_dim // 2], float64, with cfg.rope_scaling applied as Hugging Face's
+    modeling_rope_utils does ("linear", "llama3"): the one definition the target's tables, the draft's and
+    this reference all use."""
+    D, s = cfg.head_dim, cfg.rope_scaling
+    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, D, 2, dtype=np.float64) / D))
+    if s is None:
+        return inv_freq
+    if s.rope_type == "linear":
+        return inv_freq / s.factor
+    # llama3: long wavelengths slowed by factor, short ones kept, a linear blend in 1/wavelength between
+    wavelen = 2 * np.pi / inv_freq
+    old = s.original_max_position_embeddings
+    smooth = np.clip((old / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor), 0, 1)
+    return (1 - smooth) * inv_freq / s.factor + smooth * inv_freq
+
+
+def rope_tables(cfg, positions):
     """cos, sin of shape [T, head_dim // 2] for the given absolute positions (HF rotate-half layout)."""
-    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
-    ang = np.asarray(positions, dtype=np.float64)[:, None] * inv_freq[None, :]
+    ang = np.asarray(positions, dtype=np.float64)[:, None] * rope_inv_freq(cfg)[None, :]
     return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
 
 
@@ -27,7 +43,7 @@ def reference_logits(cfg, get, ids, n_layers=None):
     ids = np.asarray(ids)
     T, H, KV, D = len(ids), cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     x = get("model.embed_tokens.weight")[ids]
-    cos, sin = rope_tables(D, cfg.rope_theta, np.arange(T))
+    cos, sin = rope_tables(cfg, np.arange(T))
     causal = np.triu(np.full((T, T), -np.inf, dtype=np.float32), 1)
     for i in range(cfg.num_hidden_layers if n_layers is None else n_layers):
         w = lambda n: get(f"model.layers.{i}.{n}.weight")  # noqa: E731

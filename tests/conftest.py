@@ -54,12 +54,18 @@ def write_tiny_tokenizer(model_dir, merges=()):
     return len(vocab)
 
 
+# Llama 3.1's RoPE scaling at a tiny model's scale: with head_dim 16 (theta 10000, wavelengths 6.3 to
+# 19869 positions) one frequency is kept, two are blended and five are slowed 8x
+LLAMA3_ROPE = {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}
+
+
 def make_tiny_checkpoint(model_dir, vocab=320, hidden=64, layers=2, heads=4, kv_heads=2, inter=96,
                          head_dim=None, tie=False, seed=0, shard_bytes=None, scale=0.15, base=None,
-                         noise=0.0, eos=2, arch="LlamaForCausalLM"):
+                         noise=0.0, eos=2, arch="LlamaForCausalLM", extra=None):
     """Write a random Llama checkpoint. With `base` (a dict of tensors), copy it and add `noise`
     (relative) instead: a same-vocabulary draft that disagrees with its target now and then.
-    arch "Qwen2ForCausalLM": with (large, random) q/k/v biases."""
+    arch "Qwen2ForCausalLM": with (large, random) q/k/v biases. `extra`: more config.json keys."""
     raw = {"architectures": [arch], "model_type": "qwen2" if arch.startswith("Qwen2") else "llama", "vocab_size": vocab,
            "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
            "num_attention_heads": heads, "num_key_value_heads": kv_heads, "rms_norm_eps": 1e-5,
@@ -67,6 +73,7 @@ def make_tiny_checkpoint(model_dir, vocab=320, hidden=64, layers=2, heads=4, kv_
            "bos_token_id": 1, "eos_token_id": eos}
     if head_dim:
         raw["head_dim"] = head_dim
+    raw.update(extra or {})
     cfg = config_from_dict(raw)
     rng = np.random.default_rng(seed)
     names = ["model.embed_tokens.weight", "model.norm.weight"] + [

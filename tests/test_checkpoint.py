@@ -10,9 +10,13 @@ import pytest
 from safetensors.numpy import save_file
 
 from mindspec.checkpoint import Checkpoint
+from mindspec.config import RopeScaling
 from mindspec.errors import MindspecError
 
 from conftest import make_tiny_checkpoint
+
+L31 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+           original_max_position_embeddings=8192)  # Llama 3.1's
 
 
 def test_sharded_checkpoint_loads_the_same_tensors(tmp_path, tiny_target):
@@ -97,6 +101,23 @@ def test_a_weight_that_is_not_finite_is_refused(tmp_path, tiny_target, bad):
     assert np.array_equal(ck.get("model.norm.weight"), tensors["model.norm.weight"])
 
 
+def test_rope_settings_are_read_from_transformers_5s_rope_parameters(tmp_path, tiny_target):
+    """transformers 5 writes RoPE's base and scaling in rope_parameters, without a top-level rope_theta: that
+    config loaded with the default base 10000 (found reading the format, for a model of base 100000)."""
+    d = tmp_path / "c"
+    shutil.copytree(tiny_target[0], d)
+    cfg = {k: v for k, v in json.loads((d / "config.json").read_text()).items() if k != "rope_theta"}
+    for params, theta, scaling in (({"rope_theta": 100000.0, "rope_type": "default"}, 100000.0, None),
+                                   (dict(L31, rope_theta=500000.0), 500000.0, RopeScaling("llama3", 8.0, 1.0, 4.0, 8192))):
+        (d / "config.json").write_text(json.dumps(dict(cfg, rope_parameters=params)))
+        got = Checkpoint(str(d)).config
+        assert (got.rope_theta, got.rope_scaling) == (theta, scaling)
+        # transformers 4's form of the same: top-level rope_theta and rope_scaling
+        old = dict(cfg, rope_theta=theta, rope_scaling=dict(params, rope_theta=None) if scaling else None)
+        (d / "config.json").write_text(json.dumps(old))
+        assert Checkpoint(str(d)).config == got
+
+
 @pytest.mark.parametrize("change,words", [
     (dict(num_attention_heads=0), "num_attention_heads must be an integer >= 1, got 0"),  # ZeroDivisionError
     (dict(vocab_size="320"), "vocab_size must be an integer >= 1, got '320'"),  # taken as 320
@@ -110,6 +131,19 @@ def test_a_weight_that_is_not_finite_is_refused(tmp_path, tiny_target, bad):
     (dict(hidden_act="gelu"), "hidden_act 'gelu' is not supported .only silu."),
     (dict(partial_rotary_factor=0.5), "partial_rotary_factor 0.5 is not supported .RoPE over whole heads only."),
     (dict(rope_scaling={"factor": 2.0}), "rope_scaling without a rope_type"),
+    # RoPE settings (transformers 5's rope_parameters, Llama 3.1's scaling)
+    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_scaling 'yarn' is not supported"),
+    (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "rope_scaling 'llama3' needs low_freq_factor, a "
+                                                                "number > 0, got None"),
+    (dict(rope_scaling=dict(L31, factor=0.5)), "needs factor, a number >= 1, got 0.5"),
+    (dict(rope_scaling=dict(L31, original_max_position_embeddings=8192.5)), "an integer >= 1, got 8192.5"),
+    (dict(rope_scaling=dict(L31, low_freq_factor=4.0)), "needs low_freq_factor < high_freq_factor, got 4.0 and 4.0"),
+    (dict(rope_parameters={"rope_theta": 500000.0}), "rope_theta 10000.0 and rope_parameters' 500000.0 differ"),
+    (dict(rope_parameters={"full_attention": {"rope_theta": 1e6}}), "per-layer RoPE is not supported"),
+    (dict(rope_parameters={"rope_type": "linear", "factor": 2.0}, rope_scaling={"type": "linear", "factor": 4.0}),
+     "rope_scaling and rope_parameters differ"),
+    (dict(rope_parameters={"rope_type": "default", "partial_rotary_factor": 0.5}),
+     "partial_rotary_factor 0.5 is not supported"),
 ])
 def test_a_config_that_does_not_describe_the_weights_is_refused(tmp_path, tiny_target, change, words):
     """Found trying broken checkpoints: each of these ran (or died with a traceback) instead."""

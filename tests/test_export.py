@@ -7,7 +7,7 @@ import shutil
 import numpy as np
 import pytest
 
-from conftest import make_tiny_checkpoint
+from conftest import LLAMA3_ROPE, make_tiny_checkpoint
 from mindspec.checkpoint import Checkpoint
 from mindspec.errors import MindspecError
 from mindspec.export import DraftSession, export_draft, providers, read_manifest
@@ -72,7 +72,8 @@ def test_fp32_matches_reference_in_pieces_and_after_rollback(tiny_target, fp32_d
 
 
 @pytest.mark.parametrize("kw", [dict(tie=True), dict(head_dim=32, kv_heads=1), dict(tie=True, heads=6, kv_heads=3,
-                                                                                    head_dim=16, hidden=48)])
+                                                                                    head_dim=16, hidden=48),
+                                dict(extra=LLAMA3_ROPE)])  # (the reference's own RoPE: test_target checks it)
 def test_other_shapes_match_reference(tmp_path, kw):
     model_dir, _ = make_tiny_checkpoint(tmp_path / "ckpt", seed=3, **kw)
     m = export_draft(model_dir, str(tmp_path / "d.onnx"))

@@ -19,6 +19,8 @@ from mindspec.export.cann_ops import GRAPH_OPS, problems
 from mindspec.export.runtime import T_BUCKETS, batch_buckets
 from mindspec.reference import reference_logits
 
+from conftest import LLAMA3_ROPE, make_tiny_checkpoint
+
 ROWS, SEQ = 3, 64
 
 
@@ -145,3 +147,11 @@ def test_pipeline_greedy_equals_target_only(tiny_target, tiny_draft_ckpt, tmp_pa
         assert spec.token_ids == base.token_ids, ids
         drafted, accepted = drafted + spec.stats["drafted"], accepted + spec.stats["accepted"]
     assert 0 < accepted < drafted  # rollbacks happened: the comparison has teeth
+
+
+def test_llama3_rope_scaling_matches_reference(tmp_path):
+    d, _ = make_tiny_checkpoint(tmp_path / "l3", seed=4, extra=LLAMA3_ROPE)
+    path = str(tmp_path / "d.onnx")
+    export_draft(d, path, max_seq=SEQ, profile="ascend")
+    ids = _ids(40, 3)
+    _close(DraftSession(path).forward([ids])[0], ids, d)

@@ -1,7 +1,9 @@
 """The MindSpore target graphs against the numpy reference, and the fused greedy step (per-row
 positions, slots, valid-draft counts, padding rows) against the pure acceptance function."""
+import math
 import subprocess
 import sys
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -9,9 +11,10 @@ import pytest
 from mindspec.acceptance import greedy_accept
 from mindspec.checkpoint import Checkpoint
 from mindspec.graphs.runner import RowSampling, TargetModel, init_mindspore
-from mindspec.reference import reference_logits
+from mindspec.config import RopeScaling, config_from_dict
+from mindspec.reference import reference_logits, rope_inv_freq
 
-from conftest import make_tiny_checkpoint
+from conftest import LLAMA3_ROPE, make_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -110,6 +113,47 @@ def test_tied_embeddings_and_odd_head_dim(tmp_path):
     m = TargetModel(ckpt, max_seq=32, k_buckets=(1,))
     seq = [5, 9, 13, 200, 17]
     assert np.abs(m.logits(0, 0, seq) - _ref(ckpt, seq)).max() < 1e-4
+
+
+def _meta_llama3(freqs, factor, low, high, old):
+    """Llama 3.1's frequency scaling as Meta's reference code wrote it, one frequency at a time."""
+    out = []
+    for f in freqs:
+        wavelen = 2 * math.pi / f
+        if wavelen < old / high:
+            out.append(f)
+        elif wavelen > old / low:
+            out.append(f / factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append((1 - smooth) * f / factor + smooth * f)
+    return np.array(out)
+
+
+def test_rope_scaling_llama3_and_linear_frequencies():
+    raw = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+               num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0, max_position_embeddings=131072)
+    plain = rope_inv_freq(config_from_dict(raw))                                       # [64]
+    assert plain[0] == 1.0 and plain[-1] == pytest.approx(500000.0 ** (-126 / 128))
+    llama31 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=8192)                              # Llama 3.1 8B's config
+    got = rope_inv_freq(config_from_dict(dict(raw, rope_scaling=llama31)))
+    np.testing.assert_allclose(got, _meta_llama3(plain, 8.0, 1.0, 4.0, 8192), rtol=1e-15, atol=0)
+    assert (got == plain).sum() == 29 and (got == plain / 8).sum() == 29  # and 6 blended: all three bands
+    linear = rope_inv_freq(config_from_dict(dict(raw, rope_scaling={"type": "linear", "factor": 4.0})))
+    np.testing.assert_array_equal(linear, plain / 4)
+    assert config_from_dict(dict(raw, rope_scaling=llama31)).rope_scaling == RopeScaling("llama3", 8.0, 1.0, 4.0, 8192)
+
+
+def test_llama3_rope_scaling_in_the_graph_matches_the_reference(tmp_path):
+    d, _ = make_tiny_checkpoint(tmp_path / "l3", seed=4, extra=LLAMA3_ROPE)
+    ckpt = Checkpoint(d)
+    m = TargetModel(ckpt, max_seq=64, k_buckets=(1,))
+    seq = [int(x) for x in np.random.default_rng(5).integers(0, 320, 40)]
+    want = _ref(ckpt, seq)                                                              # [T, V]
+    plain = reference_logits(replace(ckpt.config, rope_scaling=None), ckpt.get, seq)
+    assert np.abs(want - plain).max() > 0.1  # the scaling changes these logits: the check below has teeth
+    assert np.abs(m.logits(0, 0, seq) - want).max() < 1e-4
 
 
 def test_logits_after_steps_with_rejections(target):
@@ -214,7 +258,7 @@ import sys
 import numpy as np
 from mindspec.checkpoint import Checkpoint
 from mindspec.graphs.runner import RowSampling, TargetModel, init_mindspore
-from conftest import make_tiny_checkpoint
+from conftest import LLAMA3_ROPE, make_tiny_checkpoint
 
 def rss():
     with open("/proc/self/status") as f:
