@@ -160,7 +160,7 @@ def check_chat(model):
         return
     if not template:
         raise MindspecError(f"--chat wraps the prompts in the model's chat template, and {model} has none "
-                            "(no chat_template in tokenizer_config.json): run without --chat")
+                            "(no chat_template.jinja, no chat_template in tokenizer_config.json): run without --chat")
 
 
 # ---- the job's identity ----
@@ -176,7 +176,10 @@ def job_id(defaults, model=None, dtype=None):
     or --tp: they change speed, not the output's distribution."""
     if model is not None:
         from .checkpoint import Checkpoint
-        model = [Checkpoint(model).fingerprint()] + [_digest(os.path.join(model, f)) for f in TOKENIZER_FILES]
+        files = [_digest(os.path.join(model, f)) for f in TOKENIZER_FILES]
+        # chat_template.jinja only where there is one: the ids of jobs made before it counted stay as they were
+        template = _digest(os.path.join(model, "chat_template.jinja"))
+        model = [Checkpoint(model).fingerprint()] + files + ([template] if template else [])
     what = {"model": model, "defaults": defaults} | ({"dtype": dtype} if dtype not in (None, "float32") else {})
     blob = json.dumps(what, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]

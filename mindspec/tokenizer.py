@@ -29,6 +29,21 @@ def _token_str(v):
     return v if isinstance(v, str) else None
 
 
+def _template_file(model_dir):
+    """The chat template transformers (since 4.5x) saves in a file of its own, chat_template.jinja; as
+    transformers loads it, it wins over tokenizer_config.json's chat_template. None without the file."""
+    path = os.path.join(model_dir, "chat_template.jinja")
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(regular(path), encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError:
+        raise MindspecError(f"chat_template.jinja is not UTF-8 text: {path}") from None
+    except OSError as e:
+        raise MindspecError(f"cannot read chat_template.jinja: {path} ({e.strerror})") from None
+
+
 class Tokenizer:
     def __init__(self, model_dir):
         from tokenizers import Tokenizer as _HFTokenizer
@@ -57,7 +72,7 @@ class Tokenizer:
             self.prefix = [self.bos_token_id] if cfg["add_bos_token"] and self.bos_token_id is not None else []
         else:  # what tokenizer.json's post-processor puts before a text, as transformers runs it (Llama-3)
             self.prefix = self._post_processor_prefix()
-        self.chat_template = cfg.get("chat_template")
+        self.chat_template = _template_file(model_dir) or cfg.get("chat_template")
         if isinstance(self.chat_template, list):  # transformers' named-template form
             named = {t.get("name"): t.get("template") for t in self.chat_template if isinstance(t, dict)}
             self.chat_template = named.get("default")
@@ -136,7 +151,7 @@ class Tokenizer:
     def apply_chat_template(self, messages, add_generation_prompt=True):
         """Render chat messages to a prompt string, the way transformers does."""
         if not self.chat_template:
-            raise MindspecError("this tokenizer has no chat_template (tokenizer_config.json); "
+            raise MindspecError("this tokenizer has no chat_template (chat_template.jinja or tokenizer_config.json); "
                                 "pass a plain prompt instead")
         from jinja2 import TemplateError
         try:

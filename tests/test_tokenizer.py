@@ -252,6 +252,23 @@ def test_named_chat_templates_render_the_default_one(tok_dir):
         "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
 
 
+def test_a_chat_template_in_its_own_file_is_the_chat_template(tok_dir):
+    """transformers (since 4.5x) saves a tokenizer's chat template as chat_template.jinja, not in
+    tokenizer_config.json: such a model had "no chat_template" (found reading the format). As transformers
+    loads it, the file wins over the key."""
+    cfg_path = tok_dir / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    (tok_dir / "chat_template.jinja").write_text(cfg.pop("chat_template"), encoding="utf-8")
+    cfg_path.write_text(json.dumps(cfg))
+    want = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert Tokenizer(str(tok_dir)).apply_chat_template([{"role": "user", "content": "hi"}]) == want
+    cfg_path.write_text(json.dumps(dict(cfg, chat_template="OLD")))
+    assert Tokenizer(str(tok_dir)).apply_chat_template([{"role": "user", "content": "hi"}]) == want
+    (tok_dir / "chat_template.jinja").write_bytes(b"\xff{{ x }}")
+    with pytest.raises(MindspecError, match="chat_template.jinja is not UTF-8 text"):
+        Tokenizer(str(tok_dir))
+
+
 def test_chat_template_environment_is_transformers(tok_dir):
     """As transformers renders a template: bos_token and eos_token given, trim_blocks (the newline after a
     block tag dropped) and a tojson that keeps non-ASCII characters as they are."""
