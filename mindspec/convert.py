@@ -16,6 +16,7 @@ from . import scratch
 from .checkpoint import finite, expected_shape, umask, weight_names, write_checkpoint
 from .config import config_from_dict
 from .errors import MindspecError, regular
+from .reference import rope_inv_freq
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -96,10 +97,11 @@ def _config(meta):
     if rope_dim is not None and int(rope_dim) != head_dim:
         raise MindspecError(f"{meta.path}: partial RoPE ({rope_dim} of {head_dim} dims) is not supported")
     scaling = meta.get(f"{a}.rope.scaling.type")
-    if scaling not in (None, "none"):
+    if scaling not in (None, "none", "linear"):
         raise MindspecError(f"{meta.path}: RoPE scaling {scaling!r} is not supported")
     tokens = meta.get("tokenizer.ggml.tokens") or []
-    return {
+    return ({"rope_scaling": {"rope_type": "linear", "factor": float(meta.need(f"{a}.rope.scaling.factor"))}}
+            if scaling == "linear" else {}) | {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "torch_dtype": "float32",
         "vocab_size": int(meta.get(f"{a}.vocab_size") or len(tokens)),
         "hidden_size": hidden,
@@ -116,12 +118,37 @@ def _config(meta):
     }
 
 
+# llama.cpp writes Llama 3.1's RoPE scaling as a tensor, each frequency's divisor, with no metadata; it makes
+# it from the model's factor with low_freq_factor 1, high_freq_factor 4 and an original context of 8192
+# (Llama 3.1 to 3.3's values; its converter reads no others)
+ROPE_FREQS = "rope_freqs.weight"
+LLAMA_CPP_LLAMA3 = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def _rope_freqs(reader, cfg, path):
+    """cfg's rope_scaling from a GGUF's rope_freqs: the "llama3" scaling whose divisors they are, or refused."""
+    from gguf.quants import dequantize
+    t = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+    if t is None:
+        return cfg
+    try:
+        r = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float64).reshape(-1)  # [D/2]
+    except (NotImplementedError, ValueError) as e:
+        raise MindspecError(f"{path}: cannot read tensor {ROPE_FREQS} ({t.tensor_type.name}): {e}") from None
+    scaled = dict(cfg, rope_scaling=dict(LLAMA_CPP_LLAMA3, rope_type="llama3",
+                                         factor=float(r.max()) if r.size and np.isfinite(r).all() else 0.0))
+    if r.shape == (cfg["head_dim"] // 2,) and scaled["rope_scaling"]["factor"] >= 1:
+        plain = rope_inv_freq(config_from_dict(cfg, where=path))
+        if np.allclose(plain / rope_inv_freq(config_from_dict(scaled, where=path)), r, rtol=1e-5, atol=0):
+            return scaled
+    raise MindspecError(f"{path}: RoPE frequency scaling (rope_freqs) other than Llama 3.1's is not supported")
+
+
 def _tensors(reader, cfg, path):
     from gguf.quants import dequantize
     llama = config_from_dict(cfg, where=path)  # validates the metadata, gives the expected shapes
-    if any(t.name == "rope_freqs.weight" for t in reader.tensors):  # Llama 3.1-style frequency scaling
-        raise MindspecError(f"{path}: RoPE frequency scaling (rope_freqs) is not supported")
-    have = {_hf_name(t.name, path): t.name for t in reader.tensors}
+    tensors = [t for t in reader.tensors if t.name != ROPE_FREQS]  # (read into the config: _rope_freqs)
+    have = {_hf_name(t.name, path): t.name for t in tensors}
     gguf_name = {v: k for k, v in _LAYER_NAMES.items()} | {v: k for k, v in _GLOBAL_NAMES.items()}
     tied = dataclasses.replace(llama, tie_word_embeddings="lm_head.weight" not in have)  # (no output.weight)
     for name in weight_names(tied):  # (a model written without them loaded nowhere)
@@ -132,7 +159,7 @@ def _tensors(reader, cfg, path):
     if any(n.startswith(f"model.layers.{llama.num_hidden_layers}.") for n in have):
         raise MindspecError(f"{path} has tensors of more layers than its block_count {llama.num_hidden_layers}")
     out = {}
-    for t in reader.tensors:
+    for t in tensors:
         name = _hf_name(t.name, path)
         shape = tuple(int(n) for n in reversed(t.shape))  # GGUF lists dims innermost first
         if shape != expected_shape(llama, name):
@@ -224,7 +251,7 @@ def convert_gguf(gguf_path, out_dir):
     if arch != "llama":
         raise MindspecError(f"{gguf_path}: architecture {arch!r} is not supported (only 'llama')")
     try:
-        cfg = _config(meta)
+        cfg = _rope_freqs(reader, _config(meta), gguf_path)
         tok, tcfg = _build_tokenizer(meta)  # before the slow dequantization: fail fast
     except MindspecError:
         raise

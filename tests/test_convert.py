@@ -1,14 +1,17 @@
 """GGUF -> HF conversion on a tiny GGUF written here with gguf.GGUFWriter, the way llama.cpp writes one."""
+import dataclasses
 import json
+import math
 import os
 
 import numpy as np
 import pytest
 
 from mindspec.checkpoint import LAYER_WEIGHTS, Checkpoint, expected_shape
-from mindspec.config import config_from_dict, load_config
+from mindspec.config import RopeScaling, config_from_dict, load_config
 from mindspec.convert import convert_gguf, find_default_gguf
 from mindspec.errors import MindspecError
+from mindspec.reference import rope_inv_freq
 from mindspec.tokenizer import Tokenizer
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -312,22 +315,66 @@ def test_user_defined_tokens_are_kept_whole(tmp_path):
     assert tok.decode(ids, skip_special_tokens=True) == "hello<tool>hello"
 
 
-def _with_rope_freqs(mp):
-    """Llama 3.1's rope_freqs.weight (its frequency scaling), written after output_norm as llama.cpp does."""
-    import gguf
-    add = gguf.GGUFWriter.add_tensor
+def _llama_cpp_rope_freqs(factor, theta=50000.0, dim=16):
+    """The divisors llama.cpp's converter writes for Llama 3.1's RoPE scaling, as its code computes them
+    (float32 frequencies; low_freq_factor 1, high_freq_factor 4, original context 8192)."""
+    out = []
+    for freq in 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim):
+        wavelen = 2 * math.pi / freq
+        if wavelen < 8192 / 4:
+            out.append(1)
+        elif wavelen > 8192 / 1:
+            out.append(factor)
+        else:
+            smooth = (8192 / wavelen - 1) / (4 - 1)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, np.float32)
 
-    def add_and_more(w, name, t, *a, **kw):
-        add(w, name, t, *a, **kw)
-        if name == "output_norm.weight":
-            add(w, "rope_freqs.weight", np.ones(8, np.float32))
-    mp.setattr(gguf.GGUFWriter, "add_tensor", add_and_more)
+
+def _with_rope_freqs(freqs):
+    """rope_freqs.weight (Llama 3.1's frequency scaling), written after output_norm as llama.cpp does."""
+    def patch(mp):
+        import gguf
+        add = gguf.GGUFWriter.add_tensor
+
+        def add_and_more(w, name, t, *a, **kw):
+            add(w, name, t, *a, **kw)
+            if name == "output_norm.weight":
+                add(w, "rope_freqs.weight", freqs)
+        mp.setattr(gguf.GGUFWriter, "add_tensor", add_and_more)
+    return patch
+
+
+@pytest.mark.parametrize("factor", [8.0, 32.0])  # Llama 3.1 and 3.3's, 3.2's
+def test_llama_3_1s_rope_freqs_become_its_rope_scaling(tmp_path, monkeypatch, factor):
+    """A Llama 3.1 GGUF was refused for its rope_freqs tensor: it is now the llama3 scaling it was made from,
+    the frequencies the model runs with llama.cpp's (its own divided by rope_freqs)."""
+    freqs = _llama_cpp_rope_freqs(factor)
+    assert len(set(freqs.tolist())) == 3  # one frequency blended, the others kept or divided by factor
+    _with_rope_freqs(freqs)(monkeypatch)
+    write_tiny_gguf(tmp_path / "l31.gguf")
+    monkeypatch.undo()
+    out = convert_gguf(str(tmp_path / "l31.gguf"), str(tmp_path / "hf"))
+    cfg = Checkpoint(out).config
+    assert cfg.rope_scaling == RopeScaling("llama3", factor, 1.0, 4.0, 8192)
+    plain = rope_inv_freq(dataclasses.replace(cfg, rope_scaling=None))
+    np.testing.assert_allclose(rope_inv_freq(cfg), plain / freqs, rtol=1e-6, atol=0)
+
+
+def test_linear_rope_scaling_is_converted(tmp_path, monkeypatch):
+    _writer_patch("add_rope_freq_base", lambda w, v: (w.add_float32("llama.rope.freq_base", v),
+                                                      w.add_string("llama.rope.scaling.type", "linear"),
+                                                      w.add_float32("llama.rope.scaling.factor", 4.0)))(monkeypatch)
+    write_tiny_gguf(tmp_path / "lin.gguf")
+    monkeypatch.undo()
+    assert Checkpoint(convert_gguf(str(tmp_path / "lin.gguf"), str(tmp_path / "hf"))).config.rope_scaling == \
+        RopeScaling("linear", 4.0)
 
 
 @pytest.mark.parametrize("patch, why", [
     (_writer_patch("add_rope_freq_base", lambda w, v: (w.add_float32("llama.rope.freq_base", v),
-                                                       w.add_string("llama.rope.scaling.type", "linear"))),
-     "RoPE scaling 'linear' is not supported"),
+                                                       w.add_string("llama.rope.scaling.type", "yarn"))),
+     "RoPE scaling 'yarn' is not supported"),
     (_writer_patch("add_rope_dimension_count", lambda w, n: (w.add_uint32("llama.attention.key_length", n),
                                                              w.add_uint32("llama.rope.dimension_count", n // 2))),
      "partial RoPE (8 of 16 dims) is not supported"),
@@ -335,9 +382,11 @@ def _with_rope_freqs(mp):
     # blk.0.attn_q.weight has shape (64, 64), the metadata says (32, 64)"
     (_writer_patch("add_rope_dimension_count", lambda w, n: w.add_uint32("llama.rope.dimension_count", n // 2)),
      "partial RoPE (8 of 16 dims) is not supported"),
-    # found saying "unsupported tensor 'rope_freqs.weight' (not a plain Llama model)"
-    (_with_rope_freqs, "RoPE frequency scaling (rope_freqs) is not supported"),
-], ids=["scaling", "partial", "partial-no-key-length", "rope-freqs"])
+    # found saying "unsupported tensor 'rope_freqs.weight' (not a plain Llama model)"; Llama 3.1's: converted
+    (_with_rope_freqs(np.linspace(1, 3, 8, dtype=np.float32)),
+     "RoPE frequency scaling (rope_freqs) other than Llama 3.1's is not supported"),
+    (_with_rope_freqs(np.ones(4, np.float32)), "RoPE frequency scaling (rope_freqs) other than Llama 3.1's is not supported"),
+], ids=["scaling", "partial", "partial-no-key-length", "rope-freqs", "rope-freqs-shape"])
 def test_llama_variants_it_cannot_run_are_refused_by_name(tmp_path, monkeypatch, patch, why):
     """Llama models whose RoPE is not the plain one: refused saying so (each converted, it ran wrong)."""
     path = tmp_path / "bad.gguf"
