@@ -99,6 +99,8 @@ def _scaling(settings, where):
     rope_type = _rope_type(settings)
     if settings and rope_type is None:  # (Hugging Face refuses it too: a factor of which scaling?)
         raise MindspecError(f"{where}: rope_scaling without a rope_type: {settings!r}")
+    if rope_type is not None and not isinstance(rope_type, str):  # (found by a probe: a list, a traceback)
+        raise MindspecError(f"{where}: rope_scaling's rope_type must be a string, got {rope_type!r}")
     if rope_type in (None, "default"):
         return None
     needs = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor",
