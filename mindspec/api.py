@@ -43,6 +43,17 @@ TGI_PARAMS = frozenset(("max_new_tokens", "do_sample", "details", "return_full_t
                        + SAMPLING)
 
 
+def _local_port(request):
+    """The port the request came in on (None once the connection is gone)."""
+    sock = request.transport.get_extra_info("sockname") if request.transport else None
+    return sock[1] if sock else None
+
+
+# MindIE's planes on ports of their own: the management port's probes, the metrics port's Prometheus page
+MANAGEMENT = frozenset(("health", "health_timed", "live", "model_ready"))
+METRICS = frozenset(("metrics_text",))
+
+
 def _stream_flag(body):
     stream = body.get("stream", False)
     if stream is None:
@@ -149,6 +160,7 @@ class Api:
         self.metrics = app.metrics
         self.routes = [(m, re.compile(p + r"\Z"), getattr(self, name), fam, name)
                        for m, p, name, fam in _ROUTES]
+        self.planes = {}  # {local port: the endpoints (route names) it serves}: MindIE's management/metrics ports
 
     # ---- the one entry point of the transport
 
@@ -156,7 +168,7 @@ class Api:
         method = "GET" if request.method == "HEAD" else request.method  # aiohttp leaves a HEAD's body out
         path = request.path
         hits = [(m, rx.match(path), fn, fam, name) for m, rx, fn, fam, name in self.routes]
-        hits = [h for h in hits if h[1]]
+        hits = [h for h in hits if h[1] and h[4] in self.planes.get(_local_port(request), (h[4],))]
         route = next((h for h in hits if h[0] == method), None)
         family, name = (route[3], route[4]) if route else (hits[0][3] if hits else "openai", "other")
         # the methods of this path, as OPTIONS lists them and a 405 says
@@ -463,6 +475,10 @@ class Api:
         body = await self._body(request)
         _check_keys(body, {"inputs", "parameters", "stream"})
         flag = _stream_flag(body)  # checked everywhere; /generate and /generate_stream decide by their route
+        if stream is not None and "stream" in body and body["stream"] is not None and flag != stream:
+            route, other = ("/generate", "/generate_stream") if flag else ("/generate_stream", "/generate")
+            raise RequestError(f"stream {json.dumps(flag)} does not go with {route}: POST {other} (or / with "
+                               f"stream {json.dumps(flag)})", param="stream")
         stream = flag if stream is None else stream
         inputs = body.get("inputs")
         if not isinstance(inputs, str) or not inputs:

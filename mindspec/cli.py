@@ -233,7 +233,15 @@ def cmd_serve(a):
     serve(lambda: load_pipeline(a), serve_defaults(a), host=a.host, port=a.port, model_name=a.model_name,
           tp=a.tp > 1, max_batch=a.max_batch, max_queue=a.max_queue, max_connections=a.max_connections,
           api_key=a.api_key, strict_model_name=a.strict_model_name, read_timeout=a.read_timeout,
-          queue_delay_us=a.max_queue_delay_us)
+          queue_delay_us=a.max_queue_delay_us, **_planes(a))
+
+
+def _planes(a):
+    """serve's management and metrics planes from a MindIE config's ports (on its managementIpAddress, else
+    the main host's)."""
+    host = getattr(a, "management_host", None) or a.host
+    return {plane: (host, getattr(a, f"{plane}_port")) for plane in ("management", "metrics")
+            if getattr(a, f"{plane}_port", None) is not None}
 
 
 def _check_model_paths(a):
@@ -596,6 +604,8 @@ def main(argv=None):
     args = parsed[0]
     if getattr(args, "device", None):  # msrun's ranks and the replicas detect the device the same way
         os.environ[DEVICE_ENV] = args.device
+    if getattr(args, "visible_devices", None):  # a MindIE config's npuDeviceIds, before CANN or msrun starts
+        os.environ["ASCEND_RT_VISIBLE_DEVICES"] = args.visible_devices
     if _dp_launcher(args):
         return _launch(args, lambda: launch_dp(argv, args))
     if args.cmd in MODEL_COMMANDS and (args.tp > 1 or args.nodes > 1):

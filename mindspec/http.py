@@ -139,9 +139,11 @@ class _Server(web.Server):
 class HttpServer:
     """Serve `handle(request) -> response` on host:port from a thread of its own."""
 
-    def __init__(self, handle, host, port, max_connections=None, keepalive=30, on_error=None):
-        """on_error(status): an answer made here, not by `handle` (a parser's 400, a 503 beyond the limit)."""
+    def __init__(self, handle, host, port, max_connections=None, keepalive=30, on_error=None, extra=()):
+        """on_error(status): an answer made here, not by `handle` (a parser's 400, a 503 beyond the limit).
+        extra: more (host, port) to listen on, for the same handler (which can tell them by the socket's port)."""
         self.handle, self.host, self.port, self.on_error = handle, host, port, on_error or (lambda status: None)
+        self.extra, self.failed = list(extra), (host, port)
         self.max_connections, self.keepalive = max_connections, keepalive
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self._run, name="http", daemon=True)
@@ -157,8 +159,12 @@ class HttpServer:
                          keepalive_timeout=self.keepalive, access_log=None, auto_decompress=False)
         self.runner = web.ServerRunner(server, handle_signals=False, shutdown_timeout=5)
         await self.runner.setup()
-        await web.TCPSite(self.runner, self.host, self.port).start()
-        self.port = self.runner.addresses[0][1]
+        bound = []
+        for host, port in [(self.host, self.port)] + self.extra:
+            self.failed, before = (host, port), len(self.runner.addresses)  # (named if it cannot listen)
+            await web.TCPSite(self.runner, host, port).start()
+            bound.append((host, self.runner.addresses[before][1]))  # (port 0: the one the system gave)
+        (_, self.port), *self.extra = bound
 
     def _run(self):
         asyncio.set_event_loop(self.loop)
@@ -176,7 +182,7 @@ class HttpServer:
         self.thread.start()
         self._opened.wait()
         if self.error is not None:
-            raise MindspecError(f"cannot listen on {self.host}:{self.port}: "
+            raise MindspecError(f"cannot listen on {self.failed[0]}:{self.failed[1]}: "
                                 f"{getattr(self.error, 'strerror', None) or self.error}")
         return self.port
 

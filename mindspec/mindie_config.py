@@ -58,7 +58,11 @@ KEYS = {
     "ServerConfig.ipAddress": ("host", _str),
     "ServerConfig.port": ("port", _int(0, 65535)),
     "ServerConfig.maxLinkNum": ("max_connections", _int(1)),
+    "ServerConfig.managementIpAddress": ("management_host", _str),
+    "ServerConfig.managementPort": ("management_port", _int(0, 65535)),
+    "ServerConfig.metricsPort": ("metrics_port", _int(0, 65535)),
     "ServerConfig.httpsEnabled": (None, _false("mindspec serves plain HTTP (put TLS in a proxy)")),
+    "BackendConfig.npuDeviceIds": (None, lambda v: v),  # (checked with worldSize: _together, apply)
     "BackendConfig.ModelDeployConfig.maxSeqLen": ("max_seq", _int(2)),
     "BackendConfig.ModelDeployConfig.maxInputTokenLen": ("max_input_tokens", _int(1)),
     "BackendConfig.ModelDeployConfig.truncation": (None, _false("a prompt longer than --max-input-tokens is "
@@ -78,7 +82,7 @@ KEYS = {
 }
 # MindIE's keys with no meaning for mindspec: accepted without a warning
 QUIET = {"Version", "LogConfig", "EnableDynamicAdjustTimeoutConfig"} | {f"ServerConfig.{k}" for k in (
-    "managementIpAddress", "managementPort", "metricsPort", "allowAllZeroIpListening", "fullTextEnabled",
+    "allowAllZeroIpListening", "fullTextEnabled",
     "tlsCaPath", "tlsCaFile", "tlsCert", "tlsPk", "tlsPkPwd", "tlsCrlPath", "tlsCrlFiles", "managementTlsCaFile",
     "managementTlsCert", "managementTlsPk", "managementTlsPkPwd", "managementTlsCrlPath", "managementTlsCrlFiles",
     "kmcKsfMaster", "kmcKsfStandby", "inferMode", "interCommTLSEnabled", "interCommPort", "interCommTlsCaPath",
@@ -86,7 +90,7 @@ QUIET = {"Version", "LogConfig", "EnableDynamicAdjustTimeoutConfig"} | {f"Server
     "interCommTlsCrlFiles", "openAiSupport", "tokenTimeout", "e2eTimeout", "distDPServerEnabled",
     "maxRequestLength")} | {
     f"BackendConfig.{k}" for k in (
-        "backendName", "modelInstanceNumber", "npuDeviceIds", "tokenizerProcessNumber", "multiNodesInferEnabled",
+        "backendName", "modelInstanceNumber", "tokenizerProcessNumber", "multiNodesInferEnabled",
         "multiNodesInferPort", "interNodeTLSEnabled", "interNodeTlsCaPath", "interNodeTlsCaFiles",
         "interNodeTlsCert", "interNodeTlsPk", "interNodeTlsPkPwd", "interNodeTlsCrlPath", "interNodeTlsCrlFiles",
         "interNodeKmcKsfMaster", "interNodeKmcKsfStandby")} | {
@@ -100,6 +104,9 @@ QUIET = {"Version", "LogConfig", "EnableDynamicAdjustTimeoutConfig"} | {f"Server
 
 # the blocks of MindIE's layout (and ours): a block of another shape is refused, not warned about and skipped
 MODEL_LIST = "BackendConfig.ModelDeployConfig.ModelConfig"
+# MindIE's keys that mean something mindspec does not do: warned about, with why
+NOTED = {f"{MODEL_LIST}[0].plugin_params": "MindIE's speculation plugins (MTP, lookahead) are not used; mindspec "
+                                          "speculates with its draft (mindspec.draft)"}
 OBJECTS = ("ServerConfig", "BackendConfig", "BackendConfig.ModelDeployConfig", "BackendConfig.ScheduleConfig",
            "mindspec")
 KINDS = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number", float: "a number",
@@ -153,8 +160,17 @@ def read(path):
     if flat is None:
         raise ValueError(f"{path}: must be a JSON object (MindIE's config.json layout)")
     values, warnings = {}, []
+    extra = sorted({int(k[len(MODEL_LIST) + 1:].split("]")[0]) for k in flat if k.startswith(MODEL_LIST + "[")} - {0})
+    for i in extra:  # (each of its keys was an "unknown key": they are MindIE's, the model is what is not served)
+        name = flat.get(f"{MODEL_LIST}[{i}].modelName")
+        warnings.append(f"{path}: {MODEL_LIST}[{i}]{f' ({name})' if isinstance(name, str) else ''} is not served: "
+                        f"mindspec serves one model, {MODEL_LIST}[0]")
     for key, value in flat.items():
-        if key in KEYS:
+        if key.startswith(MODEL_LIST + "[") and not key.startswith(MODEL_LIST + "[0]"):
+            continue
+        if key in NOTED:
+            warnings.append(f"{path}: {key} is not used: {NOTED[key]}")
+        elif key in KEYS:
             dest, check = KEYS[key]
             try:
                 value = check(value)
@@ -164,7 +180,44 @@ def read(path):
                 values[dest] = value
         elif key not in QUIET:
             warnings.append(f"{path}: unknown key {key} (ignored)")
+    _together(flat, values)
     return values, warnings
+
+
+def _together(flat, values):
+    """MindIE's rules across keys, each of which stops MindIE from starting; npuDeviceIds' first instance
+    into values["npu_devices"] (its count is checked against the final --tp in apply)."""
+    for key in ("ipAddress", "managementIpAddress"):
+        host = flat.get(f"ServerConfig.{key}")
+        if host in ("0.0.0.0", "::") and flat.get("ServerConfig.allowAllZeroIpListening") is not True:
+            raise ValueError(f"ServerConfig.{key}: {host} listens on every interface, which MindIE allows only "
+                             "with ServerConfig.allowAllZeroIpListening true")
+    seq, prompt = values.get("max_seq"), values.get("max_input_tokens")
+    if seq is not None and prompt is not None and prompt > seq:
+        raise ValueError(f"BackendConfig.ModelDeployConfig.maxInputTokenLen: must be <= maxSeqLen ({seq}), "
+                         f"got {prompt}")
+    ids = flat.get("BackendConfig.npuDeviceIds")
+    if ids is not None:
+        first = ids[0] if isinstance(ids, list) and ids else None
+        if not (isinstance(first, list) and first and all(_is_id(i) for i in first) and len(set(first)) == len(first)):
+            raise ValueError(f"BackendConfig.npuDeviceIds: must be a list of lists of distinct device ids (one "
+                             f"list a model instance), got {json.dumps(ids)}")
+        values["npu_devices"] = first
+
+
+def _is_id(v):
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def visible_devices(ids, env):
+    """ASCEND_RT_VISIBLE_DEVICES for npuDeviceIds `ids`: device ids as CANN numbers them for this process, so
+    the ones an ASCEND_RT_VISIBLE_DEVICES already set lists, by position (logical ids), else themselves."""
+    seen = [x.strip() for x in env.get("ASCEND_RT_VISIBLE_DEVICES", "").split(",") if x.strip()]
+    if seen and max(ids) >= len(seen):
+        from .errors import MindspecError
+        raise MindspecError(f"BackendConfig.npuDeviceIds: {max(ids)} is not one of the {len(seen)} devices "
+                            f"ASCEND_RT_VISIBLE_DEVICES={env['ASCEND_RT_VISIBLE_DEVICES']} leaves visible")
+    return ",".join(seen[i] for i in ids) if seen else ",".join(str(i) for i in ids)
 
 
 def apply(args, path, given):
@@ -180,3 +233,9 @@ def apply(args, path, given):
     for dest, value in values.items():
         if dest not in given:
             setattr(args, dest, value)
+    devices = values.get("npu_devices")
+    if devices is not None:
+        if len(devices) != args.tp:  # (MindIE: worldSize devices a model instance)
+            raise MindspecError(f"BackendConfig.npuDeviceIds: {len(devices)} devices {devices} for "
+                                f"{args.tp} tensor-parallel ranks (worldSize / --tp): give one a rank")
+        args.visible_devices = visible_devices(devices, os.environ)  # (set by main, for every rank)

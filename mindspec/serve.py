@@ -312,18 +312,31 @@ def prepare(pipe, max_batch):
 
 
 def serve(load, defaults, host="127.0.0.1", port=1025, model_name=None, tp=False, max_batch=1, max_queue=64,
-          max_connections=None, api_key=None, strict_model_name=False, read_timeout=30, queue_delay_us=QUEUE_DELAY_US):
+          max_connections=None, api_key=None, strict_model_name=False, read_timeout=30, queue_delay_us=QUEUE_DELAY_US,
+          management=None, metrics=None):
     """Listen, load the pipeline and compile its graphs, or on a warm start its one-row graphs (/health and
-    /v2/health/ready answer 503 meanwhile, /v2/health/live 200), then generate until SIGINT/SIGTERM."""
-    from .api import Api
+    /v2/health/ready answer 503 meanwhile, /v2/health/live 200), then generate until SIGINT/SIGTERM.
+    management, metrics: (host, port) of MindIE's management plane (the health probes) and metrics plane
+    (/metrics), each also served on the main port; None, or the main port: there alone."""
+    from .api import MANAGEMENT, METRICS, Api
     from .http import HttpServer
     app = App(defaults, model_name, tp, max_batch, max_queue, queue_delay_us)
-    http = HttpServer(Api(app, api_key, strict_model_name, read_timeout).handle, host, port, max_connections,
-                      keepalive=read_timeout, on_error=lambda status: app.metrics.answered("other", status))
+    api = Api(app, api_key, strict_model_name, read_timeout)
+    planes = {}  # (host, port) -> route names
+    for where, names in ((management, MANAGEMENT), (metrics, METRICS)):
+        if where is not None and (where[1] != port or port == 0):  # (port 0: each a port of its own)
+            planes[where] = planes.get(where, frozenset()) | names
+    http = HttpServer(api.handle, host, port, max_connections, keepalive=read_timeout,
+                      on_error=lambda status: app.metrics.answered("other", status), extra=list(planes))
     app.call = http.call
+    api.planes = {p: names for (_, p), names in planes.items()}  # (before a request can come in on them) ...
     port = http.start()
+    api.planes = {p: names for (_, p), names in zip(http.extra, planes.values())}  # ... and port 0's as bound
     print(f"mindspec: listening on http://{host}:{port}; ready once the model is loaded and its graphs compiled "
           "(from a warm compile cache: its one-row graphs)", file=sys.stderr, flush=True)
+    for (h, p), names in zip(http.extra, planes.values()):
+        what = " and ".join(w for w, plane in (("health probes", MANAGEMENT), ("/metrics", METRICS)) if names & plane)
+        print(f"mindspec: {what} also on http://{h}:{p}", file=sys.stderr, flush=True)
     with signals.Signals(True, _hard_stop, final=True) as sig:
         try:
             app.pipe = prepare(load(), max_batch)

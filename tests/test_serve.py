@@ -691,6 +691,11 @@ BAD = [  # (path, body or raw bytes, status, words in the message)
     ("/v1/chat/completions", {"messages": HI, "max_completion_tokens": 0}, 400,
      "max_completion_tokens must be an integer >= 1"),
     ("/generate", {"inputs": "hi", "stream": "yes"}, 422, "stream must be"),
+    # an operator's probe: a stream the route does not give was dropped unsaid (answered in JSON, or streamed)
+    ("/generate", {"inputs": "hi", "stream": True}, 422, "stream true does not go with /generate: "
+     "POST /generate_stream (or / with stream true)"),
+    ("/generate_stream", {"inputs": "hi", "stream": False}, 422, "stream false does not go with /generate_stream: "
+     "POST /generate (or / with stream false)"),
     ("/v1/completions", {"prompt": "hi", "temperature": "x" * 100000}, 400, "temperature must be a number"),
     ("/v1/completions", {"prompt": "a" * 3000000}, 400, "prompt is 3000000 characters; it does not fit max_seq 128"),
     ("/tokenize", {"prompt": "a" * 3000000}, 400, "prompt is 3000000 characters; it does not fit max_seq 128"),

@@ -15,10 +15,17 @@ import urllib.request
 
 import pytest
 
+from mindspec.errors import MindspecError
 from mindspec.export import export_draft
 
 KEY = "sekret"
 MAX_SEQ = 128
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +37,7 @@ def config(tiny_target, tiny_draft_ckpt, tmp_path_factory):
         "Version": "1.0.0",
         "LogConfig": {"logLevel": "Info"},
         "ServerConfig": {"ipAddress": "127.0.0.1", "port": 0, "maxLinkNum": 50, "httpsEnabled": False,
-                         "managementPort": 1026, "tokenTimeout": 600},
+                         "managementPort": 0, "metricsPort": _free_port(), "tokenTimeout": 600},
         "BackendConfig": {
             "npuDeviceIds": [[0]],
             "ModelDeployConfig": {"maxSeqLen": MAX_SEQ, "maxInputTokenLen": 40, "truncation": False,
@@ -133,6 +140,27 @@ def test_the_file_sets_the_flags_and_unknown_keys_are_warned(server):
     assert "managementPort" not in log and "npuDeviceIds" not in log  # MindIE's own keys: quiet
 
 
+def test_management_and_metrics_ports_serve_their_planes(server, config):
+    """An operator's probe: MindIE's managementPort and metricsPort were ignored, so a deployment's probes and
+    scrapes found nothing there. Each now serves its plane (and only it; the main port serves all)."""
+    base, err, _ = server
+    log = "".join(err)
+    management = re.search(r"mindspec: health probes also on (http://\S+)\n", log).group(1)
+    metrics = re.search(r"mindspec: /metrics also on (http://\S+)\n", log).group(1)
+    want_port = json.loads(open(config).read())["ServerConfig"]["metricsPort"]
+    assert metrics == f"http://127.0.0.1:{want_port}" and management != base != metrics
+    for path in ("/health", "/v2/health/ready", "/v2/health/live", "/health/timed", "/v2/models/tiny2/ready"):
+        assert call(management, path, key=None) == call(base, path, key=None) and \
+            call(management, path, key=None)[0] == 200, path
+        assert call(metrics, path, key=None)[0] == 404, path
+    assert call(metrics, "/metrics", key=None)[0] == 200 and "mindspec_requests_total" in call(metrics, "/metrics")[1]
+    for plane in (management, metrics):
+        status, text = call(plane, "/v1/completions", {"prompt": [5, 6], "max_tokens": 2})
+        assert status == 404 and "no such endpoint: POST /v1/completions" in text
+    assert call(management, "/metrics", key=None)[0] == 404
+    assert call(base, "/metrics", key=None)[0] == 200 and call(base, "/health", key=None) == (200, "")
+
+
 def test_api_key(server):
     base = server[0]
     for key in (None, "wrong"):
@@ -186,6 +214,15 @@ BAD_CONFIGS = [  # (file content, the one line expected)
     ({"ServerConfig": {"httpsEnabled": 0}},
      "ServerConfig.httpsEnabled: must be false: mindspec serves plain HTTP (put TLS in a proxy), got 0"),
     ({"mindspec": {"apiKey": ""}}, 'mindspec.apiKey: must be a non-empty string, got ""'),
+    # an operator's probe, moving a MindIE deployment over: each started, where MindIE refuses to
+    ({"ServerConfig": {"ipAddress": "0.0.0.0", "allowAllZeroIpListening": False}}, "ServerConfig.ipAddress: 0.0.0.0 "
+     "listens on every interface, which MindIE allows only with ServerConfig.allowAllZeroIpListening true"),
+    ({"BackendConfig": {"ModelDeployConfig": {"maxSeqLen": 256, "maxInputTokenLen": 4096}}},
+     "BackendConfig.ModelDeployConfig.maxInputTokenLen: must be <= maxSeqLen (256), got 4096"),
+    ({"BackendConfig": {"npuDeviceIds": [[0, 1, 2, 3]]}}, "BackendConfig.npuDeviceIds: 4 devices [0, 1, 2, 3] for 1 "
+     "tensor-parallel ranks (worldSize / --tp): give one a rank"),
+    ({"BackendConfig": {"npuDeviceIds": [[0, 0]]}}, "BackendConfig.npuDeviceIds: must be a list of lists of distinct"),
+    ({"BackendConfig": {"npuDeviceIds": [0, 1]}}, "BackendConfig.npuDeviceIds: must be a list of lists of distinct"),
 ]
 
 
@@ -205,7 +242,7 @@ def test_bad_config_values_are_refused_with_the_key_path(tmp_path, content, line
 def test_flags_override_the_file_and_a_missing_file_is_one_line(tmp_path):
     from mindspec.cli import parse
     path = tmp_path / "config.json"
-    path.write_text(json.dumps({"ServerConfig": {"port": 2000, "ipAddress": "0.0.0.0"},
+    path.write_text(json.dumps({"ServerConfig": {"port": 2000, "ipAddress": "0.0.0.0", "allowAllZeroIpListening": True},
                                 "BackendConfig": {"ScheduleConfig": {"maxBatchSize": 4, "maxIterTimes": 5,
                                                                      "maxQueueDelayMicroseconds": 20000}}}))
     a = parse(["serve", "--port", "3000", "--config", str(path), "--max-batch", "2"])
@@ -220,13 +257,40 @@ def test_flags_override_the_file_and_a_missing_file_is_one_line(tmp_path):
     assert p.returncode == 2 and p.stderr == f"mindspec: error: {tmp_path / 'nope.json'}: No such file or directory\n"
 
 
+def test_npu_device_ids_become_the_visible_devices_and_other_models_are_named(tmp_path, capsys, monkeypatch):
+    """An operator's probe: npuDeviceIds were ignored (a deployment on NPUs 4-7 would run on 0-3); a second
+    ModelConfig's keys were each an "unknown key"; MindIE 2.0's plugin_params too."""
+    from mindspec.cli import parse
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"BackendConfig": {"npuDeviceIds": [[4, 5]], "ModelDeployConfig": {"ModelConfig": [
+        {"modelName": "a", "worldSize": 2, "plugin_params": "{\"plugin_type\":\"mtp\"}"},
+        {"modelName": "b", "modelWeightPath": "/b", "worldSize": 1}]}}}))
+    monkeypatch.delenv("ASCEND_RT_VISIBLE_DEVICES", raising=False)
+    assert parse(["serve", "--config", str(path)]).visible_devices == "4,5"
+    err = capsys.readouterr().err
+    assert err == (f"mindspec: warning: {path}: BackendConfig.ModelDeployConfig.ModelConfig[1] (b) is not served: "
+                   "mindspec serves one model, BackendConfig.ModelDeployConfig.ModelConfig[0]\n"
+                   f"mindspec: warning: {path}: BackendConfig.ModelDeployConfig.ModelConfig[0].plugin_params is not "
+                   "used: MindIE's speculation plugins (MTP, lookahead) are not used; mindspec speculates with its "
+                   "draft (mindspec.draft)\n")
+    monkeypatch.setenv("ASCEND_RT_VISIBLE_DEVICES", "2,3,6,7,8,9")  # npuDeviceIds count among these
+    assert parse(["serve", "--config", str(path)]).visible_devices == "8,9"
+    monkeypatch.setenv("ASCEND_RT_VISIBLE_DEVICES", "2,3")
+    with pytest.raises(MindspecError, match=r"npuDeviceIds: 5 is not one of the 2 devices "
+                                            r"ASCEND_RT_VISIBLE_DEVICES=2,3 leaves visible"):
+        parse(["serve", "--config", str(path)])
+    with pytest.raises(MindspecError, match=r"2 devices \[4, 5\] for 4 tensor-parallel ranks"):
+        parse(["serve", "--config", str(path), "--tp", "4"])
+
+
 def test_every_key_sets_its_flag_and_the_ranges_include_their_ends(tmp_path, capsys):
     """Found by mutation testing: each key of the file, read into its flag (the server test overrides
     modelName, never sets the rest), with no warning; a range's ends are values it takes."""
     from mindspec.cli import parse
     path = tmp_path / "config.json"
     path.write_text(json.dumps({
-        "ServerConfig": {"ipAddress": "0.0.0.0", "port": 65535, "maxLinkNum": 9, "httpsEnabled": False},
+        "ServerConfig": {"ipAddress": "0.0.0.0", "port": 65535, "maxLinkNum": 9, "httpsEnabled": False,
+                         "allowAllZeroIpListening": True},
         "BackendConfig": {
             "ModelDeployConfig": {"maxSeqLen": 2, "maxInputTokenLen": 1, "truncation": False,
                                   "ModelConfig": [{"modelName": "m", "modelWeightPath": "/t", "worldSize": 2}]},
