@@ -486,9 +486,10 @@ class TargetModel:
     def cache_key(self, names):
         """The compile-cache directory name of these graphs: everything a compiled graph depends on,
         the device, jit level, dtype and TP layout included (MindSpore separates cached graphs by rank id,
-        not by world size)."""
+        not by world size), and the configuration as read (config.json's bytes are in the fingerprint, but
+        a reading of them can change: a transformers 5 file's RoPE base once read as 10000)."""
         device = ms.get_context("device_target")
-        key = repr((device, jit_level(device), self.fingerprint, self.dtype, self.max_seq, self.max_batch,
+        key = repr((device, jit_level(device), self.fingerprint, self.cfg, self.dtype, self.max_seq, self.max_batch,
                     self.k_buckets, names, TOPK_CAP, _SOURCE, tp_layout()))
         return hashlib.sha256(key.encode()).hexdigest()[:16]
 

@@ -167,8 +167,10 @@ class Api:
     async def handle(self, request):
         method = "GET" if request.method == "HEAD" else request.method  # aiohttp leaves a HEAD's body out
         path = request.path
-        hits = [(m, rx.match(path), fn, fam, name) for m, rx, fn, fam, name in self.routes]
-        hits = [h for h in hits if h[1] and h[4] in self.planes.get(_local_port(request), (h[4],))]
+        plane = self.planes.get(_local_port(request)) if self.planes else None  # (None: every endpoint)
+        hits = [(m, rx.match(path), fn, fam, name) for m, rx, fn, fam, name in self.routes
+                if plane is None or name in plane]
+        hits = [h for h in hits if h[1]]
         route = next((h for h in hits if h[0] == method), None)
         family, name = (route[3], route[4]) if route else (hits[0][3] if hits else "openai", "other")
         # the methods of this path, as OPTIONS lists them and a 405 says

@@ -177,8 +177,9 @@ def job_id(defaults, model=None, dtype=None):
     if model is not None:
         from .checkpoint import Checkpoint
         files = [_digest(os.path.join(model, f)) for f in TOKENIZER_FILES]
-        # chat_template.jinja only where there is one: the ids of jobs made before it counted stay as they were
-        template = _digest(os.path.join(model, "chat_template.jinja"))
+        # chat_template.jinja (read since this id exists) only for a --chat job where there is one: the ids of the
+        # jobs made before stay as they were (without --chat: refused on such a model then)
+        template = _digest(os.path.join(model, "chat_template.jinja")) if defaults.get("chat") else None
         model = [Checkpoint(model).fingerprint()] + files + ([template] if template else [])
     what = {"model": model, "defaults": defaults} | ({"dtype": dtype} if dtype not in (None, "float32") else {})
     blob = json.dumps(what, sort_keys=True, default=str)

@@ -604,8 +604,11 @@ def main(argv=None):
     args = parsed[0]
     if getattr(args, "device", None):  # msrun's ranks and the replicas detect the device the same way
         os.environ[DEVICE_ENV] = args.device
-    if getattr(args, "visible_devices", None):  # a MindIE config's npuDeviceIds, before CANN or msrun starts
-        os.environ["ASCEND_RT_VISIBLE_DEVICES"] = args.visible_devices
+    for name, value in (getattr(args, "device_env", None) or {}).items():  # a MindIE config's npuDeviceIds,
+        if value is None:                                                     # before CANN or msrun starts
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
     if _dp_launcher(args):
         return _launch(args, lambda: launch_dp(argv, args))
     if args.cmd in MODEL_COMMANDS and (args.tp > 1 or args.nodes > 1):

@@ -84,8 +84,10 @@ def _rope(raw, where):
     for key, v in out.items():
         if raw.get(key) is not None and raw[key] != v:
             raise MindspecError(f"{where}: {key} {raw[key]!r} and rope_parameters' {v!r} differ")
-    out["rope_scaling"] = _scaling({k: v for k, v in params.items() if k not in out} or scaling or {}, where)
-    if params and scaling and _scaling(scaling, where) != out["rope_scaling"]:
+    settings = {k: v for k, v in params.items() if k not in out}
+    out["rope_scaling"] = _scaling(settings, where, "rope_parameters") if settings else \
+        _scaling(scaling or {}, where, "rope_scaling")
+    if params and scaling and _scaling(scaling, where, "rope_scaling") != out["rope_scaling"]:
         raise MindspecError(f"{where}: rope_scaling and rope_parameters differ")
     return out
 
@@ -94,32 +96,33 @@ def _rope_type(settings):
     return settings.get("rope_type", settings.get("type"))
 
 
-def _scaling(settings, where):
-    """A RopeScaling from rope_scaling's (or rope_parameters') settings; None for plain RoPE."""
+def _scaling(settings, where, src):
+    """A RopeScaling from the settings of rope_scaling or rope_parameters (`src`, named in errors); None for
+    plain RoPE."""
     rope_type = _rope_type(settings)
     if settings and rope_type is None:  # (Hugging Face refuses it too: a factor of which scaling?)
-        raise MindspecError(f"{where}: rope_scaling without a rope_type: {settings!r}")
+        raise MindspecError(f"{where}: {src} without a rope_type: {settings!r}")
     if rope_type is not None and not isinstance(rope_type, str):  # (found by a probe: a list, a traceback)
-        raise MindspecError(f"{where}: rope_scaling's rope_type must be a string, got {rope_type!r}")
+        raise MindspecError(f"{where}: {src}.rope_type must be a string, got {rope_type!r}")
     if rope_type in (None, "default"):
         return None
     needs = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor",
                                               "original_max_position_embeddings")}.get(rope_type)
     if needs is None:
-        raise MindspecError(f"{where}: rope_scaling {rope_type!r} is not supported (plain RoPE, \"linear\" "
-                            "and \"llama3\" are)")
+        raise MindspecError(f"{where}: {src} {rope_type!r} is not supported (plain RoPE, \"linear\" and "
+                            "\"llama3\" are)")
     for key in needs:
         v = settings.get(key)
         what = {"factor": "a number >= 1",
                 "original_max_position_embeddings": "an integer >= 1"}.get(key, "a number > 0")
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf") \
-                or key == "factor" and v < 1 or what.startswith("an integer") and not isinstance(v, int):
-            raise MindspecError(f"{where}: rope_scaling {rope_type!r} needs {key}, {what}, got {v!r}")
+                or key == "factor" and v < 1 or what.startswith("an integer") and v != int(v):  # (8192.0: HF's too)
+            raise MindspecError(f"{where}: {src} {rope_type!r} needs {key}, {what}, got {v!r}")
     if rope_type == "llama3" and not settings["low_freq_factor"] < settings["high_freq_factor"]:
-        raise MindspecError(f"{where}: rope_scaling \"llama3\" needs low_freq_factor < high_freq_factor, got "
+        raise MindspecError(f"{where}: {src} \"llama3\" needs low_freq_factor < high_freq_factor, got "
                             f"{settings['low_freq_factor']!r} and {settings['high_freq_factor']!r}")
     return RopeScaling(rope_type, **{k: float(settings[k]) if k != "original_max_position_embeddings"
-                                     else settings[k] for k in needs})
+                                     else int(settings[k]) for k in needs})
 
 
 def config_from_dict(raw, where="config.json"):

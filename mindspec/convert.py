@@ -96,12 +96,14 @@ def _config(meta):
     head_dim = int(meta.get(f"{a}.attention.key_length") or hidden // heads)  # (llama.cpp's n_embd_head_k)
     if rope_dim is not None and int(rope_dim) != head_dim:
         raise MindspecError(f"{meta.path}: partial RoPE ({rope_dim} of {head_dim} dims) is not supported")
-    scaling = meta.get(f"{a}.rope.scaling.type")
-    if scaling not in (None, "none", "linear"):
+    # as llama.cpp reads them: the factor from either key (0 or 1: none), the type "linear" unless named
+    factor = float(meta.get(f"{a}.rope.scaling.factor") or meta.get(f"{a}.rope.scale_linear") or 0)
+    scaling = meta.get(f"{a}.rope.scaling.type") or "linear"
+    if scaling not in ("none", "linear") and factor not in (0, 1):
         raise MindspecError(f"{meta.path}: RoPE scaling {scaling!r} is not supported")
     tokens = meta.get("tokenizer.ggml.tokens") or []
-    return ({"rope_scaling": {"rope_type": "linear", "factor": float(meta.need(f"{a}.rope.scaling.factor"))}}
-            if scaling == "linear" else {}) | {
+    return ({"rope_scaling": {"rope_type": "linear", "factor": factor}}
+            if scaling == "linear" and factor not in (0, 1) else {}) | {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "torch_dtype": "float32",
         "vocab_size": int(meta.get(f"{a}.vocab_size") or len(tokens)),
         "hidden_size": hidden,
@@ -118,9 +120,9 @@ def _config(meta):
     }
 
 
-# llama.cpp writes Llama 3.1's RoPE scaling as a tensor, each frequency's divisor, with no metadata; it makes
-# it from the model's factor with low_freq_factor 1, high_freq_factor 4 and an original context of 8192
-# (Llama 3.1 to 3.3's values; its converter reads no others)
+# llama.cpp writes Llama 3.1's RoPE scaling as a tensor, each frequency's divisor, with no metadata on how it
+# was made: read back here as Llama 3.1 to 3.3's scaling (low_freq_factor 1, high_freq_factor 4, an original
+# context of 8192; only its factor differs between them), checked divisor by divisor: others are refused
 ROPE_FREQS = "rope_freqs.weight"
 LLAMA_CPP_LLAMA3 = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 

@@ -51,6 +51,19 @@ class AscendEnv:
         return out
 
 
+def visible_list(env):
+    """The devices ASCEND_RT_VISIBLE_DEVICES lists, as the system names them ([] when unset)."""
+    return [x.strip() for x in env.get("ASCEND_RT_VISIBLE_DEVICES", "").split(",") if x.strip()]
+
+
+def narrowed(ids, tp):
+    """The environment of a process (and its msrun ranks) that is to see only devices `ids` (as the system
+    names them), which it sees as 0..len-1: at tp 1 its device is 0 (no msrun sets it: an inherited
+    ASCEND_DEVICE_ID would point past them), else each rank sets its own. None: remove."""
+    return {"ASCEND_RT_VISIBLE_DEVICES": ",".join(ids),
+            **({"DEVICE_ID": "0", "ASCEND_DEVICE_ID": "0"} if tp == 1 else {"ASCEND_DEVICE_ID": None})}
+
+
 def _visible(npus, env):
     """ASCEND_RT_VISIBLE_DEVICES narrows the NPUs a process sees (as CUDA_VISIBLE_DEVICES)."""
     spec = env.get("ASCEND_RT_VISIBLE_DEVICES")

@@ -27,7 +27,7 @@ import time
 
 from .batch import (Output, Tally, _key, _read_lines, _rows, check_asked, check_shared_input, part_path,
                     read_records)
-from .device import check_tp, detect_device
+from .device import check_tp, detect_device, narrowed, visible_list
 from .errors import MindspecError
 from .request import SEED_ENV
 from .tp import IDENTITY
@@ -49,20 +49,15 @@ def replica_env(env, local_index, tp, seed_base):
     visible ones (the user's ASCEND_RT_VISIBLE_DEVICES, else 0, 1, ...), which it sees as 0..tp-1 (so msrun's
     per-rank DEVICE_ID and the draft's ASCEND_DEVICE_ID stay local ranks); its own seed base, so sampled
     lines without a seed do not share random streams across replicas."""
-    visible = env.get("ASCEND_RT_VISIBLE_DEVICES")
-    ids = [x.strip() for x in visible.split(",") if x.strip()] if visible else \
-        [str(i) for i in range((local_index + 1) * tp)]
+    ids = visible_list(env) or [str(i) for i in range((local_index + 1) * tp)]
     mine = ids[local_index * tp:(local_index + 1) * tp]
     if len(mine) < tp:
-        raise MindspecError(f"ASCEND_RT_VISIBLE_DEVICES={visible} has {len(ids)} devices: too few for replica "
-                            f"{local_index + 1} of {tp} devices on this node")
+        raise MindspecError(f"ASCEND_RT_VISIBLE_DEVICES={env.get('ASCEND_RT_VISIBLE_DEVICES')} has {len(ids)} "
+                            f"devices: too few for replica {local_index + 1} of {tp} devices on this node")
     out = {k: v for k, v in env.items() if k not in IDENTITY}
-    out.update(ASCEND_RT_VISIBLE_DEVICES=",".join(mine), **{SEED_ENV: str(seed_base)})
-    if tp == 1:  # no msrun to set them: the target's and the draft's device, 0 of the replica's own
-        out.update(DEVICE_ID="0", ASCEND_DEVICE_ID="0")
-    else:
-        out.pop("ASCEND_DEVICE_ID", None)  # each rank sets its own (mindspec.tp.rank_device_env)
-    return out
+    out[SEED_ENV] = str(seed_base)
+    out.update(narrowed(mine, tp))  # (tp > 1: each rank sets its own device, mindspec.tp.rank_device_env)
+    return {k: v for k, v in out.items() if v is not None}
 
 
 def replica_command(argv, i):

@@ -139,11 +139,13 @@ class _Server(web.Server):
 class HttpServer:
     """Serve `handle(request) -> response` on host:port from a thread of its own."""
 
-    def __init__(self, handle, host, port, max_connections=None, keepalive=30, on_error=None, extra=()):
+    def __init__(self, handle, host, port, max_connections=None, keepalive=30, on_error=None, extra=(),
+                 on_bound=None):
         """on_error(status): an answer made here, not by `handle` (a parser's 400, a 503 beyond the limit).
-        extra: more (host, port) to listen on, for the same handler (which can tell them by the socket's port)."""
+        extra: more (host, port) to listen on, for the same handler (which can tell them by the socket's port);
+        on_bound(extra as bound, port 0 the system's) before a request is served."""
         self.handle, self.host, self.port, self.on_error = handle, host, port, on_error or (lambda status: None)
-        self.extra, self.failed = list(extra), (host, port)
+        self.extra, self.failed, self.on_bound = list(extra), (host, port), on_bound or (lambda extra: None)
         self.max_connections, self.keepalive = max_connections, keepalive
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self._run, name="http", daemon=True)
@@ -165,6 +167,7 @@ class HttpServer:
             await web.TCPSite(self.runner, host, port).start()
             bound.append((host, self.runner.addresses[before][1]))  # (port 0: the one the system gave)
         (_, self.port), *self.extra = bound
+        self.on_bound(self.extra)  # (before the loop serves a request)
 
     def _run(self):
         asyncio.set_event_loop(self.loop)

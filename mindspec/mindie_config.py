@@ -9,6 +9,9 @@ import os
 import stat
 import sys
 
+from .device import narrowed, visible_list
+from .errors import is_int
+
 MAX_BYTES = 1 << 20  # a MindIE config.json is a few kB
 QUEUE_DELAY_US = 5000  # MindIE's maxQueueDelayMicroseconds default, serve's --max-queue-delay-us (serve.wait_s)
 
@@ -34,6 +37,22 @@ def _false(why):
             raise ValueError(f"must be false: {why}, got {json.dumps(v)}")
         return v
     return check
+
+
+def _bool(v):
+    if not isinstance(v, bool):
+        raise ValueError(f"must be true or false, got {json.dumps(v)}")
+    return v
+
+
+def _device_ids(v):
+    """npuDeviceIds: a list of device-id lists, one a model instance; the first one's (one instance served)."""
+    first = v[0] if isinstance(v, list) and v else None
+    if not (isinstance(first, list) and first and all(is_int(i) and i >= 0 for i in first)
+            and len(set(first)) == len(first)):
+        raise ValueError(f"must be a list of lists of distinct device ids (one list a model instance), "
+                         f"got {json.dumps(v)}")
+    return first
 
 
 def _gamma(v):
@@ -62,7 +81,8 @@ KEYS = {
     "ServerConfig.managementPort": ("management_port", _int(0, 65535)),
     "ServerConfig.metricsPort": ("metrics_port", _int(0, 65535)),
     "ServerConfig.httpsEnabled": (None, _false("mindspec serves plain HTTP (put TLS in a proxy)")),
-    "BackendConfig.npuDeviceIds": (None, lambda v: v),  # (checked with worldSize: _together, apply)
+    "ServerConfig.allowAllZeroIpListening": ("allow_all_zero", _bool),
+    "BackendConfig.npuDeviceIds": ("npu_devices", _device_ids),  # (the first instance's: one a rank, apply)
     "BackendConfig.ModelDeployConfig.maxSeqLen": ("max_seq", _int(2)),
     "BackendConfig.ModelDeployConfig.maxInputTokenLen": ("max_input_tokens", _int(1)),
     "BackendConfig.ModelDeployConfig.truncation": (None, _false("a prompt longer than --max-input-tokens is "
@@ -82,7 +102,7 @@ KEYS = {
 }
 # MindIE's keys with no meaning for mindspec: accepted without a warning
 QUIET = {"Version", "LogConfig", "EnableDynamicAdjustTimeoutConfig"} | {f"ServerConfig.{k}" for k in (
-    "allowAllZeroIpListening", "fullTextEnabled",
+    "fullTextEnabled",
     "tlsCaPath", "tlsCaFile", "tlsCert", "tlsPk", "tlsPkPwd", "tlsCrlPath", "tlsCrlFiles", "managementTlsCaFile",
     "managementTlsCert", "managementTlsPk", "managementTlsPkPwd", "managementTlsCrlPath", "managementTlsCrlFiles",
     "kmcKsfMaster", "kmcKsfStandby", "inferMode", "interCommTLSEnabled", "interCommPort", "interCommTlsCaPath",
@@ -180,44 +200,7 @@ def read(path):
                 values[dest] = value
         elif key not in QUIET:
             warnings.append(f"{path}: unknown key {key} (ignored)")
-    _together(flat, values)
     return values, warnings
-
-
-def _together(flat, values):
-    """MindIE's rules across keys, each of which stops MindIE from starting; npuDeviceIds' first instance
-    into values["npu_devices"] (its count is checked against the final --tp in apply)."""
-    for key in ("ipAddress", "managementIpAddress"):
-        host = flat.get(f"ServerConfig.{key}")
-        if host in ("0.0.0.0", "::") and flat.get("ServerConfig.allowAllZeroIpListening") is not True:
-            raise ValueError(f"ServerConfig.{key}: {host} listens on every interface, which MindIE allows only "
-                             "with ServerConfig.allowAllZeroIpListening true")
-    seq, prompt = values.get("max_seq"), values.get("max_input_tokens")
-    if seq is not None and prompt is not None and prompt > seq:
-        raise ValueError(f"BackendConfig.ModelDeployConfig.maxInputTokenLen: must be <= maxSeqLen ({seq}), "
-                         f"got {prompt}")
-    ids = flat.get("BackendConfig.npuDeviceIds")
-    if ids is not None:
-        first = ids[0] if isinstance(ids, list) and ids else None
-        if not (isinstance(first, list) and first and all(_is_id(i) for i in first) and len(set(first)) == len(first)):
-            raise ValueError(f"BackendConfig.npuDeviceIds: must be a list of lists of distinct device ids (one "
-                             f"list a model instance), got {json.dumps(ids)}")
-        values["npu_devices"] = first
-
-
-def _is_id(v):
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
-
-
-def visible_devices(ids, env):
-    """ASCEND_RT_VISIBLE_DEVICES for npuDeviceIds `ids`: device ids as CANN numbers them for this process, so
-    the ones an ASCEND_RT_VISIBLE_DEVICES already set lists, by position (logical ids), else themselves."""
-    seen = [x.strip() for x in env.get("ASCEND_RT_VISIBLE_DEVICES", "").split(",") if x.strip()]
-    if seen and max(ids) >= len(seen):
-        from .errors import MindspecError
-        raise MindspecError(f"BackendConfig.npuDeviceIds: {max(ids)} is not one of the {len(seen)} devices "
-                            f"ASCEND_RT_VISIBLE_DEVICES={env['ASCEND_RT_VISIBLE_DEVICES']} leaves visible")
-    return ",".join(seen[i] for i in ids) if seen else ",".join(str(i) for i in ids)
 
 
 def apply(args, path, given):
@@ -233,9 +216,41 @@ def apply(args, path, given):
     for dest, value in values.items():
         if dest not in given:
             setattr(args, dest, value)
-    devices = values.get("npu_devices")
+    _together(args, {dest for dest in values if dest not in given}, values.get("allow_all_zero", False))
+
+
+def _together(args, from_file, zero_ok):
+    """MindIE's rules across keys, each of which stops MindIE from starting, on the values the file set (a flag
+    given on the command line wins, and is the user's own)."""
+    from .errors import MindspecError
+    for dest, key in (("host", "ipAddress"), ("management_host", "managementIpAddress")):
+        if dest in from_file and getattr(args, dest) in ("0.0.0.0", "::") and not zero_ok:
+            raise MindspecError(f"ServerConfig.{key}: {getattr(args, dest)} listens on every interface, which "
+                                "MindIE allows only with ServerConfig.allowAllZeroIpListening true")
+    if {"max_seq", "max_input_tokens"} <= from_file and args.max_input_tokens > args.max_seq:
+        raise MindspecError(f"BackendConfig.ModelDeployConfig.maxInputTokenLen: must be <= maxSeqLen "
+                            f"({args.max_seq}), got {args.max_input_tokens}")
+    port = getattr(args, "management_port", None)
+    if getattr(args, "management_host", None) not in (None, args.host) and \
+            (port is None or port == args.port != 0):  # (a port serves one address here)
+        raise MindspecError(f"ServerConfig.managementIpAddress {args.management_host} differs from the main "
+                            f"address {args.host}: give ServerConfig.managementPort a port of its own")
+    devices = getattr(args, "npu_devices", None)
     if devices is not None:
         if len(devices) != args.tp:  # (MindIE: worldSize devices a model instance)
             raise MindspecError(f"BackendConfig.npuDeviceIds: {len(devices)} devices {devices} for "
                                 f"{args.tp} tensor-parallel ranks (worldSize / --tp): give one a rank")
-        args.visible_devices = visible_devices(devices, os.environ)  # (set by main, for every rank)
+        from .tp import is_worker
+        if not is_worker():  # (a rank inherits what its launcher set: counted again, they would be wrong)
+            args.device_env = narrowed(_named(devices, os.environ), args.tp)  # set by main
+
+
+def _named(ids, env):
+    """npuDeviceIds as the system names the devices: logical ids, counted among an ASCEND_RT_VISIBLE_DEVICES
+    already set, else themselves."""
+    seen = visible_list(env)
+    if seen and max(ids) >= len(seen):
+        from .errors import MindspecError
+        raise MindspecError(f"BackendConfig.npuDeviceIds: {max(ids)} is not one of the {len(seen)} devices "
+                            f"ASCEND_RT_VISIBLE_DEVICES={env['ASCEND_RT_VISIBLE_DEVICES']} leaves visible")
+    return [seen[i] for i in ids] if seen else [str(i) for i in ids]

@@ -327,16 +327,16 @@ def serve(load, defaults, host="127.0.0.1", port=1025, model_name=None, tp=False
         if where is not None and (where[1] != port or port == 0):  # (port 0: each a port of its own)
             planes[where] = planes.get(where, frozenset()) | names
     http = HttpServer(api.handle, host, port, max_connections, keepalive=read_timeout,
-                      on_error=lambda status: app.metrics.answered("other", status), extra=list(planes))
+                      on_error=lambda status: app.metrics.answered("other", status), extra=list(planes),
+                      on_bound=lambda bound: setattr(api, "planes", {p: names for (_, p), names in
+                                                                     zip(bound, planes.values())}))
     app.call = http.call
-    api.planes = {p: names for (_, p), names in planes.items()}  # (before a request can come in on them) ...
     port = http.start()
-    api.planes = {p: names for (_, p), names in zip(http.extra, planes.values())}  # ... and port 0's as bound
     print(f"mindspec: listening on http://{host}:{port}; ready once the model is loaded and its graphs compiled "
           "(from a warm compile cache: its one-row graphs)", file=sys.stderr, flush=True)
     for (h, p), names in zip(http.extra, planes.values()):
         what = " and ".join(w for w, plane in (("health probes", MANAGEMENT), ("/metrics", METRICS)) if names & plane)
-        print(f"mindspec: {what} also on http://{h}:{p}", file=sys.stderr, flush=True)
+        print(f"mindspec: {what} also on http://{f'[{h}]' if ':' in h else h}:{p}", file=sys.stderr, flush=True)
     with signals.Signals(True, _hard_stop, final=True) as sig:
         try:
             app.pipe = prepare(load(), max_batch)

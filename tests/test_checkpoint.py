@@ -134,11 +134,12 @@ def test_rope_settings_are_read_from_transformers_5s_rope_parameters(tmp_path, t
     # RoPE settings (transformers 5's rope_parameters, Llama 3.1's scaling)
     (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_scaling 'yarn' is not supported"),
     (dict(rope_scaling=dict(L31, rope_type=["llama3"])), r"rope_type must be a string, got \['llama3'\]"),
-    (dict(rope_parameters={"rope_type": 3}), "rope_type must be a string, got 3"),
+    (dict(rope_parameters={"rope_type": 3}), "rope_parameters.rope_type must be a string, got 3"),
     (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "rope_scaling 'llama3' needs low_freq_factor, a "
                                                                 "number > 0, got None"),
     (dict(rope_scaling=dict(L31, factor=0.5)), "needs factor, a number >= 1, got 0.5"),
     (dict(rope_scaling=dict(L31, original_max_position_embeddings=8192.5)), "an integer >= 1, got 8192.5"),
+    (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0}), "rope_parameters 'yarn' is not supported"),
     (dict(rope_scaling=dict(L31, low_freq_factor=4.0)), "needs low_freq_factor < high_freq_factor, got 4.0 and 4.0"),
     (dict(rope_parameters={"rope_theta": 500000.0}), "rope_theta 10000.0 and rope_parameters' 500000.0 differ"),
     (dict(rope_parameters={"full_attention": {"rope_theta": 1e6}}), "per-layer RoPE is not supported"),

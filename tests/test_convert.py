@@ -361,19 +361,29 @@ def test_llama_3_1s_rope_freqs_become_its_rope_scaling(tmp_path, monkeypatch, fa
     np.testing.assert_allclose(rope_inv_freq(cfg), plain / freqs, rtol=1e-6, atol=0)
 
 
-def test_linear_rope_scaling_is_converted(tmp_path, monkeypatch):
-    _writer_patch("add_rope_freq_base", lambda w, v: (w.add_float32("llama.rope.freq_base", v),
-                                                      w.add_string("llama.rope.scaling.type", "linear"),
-                                                      w.add_float32("llama.rope.scaling.factor", 4.0)))(monkeypatch)
+@pytest.mark.parametrize("keys, want", [
+    ({"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0}, RopeScaling("linear", 4.0)),
+    # as llama.cpp reads them (the review: each converted unscaled): a factor without a type is linear, and
+    # the older key holds it too; a factor of 1 is no scaling
+    ({"llama.rope.scaling.factor": 2.0}, RopeScaling("linear", 2.0)),
+    ({"llama.rope.scale_linear": 8.0}, RopeScaling("linear", 8.0)),
+    ({"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 1.0}, None),
+])
+def test_linear_rope_scaling_is_converted(tmp_path, monkeypatch, keys, want):
+    def add(w, v):
+        w.add_float32("llama.rope.freq_base", v)
+        for key, value in keys.items():
+            (w.add_string if isinstance(value, str) else w.add_float32)(key, value)
+    _writer_patch("add_rope_freq_base", add)(monkeypatch)
     write_tiny_gguf(tmp_path / "lin.gguf")
     monkeypatch.undo()
-    assert Checkpoint(convert_gguf(str(tmp_path / "lin.gguf"), str(tmp_path / "hf"))).config.rope_scaling == \
-        RopeScaling("linear", 4.0)
+    assert Checkpoint(convert_gguf(str(tmp_path / "lin.gguf"), str(tmp_path / "hf"))).config.rope_scaling == want
 
 
 @pytest.mark.parametrize("patch, why", [
     (_writer_patch("add_rope_freq_base", lambda w, v: (w.add_float32("llama.rope.freq_base", v),
-                                                       w.add_string("llama.rope.scaling.type", "yarn"))),
+                                                       w.add_string("llama.rope.scaling.type", "yarn"),
+                                                       w.add_float32("llama.rope.scaling.factor", 4.0))),
      "RoPE scaling 'yarn' is not supported"),
     (_writer_patch("add_rope_dimension_count", lambda w, n: (w.add_uint32("llama.attention.key_length", n),
                                                              w.add_uint32("llama.rope.dimension_count", n // 2))),

@@ -144,9 +144,13 @@ def test_management_and_metrics_ports_serve_their_planes(server, config):
     """An operator's probe: MindIE's managementPort and metricsPort were ignored, so a deployment's probes and
     scrapes found nothing there. Each now serves its plane (and only it; the main port serves all)."""
     base, err, _ = server
-    log = "".join(err)
-    management = re.search(r"mindspec: health probes also on (http://\S+)\n", log).group(1)
-    metrics = re.search(r"mindspec: /metrics also on (http://\S+)\n", log).group(1)
+    deadline = time.time() + 30  # (stderr's reader thread may lag behind stdout's "serving")
+    while not ((log := "".join(err)).count(" also on http://") == 2 or time.time() > deadline):
+        time.sleep(0.1)
+    management = re.search(r"mindspec: health probes also on (http://\S+)\n", log)
+    metrics = re.search(r"mindspec: /metrics also on (http://\S+)\n", log)
+    assert management and metrics, log
+    management, metrics = management.group(1), metrics.group(1)
     want_port = json.loads(open(config).read())["ServerConfig"]["metricsPort"]
     assert metrics == f"http://127.0.0.1:{want_port}" and management != base != metrics
     for path in ("/health", "/v2/health/ready", "/v2/health/live", "/health/timed", "/v2/models/tiny2/ready"):
@@ -215,8 +219,10 @@ BAD_CONFIGS = [  # (file content, the one line expected)
      "ServerConfig.httpsEnabled: must be false: mindspec serves plain HTTP (put TLS in a proxy), got 0"),
     ({"mindspec": {"apiKey": ""}}, 'mindspec.apiKey: must be a non-empty string, got ""'),
     # an operator's probe, moving a MindIE deployment over: each started, where MindIE refuses to
-    ({"ServerConfig": {"ipAddress": "0.0.0.0", "allowAllZeroIpListening": False}}, "ServerConfig.ipAddress: 0.0.0.0 "
-     "listens on every interface, which MindIE allows only with ServerConfig.allowAllZeroIpListening true"),
+    ({"ServerConfig": {"managementIpAddress": "127.0.0.2"}}, "ServerConfig.managementIpAddress 127.0.0.2 differs "
+     "from the main address 127.0.0.1: give ServerConfig.managementPort a port of its own"),
+    ({"ServerConfig": {"allowAllZeroIpListening": "yes"}},
+     'ServerConfig.allowAllZeroIpListening: must be true or false, got "yes"'),
     ({"BackendConfig": {"ModelDeployConfig": {"maxSeqLen": 256, "maxInputTokenLen": 4096}}},
      "BackendConfig.ModelDeployConfig.maxInputTokenLen: must be <= maxSeqLen (256), got 4096"),
     ({"BackendConfig": {"npuDeviceIds": [[0, 1, 2, 3]]}}, "BackendConfig.npuDeviceIds: 4 devices [0, 1, 2, 3] for 1 "
@@ -266,7 +272,8 @@ def test_npu_device_ids_become_the_visible_devices_and_other_models_are_named(tm
         {"modelName": "a", "worldSize": 2, "plugin_params": "{\"plugin_type\":\"mtp\"}"},
         {"modelName": "b", "modelWeightPath": "/b", "worldSize": 1}]}}}))
     monkeypatch.delenv("ASCEND_RT_VISIBLE_DEVICES", raising=False)
-    assert parse(["serve", "--config", str(path)]).visible_devices == "4,5"
+    assert parse(["serve", "--config", str(path)]).device_env == {"ASCEND_RT_VISIBLE_DEVICES": "4,5",
+                                                                  "ASCEND_DEVICE_ID": None}  # (each rank its own)
     err = capsys.readouterr().err
     assert err == (f"mindspec: warning: {path}: BackendConfig.ModelDeployConfig.ModelConfig[1] (b) is not served: "
                    "mindspec serves one model, BackendConfig.ModelDeployConfig.ModelConfig[0]\n"
@@ -274,13 +281,50 @@ def test_npu_device_ids_become_the_visible_devices_and_other_models_are_named(tm
                    "used: MindIE's speculation plugins (MTP, lookahead) are not used; mindspec speculates with its "
                    "draft (mindspec.draft)\n")
     monkeypatch.setenv("ASCEND_RT_VISIBLE_DEVICES", "2,3,6,7,8,9")  # npuDeviceIds count among these
-    assert parse(["serve", "--config", str(path)]).visible_devices == "8,9"
+    assert parse(["serve", "--config", str(path)]).device_env["ASCEND_RT_VISIBLE_DEVICES"] == "8,9"
+    import mindspec.tp  # the review's: a rank read its launcher's narrowed devices as the user's, and failed
+    monkeypatch.setattr(mindspec.tp, "is_worker", lambda: True)
+    assert getattr(parse(["serve", "--config", str(path)]), "device_env", None) is None
+    monkeypatch.undo()
+    monkeypatch.delenv("ASCEND_RT_VISIBLE_DEVICES", raising=False)
+    path.write_text(json.dumps({"BackendConfig": {"npuDeviceIds": [[4]]}}))  # one device: it is device 0
+    assert parse(["serve", "--config", str(path)]).device_env == {"ASCEND_RT_VISIBLE_DEVICES": "4", "DEVICE_ID": "0",
+                                                                  "ASCEND_DEVICE_ID": "0"}
+    capsys.readouterr()
+    path.write_text(json.dumps({"BackendConfig": {"npuDeviceIds": [[4, 5]], "ModelDeployConfig": {"ModelConfig": [
+        {"worldSize": 2}]}}}))
     monkeypatch.setenv("ASCEND_RT_VISIBLE_DEVICES", "2,3")
     with pytest.raises(MindspecError, match=r"npuDeviceIds: 5 is not one of the 2 devices "
                                             r"ASCEND_RT_VISIBLE_DEVICES=2,3 leaves visible"):
         parse(["serve", "--config", str(path)])
     with pytest.raises(MindspecError, match=r"2 devices \[4, 5\] for 4 tensor-parallel ranks"):
         parse(["serve", "--config", str(path), "--tp", "4"])
+
+
+def test_mindie_rules_across_keys_hold_for_the_files_values(tmp_path):
+    """0.0.0.0 needs allowAllZeroIpListening, maxInputTokenLen <= maxSeqLen (MindIE refuses to start otherwise);
+    a flag given on the command line wins over the file, and is the user's own (the review)."""
+    from mindspec.cli import parse
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"ServerConfig": {"ipAddress": "0.0.0.0", "managementIpAddress": "::",
+                                                 "managementPort": 2000},
+                                "BackendConfig": {"ModelDeployConfig": {"maxSeqLen": 256, "maxInputTokenLen": 300}}}))
+    with pytest.raises(MindspecError, match="ServerConfig.ipAddress: 0.0.0.0 listens on every interface, which "
+                                            "MindIE allows only with ServerConfig.allowAllZeroIpListening true"):
+        parse(["serve", "--config", str(path), "--max-seq", "512"])
+    with pytest.raises(MindspecError, match="ServerConfig.managementIpAddress: :: listens on every interface"):
+        parse(["serve", "--config", str(path), "--host", "127.0.0.1", "--max-seq", "512"])
+    cfg = json.loads(path.read_text())
+    del cfg["ServerConfig"]["managementIpAddress"]
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(MindspecError, match=r"maxInputTokenLen: must be <= maxSeqLen \(256\), got 300"):
+        parse(["serve", "--config", str(path), "--host", "0.0.0.0"])  # (0.0.0.0 given: the user's)
+    cfg["ServerConfig"]["managementIpAddress"] = "::"
+    cfg["ServerConfig"]["allowAllZeroIpListening"] = True
+    path.write_text(json.dumps(cfg))
+    a = parse(["serve", "--config", str(path), "--max-seq", "512"])
+    assert (a.host, a.management_host, a.management_port, a.max_seq, a.max_input_tokens) == (
+        "0.0.0.0", "::", 2000, 512, 300)
 
 
 def test_every_key_sets_its_flag_and_the_ranges_include_their_ends(tmp_path, capsys):
