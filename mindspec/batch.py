@@ -18,7 +18,7 @@ import sys
 import time
 from typing import NamedTuple
 
-from .errors import MindspecError, summary
+from .errors import MindspecError, read_json, summary
 from .omdir import OmDir
 from .request import FIELDS, RequestError, loads, make, parse
 from .signals import Signals
@@ -177,13 +177,31 @@ def job_id(defaults, model=None, dtype=None):
     if model is not None:
         from .checkpoint import Checkpoint
         files = [_digest(os.path.join(model, f)) for f in TOKENIZER_FILES]
-        # chat_template.jinja (read since this id exists) only for a --chat job where there is one: the ids of the
-        # jobs made before stay as they were (without --chat: refused on such a model then)
-        template = _digest(os.path.join(model, "chat_template.jinja")) if defaults.get("chat") else None
+        template = _jinja(model, defaults)
         model = [Checkpoint(model).fingerprint()] + files + ([template] if template else [])
     what = {"model": model, "defaults": defaults} | ({"dtype": dtype} if dtype not in (None, "float32") else {})
     blob = json.dumps(what, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def _jinja(model, defaults):
+    """The digest of chat_template.jinja (read since ids exist) where it decides a job's text and ids made
+    before did not count it: a --chat job's, on a model whose template the file is, unlike (or without)
+    tokenizer_config.json's (without --chat such a model was refused then; with the same template, the id
+    already holds it)."""
+    path = os.path.join(model, "chat_template.jinja")
+    if not defaults.get("chat") or not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, ValueError):  # (the job's load says what is wrong with it)
+        return None
+    try:
+        key = read_json(os.path.join(model, "tokenizer_config.json")).get("chat_template")
+    except (OSError, ValueError, AttributeError):
+        key = None
+    return None if text == key else _digest(path)
 
 
 def _digest(path):

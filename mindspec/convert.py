@@ -97,7 +97,8 @@ def _config(meta):
     if rope_dim is not None and int(rope_dim) != head_dim:
         raise MindspecError(f"{meta.path}: partial RoPE ({rope_dim} of {head_dim} dims) is not supported")
     # as llama.cpp reads them: the factor from either key (0 or 1: none), the type "linear" unless named
-    factor = float(meta.get(f"{a}.rope.scaling.factor") or meta.get(f"{a}.rope.scale_linear") or 0)
+    factor = meta.get(f"{a}.rope.scaling.factor")
+    factor = float((meta.get(f"{a}.rope.scale_linear") if factor is None else factor) or 0)
     scaling = meta.get(f"{a}.rope.scaling.type") or "linear"
     if scaling not in ("none", "linear") and factor not in (0, 1):
         raise MindspecError(f"{meta.path}: RoPE scaling {scaling!r} is not supported")

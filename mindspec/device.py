@@ -52,8 +52,10 @@ class AscendEnv:
 
 
 def visible_list(env):
-    """The devices ASCEND_RT_VISIBLE_DEVICES lists, as the system names them ([] when unset)."""
-    return [x.strip() for x in env.get("ASCEND_RT_VISIBLE_DEVICES", "").split(",") if x.strip()]
+    """The devices ASCEND_RT_VISIBLE_DEVICES lists, as the system names them (None when unset or empty; [] when
+    it lists none, such as ",")."""
+    spec = env.get("ASCEND_RT_VISIBLE_DEVICES")
+    return [x.strip() for x in spec.split(",") if x.strip()] if spec else None
 
 
 def narrowed(ids, tp):

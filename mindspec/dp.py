@@ -49,7 +49,8 @@ def replica_env(env, local_index, tp, seed_base):
     visible ones (the user's ASCEND_RT_VISIBLE_DEVICES, else 0, 1, ...), which it sees as 0..tp-1 (so msrun's
     per-rank DEVICE_ID and the draft's ASCEND_DEVICE_ID stay local ranks); its own seed base, so sampled
     lines without a seed do not share random streams across replicas."""
-    ids = visible_list(env) or [str(i) for i in range((local_index + 1) * tp)]
+    ids = visible_list(env)
+    ids = [str(i) for i in range((local_index + 1) * tp)] if ids is None else ids
     mine = ids[local_index * tp:(local_index + 1) * tp]
     if len(mine) < tp:
         raise MindspecError(f"ASCEND_RT_VISIBLE_DEVICES={env.get('ASCEND_RT_VISIBLE_DEVICES')} has {len(ids)} "

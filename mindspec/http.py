@@ -14,6 +14,7 @@ or HTTP/1.0: what `nc -N` and socat do) still gets its answer; elsewhere the end
 close only once the server writes."""
 import asyncio
 import json
+import socket
 import sys
 import threading
 
@@ -136,6 +137,21 @@ class _Server(web.Server):
             self.on_error(503)
 
 
+def _listening(host, port):
+    """A listening TCP socket on host's first address (an IPv6 one for "::")."""
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as asyncio's own servers)
+        sock.bind(addr)
+        sock.listen(128)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 class HttpServer:
     """Serve `handle(request) -> response` on host:port from a thread of its own."""
 
@@ -161,20 +177,29 @@ class HttpServer:
                          keepalive_timeout=self.keepalive, access_log=None, auto_decompress=False)
         self.runner = web.ServerRunner(server, handle_signals=False, shutdown_timeout=5)
         await self.runner.setup()
-        bound = []
-        for host, port in [(self.host, self.port)] + self.extra:
-            self.failed, before = (host, port), len(self.runner.addresses)  # (named if it cannot listen)
-            await web.TCPSite(self.runner, host, port).start()
-            bound.append((host, self.runner.addresses[before][1]))  # (port 0: the one the system gave)
-        (_, self.port), *self.extra = bound
-        self.on_bound(self.extra)  # (before the loop serves a request)
+        for host, port in self.extra:  # bound first, so on_bound knows every port before any request is served
+            self.failed = (host, port)  # (named if it cannot listen)
+            self._socks.append(_listening(host, port))
+        self.extra = [(host, sock.getsockname()[1]) for (host, _), sock in zip(self.extra, self._socks)]
+        self.on_bound(self.extra)
+        self.failed = (self.host, self.port)
+        await web.TCPSite(self.runner, self.host, self.port).start()
+        self.port = self.runner.addresses[0][1]  # (port 0: the one the system gave)
+        for sock in self._socks:
+            await web.SockSite(self.runner, sock).start()
 
     def _run(self):
         asyncio.set_event_loop(self.loop)
+        self._socks, self.runner = [], None
         try:
             self.loop.run_until_complete(self._open())
         except Exception as e:  # noqa: BLE001 - OSError, and any other (a port out of range: OverflowError)
             self.error = e  # start() raises it: this thread must never die with start() waiting
+            for sock in self._socks:  # (nothing left listening: a library's caller goes on)
+                sock.close()
+            if self.runner is not None:
+                self.loop.run_until_complete(self.runner.cleanup())
+            self.loop.close()
             return self._opened.set()
         self._opened.set()
         self.loop.run_forever()

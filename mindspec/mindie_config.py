@@ -230,11 +230,13 @@ def _together(args, from_file, zero_ok):
     if {"max_seq", "max_input_tokens"} <= from_file and args.max_input_tokens > args.max_seq:
         raise MindspecError(f"BackendConfig.ModelDeployConfig.maxInputTokenLen: must be <= maxSeqLen "
                             f"({args.max_seq}), got {args.max_input_tokens}")
-    port = getattr(args, "management_port", None)
-    if getattr(args, "management_host", None) not in (None, args.host) and \
-            (port is None or port == args.port != 0):  # (a port serves one address here)
-        raise MindspecError(f"ServerConfig.managementIpAddress {args.management_host} differs from the main "
-                            f"address {args.host}: give ServerConfig.managementPort a port of its own")
+    if getattr(args, "management_host", None) not in (None, args.host):  # (a port serves one address here)
+        for key in ("managementPort", "metricsPort"):
+            port = getattr(args, "management_port" if key == "managementPort" else "metrics_port", None)
+            if (port is None and key == "managementPort") or port == args.port != 0:
+                raise MindspecError(f"ServerConfig.managementIpAddress {args.management_host} differs from the "
+                                    f"main address {args.host}: give ServerConfig.{key} a port other than the "
+                                    f"main port {args.port}")
     devices = getattr(args, "npu_devices", None)
     if devices is not None:
         if len(devices) != args.tp:  # (MindIE: worldSize devices a model instance)
@@ -249,8 +251,8 @@ def _named(ids, env):
     """npuDeviceIds as the system names the devices: logical ids, counted among an ASCEND_RT_VISIBLE_DEVICES
     already set, else themselves."""
     seen = visible_list(env)
-    if seen and max(ids) >= len(seen):
+    if seen is not None and max(ids) >= len(seen):
         from .errors import MindspecError
         raise MindspecError(f"BackendConfig.npuDeviceIds: {max(ids)} is not one of the {len(seen)} devices "
                             f"ASCEND_RT_VISIBLE_DEVICES={env['ASCEND_RT_VISIBLE_DEVICES']} leaves visible")
-    return [seen[i] for i in ids] if seen else [str(i) for i in ids]
+    return [str(i) for i in ids] if seen is None else [seen[i] for i in ids]

@@ -549,10 +549,13 @@ def test_the_job_is_another_when_the_tokenizer_template_or_eos_change(tiny_targe
         assert path.read_text() != before
         ids.add(B.job_id(DEFAULTS, str(model)))
     assert len(ids) == 4 and B.job_id(DEFAULTS, str(model)) == B.job_id(DEFAULTS, str(model))
-    # the template transformers saves apart: a --chat job's, not the others' (whose ids were made without it)
+    # the template transformers saves apart: a --chat job's, not the others' (whose ids were made without it),
+    # and not when it is tokenizer_config.json's own (the id holds that one already)
     chat, plain = B.job_id(dict(DEFAULTS, chat=True), str(model)), B.job_id(DEFAULTS, str(model))
     (model / "chat_template.jinja").write_text("{{ y }}")
     assert B.job_id(dict(DEFAULTS, chat=True), str(model)) != chat and B.job_id(DEFAULTS, str(model)) == plain
+    (model / "chat_template.jinja").write_text("{{ x }}")  # (tokenizer_config.json's, above)
+    assert B.job_id(dict(DEFAULTS, chat=True), str(model)) == chat
 
 
 def test_duplicate_records_first_result_wins_and_failed_lines_are_retried(tmp_path, capsys, monkeypatch):

@@ -264,13 +264,7 @@ def test_hostile_gguf_files_are_one_line_errors_and_write_nothing(tmp_path, monk
         monkeypatch.setattr(gguf.GGUFWriter, "add_tensor",
                             lambda w, name, *a, **kw: None if name == "blk.1.ffn_up.weight" else add(w, name, *a, **kw))
     if kind == "extra":
-        add = gguf.GGUFWriter.add_tensor
-
-        def add_and_more(w, name, t, *a, **kw):
-            add(w, name, t, *a, **kw)
-            if name == "blk.1.attn_norm.weight":
-                add(w, "blk.2.attn_norm.weight", t)
-        monkeypatch.setattr(gguf.GGUFWriter, "add_tensor", add_and_more)
+        _also_write(monkeypatch, "blk.1.attn_norm.weight", "blk.2.attn_norm.weight")
     if kind == "nan":
         add = gguf.GGUFWriter.add_tensor
         monkeypatch.setattr(gguf.GGUFWriter, "add_tensor", lambda w, name, t, *a, **kw: add(
@@ -331,18 +325,21 @@ def _llama_cpp_rope_freqs(factor, theta=50000.0, dim=16):
     return np.array(out, np.float32)
 
 
+def _also_write(mp, after, name, value=None):
+    """The GGUF writer writes tensor `name` (`value`, else a copy of `after`) right after tensor `after`."""
+    import gguf
+    add = gguf.GGUFWriter.add_tensor
+
+    def add_and_more(w, n, t, *a, **kw):
+        add(w, n, t, *a, **kw)
+        if n == after:
+            add(w, name, t if value is None else value)
+    mp.setattr(gguf.GGUFWriter, "add_tensor", add_and_more)
+
+
 def _with_rope_freqs(freqs):
     """rope_freqs.weight (Llama 3.1's frequency scaling), written after output_norm as llama.cpp does."""
-    def patch(mp):
-        import gguf
-        add = gguf.GGUFWriter.add_tensor
-
-        def add_and_more(w, name, t, *a, **kw):
-            add(w, name, t, *a, **kw)
-            if name == "output_norm.weight":
-                add(w, "rope_freqs.weight", freqs)
-        mp.setattr(gguf.GGUFWriter, "add_tensor", add_and_more)
-    return patch
+    return lambda mp: _also_write(mp, "output_norm.weight", "rope_freqs.weight", freqs)
 
 
 @pytest.mark.parametrize("factor", [8.0, 32.0])  # Llama 3.1 and 3.3's, 3.2's
@@ -368,6 +365,9 @@ def test_llama_3_1s_rope_freqs_become_its_rope_scaling(tmp_path, monkeypatch, fa
     ({"llama.rope.scaling.factor": 2.0}, RopeScaling("linear", 2.0)),
     ({"llama.rope.scale_linear": 8.0}, RopeScaling("linear", 8.0)),
     ({"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 1.0}, None),
+    ({"llama.rope.scaling.type": "none", "llama.rope.scaling.factor": 4.0}, None),
+    ({"llama.rope.scaling.factor": 0.0, "llama.rope.scale_linear": 4.0}, None),  # (the newer key wins, as there)
+    ({"llama.rope.scaling.type": "yarn"}, None),  # (no factor: no scaling)
 ])
 def test_linear_rope_scaling_is_converted(tmp_path, monkeypatch, keys, want):
     def add(w, v):

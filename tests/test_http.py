@@ -339,6 +339,41 @@ def test_start_raises_one_line_when_it_cannot_listen_and_never_hangs():
     assert isinstance(e, MindspecError) and str(e) == "cannot listen on 127.0.0.1:70000: bind(): port must be 0-65535."
 
 
+def test_extra_addresses_are_bound_first_and_released_when_one_cannot_listen():
+    """MindIE's management/metrics planes: extra (host, port) are bound before anything is served (their ports
+    known to on_bound first); one that cannot listen is named, and nothing this server bound is left listening
+    (the second review: earlier sites stayed open in-process)."""
+    async def handle(request):
+        return web.Response(text=str(request.transport.get_extra_info("sockname")[1]))
+
+    def free():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    first = free()
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        e = started(HttpServer(handle, "127.0.0.1", 0, extra=[("127.0.0.1", first), ("127.0.0.1", taken)]))
+        assert isinstance(e, MindspecError) and str(e).startswith(f"cannot listen on 127.0.0.1:{taken}: ")
+    with socket.socket() as again:  # (still listening: EADDRINUSE)
+        again.bind(("127.0.0.1", first))
+    seen = []
+    server = HttpServer(handle, "127.0.0.1", 0, extra=[("127.0.0.1", 0)], on_bound=seen.append)
+    server.start()
+    try:
+        (plane,) = [port for _, port in server.extra]
+        assert seen == [[("127.0.0.1", plane)]] and plane not in (0, server.port)
+        for port in (server.port, plane):
+            with connect(port) as s:
+                s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                assert s.recv(4096).endswith(str(port).encode())
+    finally:
+        server.stop()
+
+
 def test_the_log_line_shows_the_request_target_as_sent(capfd):
     """Found by a server probe: the log line of a request for //path said ////path (aiohttp's path_qs of a target
     that starts with //); the line now shows the target as the client sent it."""

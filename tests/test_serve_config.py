@@ -220,7 +220,7 @@ BAD_CONFIGS = [  # (file content, the one line expected)
     ({"mindspec": {"apiKey": ""}}, 'mindspec.apiKey: must be a non-empty string, got ""'),
     # an operator's probe, moving a MindIE deployment over: each started, where MindIE refuses to
     ({"ServerConfig": {"managementIpAddress": "127.0.0.2"}}, "ServerConfig.managementIpAddress 127.0.0.2 differs "
-     "from the main address 127.0.0.1: give ServerConfig.managementPort a port of its own"),
+     "from the main address 127.0.0.1: give ServerConfig.managementPort a port other than the main port"),
     ({"ServerConfig": {"allowAllZeroIpListening": "yes"}},
      'ServerConfig.allowAllZeroIpListening: must be true or false, got "yes"'),
     ({"BackendConfig": {"ModelDeployConfig": {"maxSeqLen": 256, "maxInputTokenLen": 4096}}},
@@ -319,6 +319,14 @@ def test_mindie_rules_across_keys_hold_for_the_files_values(tmp_path):
     path.write_text(json.dumps(cfg))
     with pytest.raises(MindspecError, match=r"maxInputTokenLen: must be <= maxSeqLen \(256\), got 300"):
         parse(["serve", "--config", str(path), "--host", "0.0.0.0"])  # (0.0.0.0 given: the user's)
+    for key in ("managementPort", "metricsPort"):  # (the second review: a plane on the main port of another address)
+        other = tmp_path / "other.json"
+        other.write_text(json.dumps({"ServerConfig": {"managementIpAddress": "127.0.0.2", "managementPort": 3000,
+                                                      key: 2000}}))
+        with pytest.raises(MindspecError, match=f"ServerConfig.managementIpAddress 127.0.0.2 differs from the main "
+                                                f"address 127.0.0.1: give ServerConfig.{key} a port other than the "
+                                                f"main port 2000"):
+            parse(["serve", "--config", str(other), "--host", "127.0.0.1", "--port", "2000"])
     cfg["ServerConfig"]["managementIpAddress"] = "::"
     cfg["ServerConfig"]["allowAllZeroIpListening"] = True
     path.write_text(json.dumps(cfg))
