@@ -31,7 +31,7 @@ IGNORED = {"user": _TEXT, "priority": (is_int, "an integer"), "service_tier": _T
 OFF = {"best_of": (1,), "echo": (False,),
        "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},), "suffix": ("",),
        "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
-       "function_call": ("none",), "top_n_tokens": (0,), "grammar": (),
+       "function_call": ("none",), "grammar": (),
        # vLLM's, in MindIE's OpenAI examples
        "include_stop_str_in_output": (False,), "use_beam_search": (False,), "chat_template_kwargs": ({},)}
 SAMPLING = ("temperature", "top_p", "seed", "stop") + EXTENSIONS
@@ -39,8 +39,8 @@ COMPLETION_KEYS = frozenset(("model", "prompt", "max_tokens", "stream", "stream_
                             + SAMPLING)
 CHAT_KEYS = frozenset(("model", "messages", "max_tokens", "max_completion_tokens", "stream", "stream_options", "n",
                        "logprobs", "top_logprobs") + SAMPLING)
-TGI_PARAMS = frozenset(("max_new_tokens", "do_sample", "details", "return_full_text", "decoder_input_details")
-                       + SAMPLING)
+TGI_PARAMS = frozenset(("max_new_tokens", "do_sample", "details", "return_full_text", "decoder_input_details",
+                        "top_n_tokens") + SAMPLING)
 
 
 def _local_port(request):
@@ -494,7 +494,14 @@ class Api:
             if params.get(key) not in (None, True, False):  # null: the default
                 raise RequestError(f"{key} must be true or false")
         fields = ("max_new_tokens", "do_sample") + SAMPLING
-        kw = self._parse(dict({k: params[k] for k in fields if k in params}, prompt=inputs), self.app.defaults)
+        flat = dict({k: params[k] for k in fields if k in params}, prompt=inputs)
+        top_n = params.get("top_n_tokens") or 0  # (TGI's: each token's n likeliest, with the logprobs)
+        if type(top_n) is not int or not 0 <= top_n <= TOP_LOGPROBS or top_n and native:
+            raise RequestError(f"parameters.top_n_tokens must be an integer from 0 to {TOP_LOGPROBS}"
+                               f"{' (0 on /infer)' if native else ''}, got {json.dumps(top_n)}", param="top_n_tokens")
+        if top_n:
+            flat["logprobs"] = top_n
+        kw = self._parse(flat, self.app.defaults)
         fmt = TGI(self.app, kw, native, params.get("details", False), params.get("decoder_input_details", False),
                   inputs if params.get("return_full_text") else "", listed)  # (its clock starts before the tokenizer)
         return await self._generate(request, [await self._encoded(kw)], [fmt], stream)

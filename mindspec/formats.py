@@ -170,8 +170,18 @@ class TGI:
         if every is not None:
             pipe = self.app.pipe
             prefill = [token(pipe, i) for i in ids] if self.decoder_input_details else []
-            d.update(prompt_tokens=len(ids), prefill=prefill, tokens=[token(pipe, i, t) for i, t, _ in every])
+            d.update(prompt_tokens=len(ids), prefill=prefill, tokens=[self._token(i, t, lp) for i, t, lp in every])
+            if self.kw.get("logprobs"):  # top_n_tokens
+                d["top_tokens"] = [self._top(lp) for _, _, lp in every]
         return d
+
+    def _token(self, i, text, lp):
+        """TGI's token object, its logprob (None unless top_n_tokens asked for them) filled in."""
+        return dict(token(self.app.pipe, i, text), logprob=None if lp is None else lp[0])
+
+    def _top(self, lp):
+        """top_n_tokens' alternatives of a token: TGI's token objects, likeliest first."""
+        return [] if lp is None else [dict(token(self.app.pipe, j), logprob=x) for j, x in lp[1]]
 
     def response(self, done):
         ids, res, _, every = done[0]
@@ -183,11 +193,10 @@ class TGI:
 
     def _event(self, pending):
         (i, text, lp), prefill_ms, decode_ms = pending
-        tok = token(self.app.pipe, i, text)
-        tok["logprob"] = None if lp is None else lp[0]
         if self.native:
             return {"prefill_time": prefill_ms, "decode_time": decode_ms, "token": {"id": i, "text": text}}
-        return {"token": tok, "generated_text": None, "details": None}
+        top = {"top_tokens": self._top(lp)} if self.kw.get("logprobs") else {}
+        return {"token": self._token(i, text, lp), **top, "generated_text": None, "details": None}
 
     def _timed(self, tokens):
         """(token, prefill_time, decode_time) of each token: ms from the request to its first step, then

@@ -691,6 +691,10 @@ BAD = [  # (path, body or raw bytes, status, words in the message)
     ("/v1/chat/completions", {"messages": HI, "max_completion_tokens": 0}, 400,
      "max_completion_tokens must be an integer >= 1"),
     ("/generate", {"inputs": "hi", "stream": "yes"}, 422, "stream must be"),
+    ("/generate", {"inputs": "hi", "parameters": {"top_n_tokens": 21}}, 422,
+     "parameters.top_n_tokens must be an integer from 0 to 20, got 21"),
+    ("/infer", {"inputs": "hi", "parameters": {"top_n_tokens": 2}}, 422,
+     "parameters.top_n_tokens must be an integer from 0 to 20 (0 on /infer), got 2"),
     # an operator's probe: a stream the route does not give was dropped unsaid (answered in JSON, or streamed)
     ("/generate", {"inputs": "hi", "stream": True}, 422, "stream true does not go with /generate: "
      "POST /generate_stream (or / with stream true)"),
@@ -905,6 +909,27 @@ def test_unmodified_client_libraries(server, pipe):
     assert out.generated_text == ref.text and [t.id for t in out.details.tokens] == ref.token_ids
     evs = list(hf.text_generation(TEXT, max_new_tokens=N, stream=True, details=True))
     assert [e.token.id for e in evs] == ref.token_ids and evs[-1].generated_text == ref.text
+
+
+def test_top_n_tokens_are_the_engines_own_logprobs_in_tgis_shape(server, pipe):
+    """TGI's top_n_tokens (in MindIE's examples, refused before: an operator's probe): each token's logprob and
+    its n likeliest, the library's for the same request, read by TGI's own clients, streamed or not."""
+    from huggingface_hub import InferenceClient
+    from text_generation import Client
+    ref = pipe.generate(prompt=TEXT, max_new_tokens=N, logprobs=3)
+    want_lp, want_top = [x for x, _ in ref.logprobs], [[i for i, _ in top] for _, top in ref.logprobs]
+    r = Client(server[0], timeout=300).generate(TEXT, max_new_tokens=N, top_n_tokens=3)
+    assert [t.id for t in r.details.tokens] == ref.token_ids and r.generated_text == ref.text
+    assert [t.logprob for t in r.details.tokens] == pytest.approx(want_lp, abs=1e-5)
+    assert [[t.id for t in top] for top in r.details.top_tokens] == want_top
+    assert [[t.logprob for t in top] for top in r.details.top_tokens] == [
+        pytest.approx([x for _, x in top], abs=1e-5) for _, top in ref.logprobs]
+    evs = list(InferenceClient(base_url=server[0], timeout=300).text_generation(
+        TEXT, max_new_tokens=N, stream=True, details=True, top_n_tokens=3))
+    assert [e.token.id for e in evs] == ref.token_ids and [[t.id for t in e.top_tokens] for e in evs] == want_top
+    assert post(server[0], "/generate", {"inputs": TEXT, "parameters": {"max_new_tokens": 2, "top_n_tokens": 0,
+                                                                        "details": True}})["details"].keys() \
+        == {"finish_reason", "generated_tokens", "seed", "prompt_tokens", "prefill", "tokens"}  # (0: off)
 
 
 def test_logprobs_are_the_engines_own_in_every_openai_shape(server, pipe):
