@@ -11,9 +11,10 @@ SUPPORTED_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 @dataclass(frozen=True)
 class RopeScaling:
     """Hugging Face's RoPE scaling of the kinds that change only the frequencies (attention is unscaled):
-    "linear" (every frequency / factor) and "llama3" (Llama 3.1's: wavelengths over
-    original_max_position_embeddings / low_freq_factor / factor, those under it / high_freq_factor kept,
-    a smooth blend between). The frequencies themselves: reference.rope_inv_freq."""
+    "linear" (every frequency / factor) and "llama3" (Llama 3.1's: a frequency whose wavelength exceeds
+    original_max_position_embeddings / low_freq_factor divided by factor, one whose wavelength is under
+    original_max_position_embeddings / high_freq_factor kept, a smooth blend between). The frequencies
+    themselves: reference.rope_inv_freq."""
     rope_type: str
     factor: float
     low_freq_factor: float = None

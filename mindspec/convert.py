@@ -143,7 +143,7 @@ def _rope_freqs(reader, cfg, path):
     if r.shape == (cfg["head_dim"] // 2,) and scaled["rope_scaling"]["factor"] >= 1:
         plain = rope_inv_freq(config_from_dict(cfg, where=path))
         if np.allclose(plain / rope_inv_freq(config_from_dict(scaled, where=path)), r, rtol=1e-5, atol=0):
-            return scaled
+            return cfg if scaled["rope_scaling"]["factor"] == 1 else scaled  # (all ones: no scaling)
     raise MindspecError(f"{path}: RoPE frequency scaling (rope_freqs) other than Llama 3.1's is not supported")
 
 

@@ -35,6 +35,7 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1, "q8": 1, "q4": 0.5}
 _ONNX_WEIGHT_BYTES = {"int8": 1, "q8": 1, "q4": 0.5}  # a quantized export's weights (else: its dtype's)
 ALPHAS = (0.6, 0.7, 0.8, 0.9)
 K_BUCKETS = (1, 2, 4, 8)
+SEQ_LEN = 4096  # plan's default sequence
 _PREFIX = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 2 ** 10, "mi": 2 ** 20, "gi": 2 ** 30, "ti": 2 ** 40}
 
 
@@ -380,6 +381,11 @@ def cmd_plan(a):
     if target is None:
         raise MindspecError("give the target: --target DIR, or --params, --layers, --kv-heads and --head-dim")
     draft = _model_from_args(a, "draft_", a.draft)
+    positions = target.cfg.max_position_embeddings if target.cfg is not None else None  # (a checkpoint's)
+    if a.seq_len is not None and positions is not None and a.seq_len > positions:  # (found: planned, where
+        raise MindspecError(f"--seq-len {a.seq_len} exceeds the model's {positions} positions (its "  # generate
+                            f"max_position_embeddings)")  # refuses such a sequence)
+    seq_len = a.seq_len if a.seq_len is not None else min(SEQ_LEN, positions or SEQ_LEN)
     if a.target and a.draft and not os.path.isdir(a.draft):  # (a pair no command would run: found planned)
         from mindspec.export import read_pair_manifest
         from .tokenizer import Tokenizer
@@ -387,7 +393,7 @@ def cmd_plan(a):
         has = os.path.exists(os.path.join(a.target, "tokenizer.json"))  # (a plan needs none: then the vocabulary)
         read_pair_manifest(a.draft, Checkpoint(a.target).config, Tokenizer(a.target) if has else None, sha=False)
     plan = make_plan(target, draft, tp=a.tp, devices=a.devices, device_mem=parse_size(a.device_mem, "--device-mem"),
-                     reserve=a.reserve, seq_len=a.seq_len,
+                     reserve=a.reserve, seq_len=seq_len,
                      device_bw=parse_size(a.device_bw, "--device-bw", rate=True),
                      allreduce_us=a.allreduce_us, device_tflops=a.device_tflops)
     try:
@@ -461,7 +467,8 @@ def add_parser(subparsers):
     p.add_argument("--devices", type=int, default=None, help="devices in total (default: --tp)")
     p.add_argument("--device-mem", required=True, help="memory per device, e.g. 64GB or 64GiB")
     p.add_argument("--reserve", type=float, default=0.0, help="fraction of each device held back (default 0)")
-    p.add_argument("--seq-len", type=int, default=4096, help="tokens of one sequence (default %(default)s)")
+    p.add_argument("--seq-len", type=int, help=f"tokens of one sequence (default {SEQ_LEN}, or the target "
+                                                "checkpoint's positions if fewer)")
     p.add_argument("--device-bw", default="1.6TB/s", help="memory bandwidth per device (default 1.6TB/s)")
     p.add_argument("--allreduce-us", type=float, default=10.0, help="latency of one small AllReduce (default 10)")
     p.add_argument("--device-tflops", type=float, default=280.0, help="peak dense TFLOPS per device (default 280)")

@@ -342,18 +342,18 @@ def _with_rope_freqs(freqs):
     return lambda mp: _also_write(mp, "output_norm.weight", "rope_freqs.weight", freqs)
 
 
-@pytest.mark.parametrize("factor", [8.0, 32.0])  # Llama 3.1 and 3.3's, 3.2's
+@pytest.mark.parametrize("factor", [8.0, 32.0, 1.0])  # Llama 3.1 and 3.3's, 3.2's; all ones: none (a probe's)
 def test_llama_3_1s_rope_freqs_become_its_rope_scaling(tmp_path, monkeypatch, factor):
     """A Llama 3.1 GGUF was refused for its rope_freqs tensor: it is now the llama3 scaling it was made from,
     the frequencies the model runs with llama.cpp's (its own divided by rope_freqs)."""
     freqs = _llama_cpp_rope_freqs(factor)
-    assert len(set(freqs.tolist())) == 3  # one frequency blended, the others kept or divided by factor
+    assert len(set(freqs.tolist())) == (1 if factor == 1 else 3)  # one blended, the others kept or divided
     _with_rope_freqs(freqs)(monkeypatch)
     write_tiny_gguf(tmp_path / "l31.gguf")
     monkeypatch.undo()
     out = convert_gguf(str(tmp_path / "l31.gguf"), str(tmp_path / "hf"))
     cfg = Checkpoint(out).config
-    assert cfg.rope_scaling == RopeScaling("llama3", factor, 1.0, 4.0, 8192)
+    assert cfg.rope_scaling == (None if factor == 1 else RopeScaling("llama3", factor, 1.0, 4.0, 8192))
     plain = rope_inv_freq(dataclasses.replace(cfg, rope_scaling=None))
     np.testing.assert_allclose(rope_inv_freq(cfg), plain / freqs, rtol=1e-6, atol=0)
 

@@ -254,6 +254,19 @@ except MindspecError as e:
 """
 
 
+def test_seq_len_is_within_the_targets_positions(tmp_path, capsys):
+    """Found by a probe: a plan of 5000-token sequences for a model of 512 positions (generate refuses such a
+    sequence); without --seq-len the default 4096 was planned for it too."""
+    d, _ = make_tiny_checkpoint(tmp_path / "short", extra={"max_position_embeddings": 512})
+    args = ["plan", "--target", d, "--dtype", "fp32", "--device-mem", "1GB", "--json"]
+    assert run_plan(args, capsys)[1]["seq_len"] == 512
+    assert run_plan(args + ["--seq-len", "100"], capsys)[1]["seq_len"] == 100
+    with pytest.raises(MindspecError, match=r"^--seq-len 5000 exceeds the model's 512 positions \(its "
+                                            r"max_position_embeddings\)$"):
+        run_plan(args + ["--seq-len", "5000"], capsys)
+    assert run_plan(SEED + ["--json"], capsys)[1]["seq_len"] == 4096  # (no checkpoint: the default)
+
+
 def test_cli_subprocess():
     """Through a real process, the way `mindspec/cli.py` main() runs a subcommand."""
     ok = subprocess.run([sys.executable, "-c", WRAPPER, *SEED, "--json"], capture_output=True, text=True, timeout=120)
