@@ -10,7 +10,7 @@ import stat
 import sys
 
 from .device import narrowed, visible_list
-from .errors import is_int
+from .errors import MindspecError, is_int
 
 MAX_BYTES = 1 << 20  # a MindIE config.json is a few kB
 QUEUE_DELAY_US = 5000  # MindIE's maxQueueDelayMicroseconds default, serve's --max-queue-delay-us (serve.wait_s)
@@ -206,7 +206,6 @@ def read(path):
 def apply(args, path, given):
     """Set every serve flag the file at `path` holds on `args`, except the flags in `given` (the dests the
     command line set itself, before or after --config; a value equal to the default counts as given)."""
-    from .errors import MindspecError
     try:
         values, warnings = read(path)
     except ValueError as e:
@@ -222,7 +221,6 @@ def apply(args, path, given):
 def _together(args, from_file, zero_ok):
     """MindIE's rules across keys, each of which stops MindIE from starting, on the values the file set (a flag
     given on the command line wins, and is the user's own)."""
-    from .errors import MindspecError
     for dest, key in (("host", "ipAddress"), ("management_host", "managementIpAddress")):
         if dest in from_file and getattr(args, dest) in ("0.0.0.0", "::") and not zero_ok:
             raise MindspecError(f"ServerConfig.{key}: {getattr(args, dest)} listens on every interface, which "
@@ -252,7 +250,6 @@ def _named(ids, env):
     already set, else themselves."""
     seen = visible_list(env)
     if seen is not None and max(ids) >= len(seen):
-        from .errors import MindspecError
         raise MindspecError(f"BackendConfig.npuDeviceIds: {max(ids)} is not one of the {len(seen)} devices "
                             f"ASCEND_RT_VISIBLE_DEVICES={env['ASCEND_RT_VISIBLE_DEVICES']} leaves visible")
     return [str(i) for i in ids] if seen is None else [seen[i] for i in ids]
