@@ -10,12 +10,14 @@ from mindspec.acceptance import speculative_accept
 from mindspec.sampling import process_logits, sample
 
 
-def _p(logits, prev, temperature, top_k, top_p, penalty, upto=None):
+def _p(logits, prev, temperature, top_k, top_p, penalty, upto=None, counts=None, presence=0.0, frequency=0.0):
     """p [T, V] of one row: logits [T, V], position i seeing prev[i] (the seen tokens and what the row fed
-    before it); positions past `upto` (none of the step's outcomes can reach them) left 0."""
+    before it) and counts[i] (the output's, see process_logits; None: no counts); positions past `upto` (none
+    of the step's outcomes can reach them) left 0."""
     p = np.zeros(logits.shape)
     for i, (x, seen) in enumerate(zip(logits[:None if upto is None else upto + 1], prev)):
-        p[i] = process_logits(x, float(temperature), int(top_k), float(top_p), float(penalty), seen)
+        p[i] = process_logits(x, float(temperature), int(top_k), float(top_p), float(penalty), seen,
+                              float(presence), float(frequency), None if counts is None else counts[i])
     return p
 
 
@@ -27,14 +29,19 @@ def _logprob(logits, tokens):
     return (x[np.arange(len(tokens)), tokens] - lse).astype(np.float32)
 
 
-def redo_step(rows, logits, ids, n_valid, q, u_acc, u_smp, temperature, top_k, top_p, penalty, seen, out):
+def redo_step(rows, logits, ids, n_valid, q, u_acc, u_smp, temperature, top_k, top_p, penalty, seen, counts, presence,
+              frequency, out):
     """SampleStep's outputs out = [n [B], next [B], lp [B, T], top_lp, top_id] (numpy, changed in place)
     for rows, from logits [B, T, V] and the step's inputs (as SampleStep's, numpy)."""
     T = ids.shape[1]
     for b in rows:
         drafts, prev = ids[b, 1:], list(np.flatnonzero(seen[b]))
+        fed = np.zeros((T, counts.shape[1]))  # [T, V]: the output's counts at each position, drafts included
+        fed[np.arange(1, T), drafts] = 1
+        fed = np.cumsum(fed, 0) + counts[b]
         p = _p(logits[b], [prev + list(drafts[:i]) for i in range(T)], temperature[b], top_k[b], top_p[b],
-               penalty[b], upto=n_valid[b])  # (a one-row decode, widened to dummy drafts: position 0 alone)
+               penalty[b], upto=n_valid[b], counts=fed, presence=presence[b],
+               frequency=frequency[b])  # (a one-row decode, widened to dummy drafts: position 0 alone)
         if T == 1:
             n, nxt = 0, sample(p[0], u_smp[b, 0])
         else:  # (n does not depend on the sample uniform, which is the one of the stopping point n)

@@ -30,7 +30,8 @@ from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
 from .fuse import fused_weights, rope_rows
 from .prims import halves, heads, iota
-from .sampling import NEG, TOPK_CAP, greedy_accept, process, sample, seen_mask, speculative_accept, token_logprobs, wide
+from .sampling import (NEG, TOPK_CAP, greedy_accept, output_counts, process, sample, seen_mask, speculative_accept,
+                       token_logprobs, wide)
 from .tp import shard_plan, tp_rank, tp_size
 
 
@@ -211,23 +212,32 @@ class SampleStep(nn.Cell):
     K = 0; greedy rows are rows whose temperature is 0). ids, slots, pos, n_valid as GreedyStep;
     q [B, K, V] the processed draft distributions the drafts were sampled from (K = 0: [B, 1, V],
     unused); u_acc [B, K] (K = 0: [B, 1], unused) and u_smp [B, K+1] uniforms in [0, 1);
-    temperature, top_k (int32), top_p, penalty [B]; seen [B, V] float32 (1: token committed); keys
-    [W] as GreedyStep. Returns n_accepted [B], next [B], the logprobs of the tokens the step commits
+    temperature, top_k (int32), top_p, penalty [B]; seen [B, V] float32 (1: token committed); counts
+    [B, V] float32 (the output's tokens, counted) with presence, frequency [B]; keys [W] as GreedyStep. Returns n_accepted [B], next [B], the logprobs of the tokens the step commits
     (lp [B, K+1]: the accepted drafts, then next at index n_accepted; top_lp, top_id [B, K+1,
     TOP_LOGPROBS]: see token_logprobs), exact [B] bool (the top-k candidates held the row's kept set; when
-    not, its outputs are redone on the host: graphs/exact.py) and the logits [B, K+1, V] for that."""
+    not, its outputs are redone on the host: graphs/exact.py) and the logits [B, K+1, V] for that.
+    penalties: whether counts, presence and frequency are applied (a graph of its own, compiled when a request
+    first asks, ~4 s for 8 rows and K = 8: a [B, K+1, V] count and four passes over it measured 5-17% of such
+    a call when every sampling graph held them, 0-7% of the calls that ask for them)."""
 
-    def __init__(self, decoder, cap=TOPK_CAP):
+    def __init__(self, decoder, cap=TOPK_CAP, penalties=False):
         super().__init__()
-        self.decoder, self.cap = decoder, cap
+        self.decoder, self.cap, self.penalties = decoder, cap, penalties
 
-    def construct(self, ids, slots, pos, n_valid, q, u_acc, u_smp, temperature, top_k, top_p, penalty, seen, keys):
+    def construct(self, ids, slots, pos, n_valid, q, u_acc, u_smp, temperature, top_k, top_p, penalty, seen, counts,
+                  presence, frequency, keys):
         B, T = ids.shape
         V = seen.shape[1]
         logits = self.decoder.head_logits(self.decoder(ids, slots, pos, keys)).reshape(B, T, V)
         drafts = ids[:, 1:]  # [B, K]
         seen_all = seen_mask(seen, drafts, V) if T > 1 else (seen > 0).reshape(B, 1, V)
-        p, exact = process(logits, temperature, top_k, top_p, penalty, seen_all, self.cap)  # [B, K+1, V]
+        if self.penalties:  # (a static branch: the graph of rows with presence/frequency penalties)
+            counts_all = output_counts(counts, drafts, V) if T > 1 else counts.reshape(B, 1, V)
+            p, exact = process(logits, temperature, top_k, top_p, penalty, seen_all, self.cap, counts_all, presence,
+                               frequency)  # [B, K+1, V]
+        else:
+            p, exact = process(logits, temperature, top_k, top_p, penalty, seen_all, self.cap)  # [B, K+1, V]
         if T == 1:
             n, nxt = ops.zeros((B,), ms.int32), sample(p.reshape(B, V), u_smp[:, 0])
         else:

@@ -93,7 +93,7 @@ def _pin_cache_dependencies():
 class RowSampling:
     """Per-row sampling inputs of one step (n rows): temperature, top_k, top_p, penalty [n]; seen [n, V]
     (None: no row penalises); q [n, K, V] draft probabilities (None for K = 0); u_acc [n, K] and
-    u_smp [n, K+1] uniforms."""
+    u_smp [n, K+1] uniforms; presence, frequency [n] and the output's counts [n, V] (None: none of them)."""
     temperature: np.ndarray
     top_k: np.ndarray
     top_p: np.ndarray
@@ -102,6 +102,9 @@ class RowSampling:
     u_smp: np.ndarray
     seen: Optional[np.ndarray] = None
     q: Optional[np.ndarray] = None
+    presence: Optional[np.ndarray] = None
+    frequency: Optional[np.ndarray] = None
+    counts: Optional[np.ndarray] = None
 
     @classmethod
     def greedy(cls, n, K=0, V=None):
@@ -149,7 +152,7 @@ class TargetModel:
         self._keys = {W: Tensor(np.arange(W, dtype=np.int32)) for W in self.windows}
         self.decoder = LlamaDecoder(self.cfg, ckpt.get, S, slots=max_batch, dtype=getattr(ms, dtype),
                                     rot_rows=self.rot_rows)
-        self.cells = {kind: self._cell(kind) for kind in ("greedy", "sample", "prefill", "logits")}
+        self.cells = {kind: self._cell(kind) for kind in ("greedy", "sample", "penal", "prefill", "logits")}
         self.fingerprint = ckpt.fingerprint()
         self.compiled, self.compile_s = set(), 0.0
         # graphs run at least once, and how many calls were a graph's first run (one costs ~0.3-0.9 s more
@@ -165,6 +168,7 @@ class TargetModel:
     def _cell(self, kind):
         """A cell of the graphs of one kind (one compiled graph per input shape), over the shared decoder."""
         cls, *args = {"greedy": (GreedyStep,), "sample": (SampleStep, TOPK_CAP), "prefill": (Prefill, TOPK_CAP),
+                      "penal": (SampleStep, TOPK_CAP, True),  # (rows with presence/frequency penalties: first need)
                       "logits": (Logits,)}[kind]
         cell = cls(self.decoder, *args)
         cell.set_train(False)
@@ -310,11 +314,16 @@ class TargetModel:
             V = self.cfg.vocab_size
             q = s.q if K else np.zeros((n, 1, V), np.float32)
             u_acc = s.u_acc if K else np.zeros((n, 1), np.float32)
-            out = self._sampled("sample", (B, T, W), *head, self._f32(rows(q)), self._f32(rows(u_acc, 0.5)),
+            kind = "sample" if s.counts is None else "penal"
+            out = self._sampled(kind, (B, T, W), *head, self._f32(rows(q)), self._f32(rows(u_acc, 0.5)),
                                 self._f32(rows(s.u_smp, 0.5)), self._f32(rows(s.temperature)),
                                 self._i32(rows(self._top_k(s))), self._f32(rows(s.top_p, 1)),
                                 self._f32(rows(s.penalty, 1)),
-                                self._seen(None if s.seen is None else rows(s.seen), B), self._keys[W], dry=dry)
+                                self._seen(None if s.seen is None else rows(s.seen), B),
+                                self._seen(None if s.counts is None else rows(s.counts), B),
+                                self._f32(rows(np.zeros(n) if s.presence is None else s.presence)),
+                                self._f32(rows(np.zeros(n) if s.frequency is None else s.frequency)),
+                                self._keys[W], dry=dry)
         if dry:
             return None
         if s is None:

@@ -58,14 +58,17 @@ def _cut(s, x, top_k, top_p):
     return cut, ops.broadcast_to(fits, kth.shape).reshape(B, -1).all(-1)
 
 
-def process(x, temperature, top_k, top_p, penalty, seen, cap):
+def process(x, temperature, top_k, top_p, penalty, seen, cap, counts=None, presence=None, frequency=None):
     """logits x [B, T, V] float32 -> (probabilities [B, T, V], exact [B] bool: the `cap` top-k candidates
     held the row's kept set at every position, see _cut; a greedy row always). Per row: temperature [B]
     (0: greedy, the one-hot argmax of the penalised logits), top_k [B] int32 (0: off), top_p [B], penalty
-    [B] (1: off); seen [B, T, V] bool (token already in the sequence at that position)."""
+    [B] (1: off); seen [B, T, V] bool (token already in the sequence at that position); counts [B, T, V]
+    float32 (how often the output holds each token there) with presence, frequency [B] (0: off), or None."""
     B, V = x.shape[0], x.shape[-1]
     temperature, penalty = temperature.reshape(B, 1, 1), penalty.reshape(B, 1, 1)
     x = ops.select(seen, ops.select(x > 0, x / penalty, x * penalty), x)
+    if counts is not None:  # (OpenAI's, after the repetition penalty as vLLM applies them)
+        x = x - frequency.reshape(B, 1, 1) * counts - presence.reshape(B, 1, 1) * (counts > 0).astype(ms.float32)
     hot = (temperature > 0).astype(ms.float32)  # [B, 1, 1]: 1 sampling, 0 greedy
     greedy = one_hot(argmax(x), V)
     # greedy rows divide by 1; not (temperature + 1 - hot): 1 + 1e-8 rounds to 1 in float32, a division by 0
@@ -103,6 +106,13 @@ def seen_mask(seen, drafts, V):
     committed tokens and drafts[:, :i] count as seen (what the repetition penalty looks at)."""
     B = drafts.shape[0]
     return ops.cumsum(ops.concat((seen.reshape(B, 1, V), one_hot(drafts, V)), 1), 1) > 0  # [B, K+1, V]
+
+
+def output_counts(counts, drafts, V):
+    """counts [B, V] float32 (the output's tokens, counted), drafts [B, K] -> [B, K+1, V]: at position i the
+    output with drafts[:, :i] (what the presence and frequency penalties look at)."""
+    B = drafts.shape[0]
+    return ops.cumsum(ops.concat((counts.reshape(B, 1, V), one_hot(drafts, V)), 1), 1)  # [B, K+1, V]
 
 
 def valid_prefix(flags, n_valid):

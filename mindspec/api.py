@@ -29,12 +29,12 @@ IGNORED = {"user": _TEXT, "priority": (is_int, "an integer"), "service_tier": _T
            "timeout": (lambda v: is_number(v) and v >= 0, "a number >= 0"), "skip_special_tokens": _FLAG}
 # known but not implemented: refused unless they hold their "off" value
 OFF = {"best_of": (1,), "echo": (False,),
-       "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},), "suffix": ("",),
+       "logit_bias": ({},), "suffix": ("",),
        "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
        "function_call": ("none",), "grammar": (),
        # vLLM's, in MindIE's OpenAI examples
        "include_stop_str_in_output": (False,), "use_beam_search": (False,), "chat_template_kwargs": ({},)}
-SAMPLING = ("temperature", "top_p", "seed", "stop") + EXTENSIONS
+SAMPLING = ("temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty") + EXTENSIONS
 COMPLETION_KEYS = frozenset(("model", "prompt", "max_tokens", "stream", "stream_options", "n", "logprobs")
                             + SAMPLING)
 CHAT_KEYS = frozenset(("model", "messages", "max_tokens", "max_completion_tokens", "stream", "stream_options", "n",

@@ -139,6 +139,10 @@ def add_sampling_args(p):
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
     p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="OpenAI's: subtracted from the logit of each token the output holds (-2..2; 0 = off)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="OpenAI's: subtracted once for each time the output holds the token (-2..2; 0 = off)")
     p.add_argument("--draft-temperature", type=float, default=None,
                    help="the draft's temperature (e.g. 1.1): changes acceptance, never the output distribution")
     p.add_argument("--draft-min-conf", type=float, default=None,
@@ -167,16 +171,19 @@ def sampling_kwargs(a):
     """Pipeline.generate keywords of the sampling flags (add_sampling_args); for serve and batch the
     defaults of their requests, whose seed, when neither the request nor --seed gives one, each request
     draws for itself (request.parse)."""
-    return dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
-                repetition_penalty=a.repetition_penalty, draft_temperature=a.draft_temperature,
-                draft_min_conf=a.draft_min_conf, seed=a.seed, stop=a.stop)
+    out = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, top_p=a.top_p,
+               repetition_penalty=a.repetition_penalty, draft_temperature=a.draft_temperature,
+               draft_min_conf=a.draft_min_conf, seed=a.seed, stop=a.stop)
+    # (only when set: a batch job's id holds these defaults, and the ids of jobs made before they existed stay)
+    return out | {k: getattr(a, k) for k in ("presence_penalty", "frequency_penalty") if getattr(a, k)}
 
 
 def check_sampling_args(a):
     """The sampling flags' ranges, while parsing: a bad default must not reach every request or line."""
     from .sampling import SamplingParams
     SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, repetition_penalty=a.repetition_penalty,
-                   draft_temperature=a.draft_temperature, seed=a.seed)
+                   draft_temperature=a.draft_temperature, seed=a.seed, presence_penalty=a.presence_penalty,
+                   frequency_penalty=a.frequency_penalty)
     if a.draft_min_conf is not None and not 0 < a.draft_min_conf < 1:
         raise MindspecError(f"draft_min_conf must be between 0 and 1, got {a.draft_min_conf}")
     stop_strings(a.stop)

@@ -341,18 +341,22 @@ class Engine:
         p = [r.params for r in rows]
         seeds = [x.seed or 0 for x in p]  # plain greedy rows draw nothing that matters
         start = [len(r.prompt_ids) if prefill else len(r.seq) for r in rows]
-        seen = None
+        seen = counts = None
+        V = self.target.cfg.vocab_size
         if any(x.repetition_penalty != 1.0 for x in p):
-            seen = np.zeros((len(rows), self.target.cfg.vocab_size), np.float32)
+            seen = np.zeros((len(rows), V), np.float32)
             for i, r in enumerate(rows):
                 seen[i, r.seq] = 1.0
+        if any(x.penalises_output for x in p):
+            counts = np.stack([r.output_counts(V) for r in rows]).astype(np.float32)
         return RowSampling(
             temperature=np.array([x.temperature for x in p], np.float32),
             top_k=np.array([x.top_k for x in p], np.int64), top_p=np.array([x.top_p for x in p], np.float32),
             penalty=np.array([x.repetition_penalty for x in p], np.float32),
             u_acc=np.stack([uniforms(sd, st, max(K, 1), ACCEPT) for sd, st in zip(seeds, start)]),
             u_smp=np.stack([uniforms(sd, st, K + 1, SAMPLE) for sd, st in zip(seeds, start)]),
-            seen=seen, q=q)
+            seen=seen, q=q, counts=counts, presence=np.array([x.presence_penalty for x in p], np.float32),
+            frequency=np.array([x.frequency_penalty for x in p], np.float32))
 
 
 def _fail(reqs, e, events):

@@ -241,7 +241,8 @@ class Pipeline:
 
     def request(self, prompt=None, prompt_ids=None, max_new_tokens=64, temperature=0.0, seed=None, stop=None,
                 chat=False, k=None, speculate=True, top_k=0, top_p=1.0, repetition_penalty=1.0,
-                draft_temperature=None, draft_min_conf=None, request_id=None, logprobs=None):
+                draft_temperature=None, draft_min_conf=None, request_id=None, logprobs=None, presence_penalty=0.0,
+                frequency_penalty=0.0):
         """A validated Request (generate's keywords); a sampled request without a seed gets a drawn one.
         logprobs=n: each generated token's logprob under the target (its raw logits) and its n most
         likely alternatives (0..TOP_LOGPROBS), in Result.logprobs."""
@@ -255,7 +256,8 @@ class Pipeline:
         stop = stop_strings(stop)
         if seed is None and temperature:
             seed = share(int.from_bytes(os.urandom(7), "little"))  # rank 0's: every rank must draw the same
-        params = SamplingParams(temperature, top_k, top_p, repetition_penalty, draft_temperature, seed)
+        params = SamplingParams(temperature, top_k, top_p, repetition_penalty, draft_temperature, seed,
+                                presence_penalty, frequency_penalty)
         if draft_min_conf is not None and not (is_number(draft_min_conf) and 0 < draft_min_conf < 1):
             raise MindspecError(f"draft_min_conf must be between 0 and 1, got {draft_min_conf!r}")
         if not is_int(max_new_tokens) or max_new_tokens < 1:

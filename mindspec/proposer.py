@@ -81,9 +81,12 @@ class DraftProposer:
             q[tok] = 1.0
             return tok, q
         prev = r.seq + [int(t) for t in prev_drafts] if r.params.repetition_penalty != 1.0 else None
+        counts = None
+        if r.params.penalises_output:  # (the output so far and the drafts before this one)
+            counts = r.output_counts(len(logits)) + np.bincount(np.asarray(prev_drafts, np.int64), minlength=len(logits))
         # a greedy request has no seed: its draft's draw changes only what is proposed, never the output
         u = float(uniforms(r.params.seed or 0, len(r.seq) + i, 1, DRAFT)[0])
-        tok, q = draft_token(logits, r.params, prev, u)
+        tok, q = draft_token(logits, r.params, prev, u, counts)
         return tok, q.astype(np.float32)
 
     def update_candidate_strategy(self, row, r):

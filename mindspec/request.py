@@ -19,7 +19,8 @@ _seeds = None
 PROMPT_FIELDS = ("prompt", "messages", "prompt_ids")
 FIELDS = frozenset(PROMPT_FIELDS + (
     "chat", "max_new_tokens", "max_tokens", "max_completion_tokens", "temperature", "top_k", "top_p",
-    "repetition_penalty", "draft_temperature", "seed", "stop", "do_sample", "k", "min_tokens", "ignore_eos",
+    "repetition_penalty", "presence_penalty", "frequency_penalty", "draft_temperature", "seed", "stop", "do_sample",
+    "k", "min_tokens", "ignore_eos",
     "stop_token_ids", "logprobs"))
 ROLES = ("system", "user", "assistant")
 MAX_STOPS = 32  # stop strings a request may give (OpenAI allows 4, TGI 4 by default, vLLM any number)

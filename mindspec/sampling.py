@@ -34,6 +34,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     draft_temperature: Optional[float] = None
     seed: Optional[int] = None
+    presence_penalty: float = 0.0  # OpenAI's: subtracted from the logit of each token the output holds
+    frequency_penalty: float = 0.0  # ... times the number of times it holds it
 
     def __post_init__(self):
         def number(name, v, lo, hi, lo_open=False):
@@ -52,6 +54,8 @@ class SamplingParams:
         number("repetition_penalty", self.repetition_penalty, *PENALTY_RANGE)
         if self.draft_temperature is not None:
             number("draft_temperature", self.draft_temperature, 0, MAX_TEMPERATURE)
+        for name in ("presence_penalty", "frequency_penalty"):
+            number(name, getattr(self, name), -2, 2)  # (OpenAI's range)
         for name in ("temperature", "draft_temperature"):
             if 0 < (getattr(self, name) or 0) < MIN_TEMPERATURE:
                 object.__setattr__(self, name, 0.0)
@@ -66,7 +70,12 @@ class SamplingParams:
     @property
     def plain_greedy(self):
         """Greedy without a penalty: the target's argmax graphs suffice."""
-        return self.greedy and self.repetition_penalty == 1.0
+        return self.greedy and self.repetition_penalty == 1.0 and not self.penalises_output
+
+    @property
+    def penalises_output(self):
+        """Whether the presence or frequency penalty changes anything (they need the output's counts)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0
 
     @property
     def truncates(self):
@@ -78,8 +87,9 @@ class SamplingParams:
         t = self.temperature if self.draft_temperature is None else self.draft_temperature
         return replace(self, temperature=t, draft_temperature=None)
 
-    def process(self, logits, prev_ids=None):
-        return process_logits(logits, self.temperature, self.top_k, self.top_p, self.repetition_penalty, prev_ids)
+    def process(self, logits, prev_ids=None, counts=None):
+        return process_logits(logits, self.temperature, self.top_k, self.top_p, self.repetition_penalty, prev_ids,
+                              self.presence_penalty, self.frequency_penalty, counts)
 
 
 DRAFT, ACCEPT, SAMPLE = 0, 1, 2  # the three uniform streams of a position
@@ -104,15 +114,21 @@ def _softmax(x):
     return e / e.sum(-1, keepdims=True)
 
 
-def process_logits(logits, temperature, top_k=0, top_p=1.0, repetition_penalty=1.0, prev_ids=None):
-    """logits [.., V] -> probabilities [.., V] (float64). prev_ids: token ids already in the sequence
-    (one list for every row), penalised when repetition_penalty != 1. temperature 0: one-hot argmax."""
+def process_logits(logits, temperature, top_k=0, top_p=1.0, repetition_penalty=1.0, prev_ids=None,
+                   presence_penalty=0.0, frequency_penalty=0.0, counts=None):
+    """logits [.., V] -> probabilities [.., V] (float64), as vLLM orders the steps. prev_ids: token ids already
+    in the sequence (one list for every row), penalised when repetition_penalty != 1; counts [V]: how often
+    each token is in the output so far, for OpenAI's presence and frequency penalties (subtracted from the
+    logits). temperature 0: one-hot argmax."""
     x = np.array(logits, dtype=np.float64)  # [.., V]
     V = x.shape[-1]
     if repetition_penalty != 1.0 and prev_ids is not None and len(prev_ids):
         seen = np.zeros(V, bool)
         seen[np.asarray(prev_ids, np.int64)] = True
         x = np.where(seen, np.where(x > 0, x / repetition_penalty, x * repetition_penalty), x)
+    if counts is not None and (presence_penalty or frequency_penalty):
+        c = np.asarray(counts, np.float64)
+        x = x - frequency_penalty * c - presence_penalty * (c > 0)
     if temperature == 0:
         onehot = np.zeros_like(x)
         np.put_along_axis(onehot, x.argmax(-1)[..., None], 1.0, -1)
@@ -144,9 +160,9 @@ def sample(probs, u):
     return int(n) if n.ndim == 0 else n
 
 
-def draft_token(logits, params, prev_ids, u):
+def draft_token(logits, params, prev_ids, u, counts=None):
     """One draft step: logits [V] of the draft -> (token, q [V]) with q processed at the draft's
-    temperature (params: the target's SamplingParams). A greedy draft (draft_temperature 0) gives a
-    one-hot q, which is still lossless."""
-    q = params.for_draft().process(logits, prev_ids)
+    temperature (params: the target's SamplingParams; counts: the output's, see process_logits). A greedy
+    draft (draft_temperature 0) gives a one-hot q, which is still lossless."""
+    q = params.for_draft().process(logits, prev_ids, counts)
     return sample(q, u), q

@@ -4,6 +4,8 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from .sampling import SamplingParams
 from .tokenizer import StreamDecoder
 
@@ -95,6 +97,10 @@ class Request:
     @property
     def seq(self):
         return self.prompt_ids + self.output
+
+    def output_counts(self, V):
+        """[V]: how often the output holds each token (the presence and frequency penalties')."""
+        return np.bincount(np.asarray(self.output, np.int64), minlength=V)[:V]
 
     @property
     def done(self):

@@ -630,6 +630,38 @@ def test_a_repetition_penalty_sees_the_generated_tokens_too(pipe, tiny_target):
     assert res[2].token_ids == pipe.generate(prompt_ids=PROMPTS[1], max_new_tokens=12, speculate=False).token_ids
 
 
+def test_presence_and_frequency_penalties_count_the_output_alone(pipe, tiny_target):
+    """OpenAI's presence and frequency penalties (refused before; in MindIE's examples): greedy rows with them,
+    speculating at K = 4 and 2 beside a row without, give token for token the numpy reference stepped a token at
+    a time with the output's counts (not the prompt's: a reference counting the prompt too differs)."""
+    from mindspec.sampling import process_logits
+    ck = Checkpoint(tiny_target[0])
+    # negative: a pull towards what the output holds (this model's logits spread ~8 wide: penalties within
+    # OpenAI's range rarely move its argmax down; test_sampling checks them against the graph on small logits)
+    pf = dict(presence_penalty=-2.0, frequency_penalty=-1.5)
+
+    def reference(prompt, n, counted):
+        seq = list(prompt)
+        for _ in range(n):
+            x = reference_logits(ck.config, ck.get, seq)[-1]
+            c = np.bincount(counted(seq), minlength=ck.config.vocab_size)
+            seq.append(int(np.argmax(process_logits(x, 0.0, counts=c, **pf))))
+        return seq[len(prompt):]
+    # prompts ending in what the model says unpenalised (PROMPTS[0]'s 5th token repeats its 1st): counting the
+    # prompt would change the text
+    likes = [PROMPTS[i] + pipe.generate(prompt_ids=PROMPTS[i], max_new_tokens=4, speculate=False).token_ids
+             for i in (0, 5)]
+    kws = [dict(prompt_ids=p, max_new_tokens=20, k=k, **pf) for p, k in zip(likes, (4, 2))]
+    res = pipe.generate_many(kws + [dict(prompt_ids=PROMPTS[1], max_new_tokens=12, k=4)])
+    for kw, r in zip(kws, res):
+        p = kw["prompt_ids"]
+        want = reference(p, 20, lambda seq: seq[len(p):])
+        assert r.token_ids == want == pipe.generate(**dict(kw, speculate=False, k=None)).token_ids, p
+        assert r.token_ids != pipe.generate(prompt_ids=p, max_new_tokens=20, speculate=False).token_ids
+    assert reference(likes[0], 20, lambda seq: seq) != res[0].token_ids  # the prompt is not counted
+    assert res[2].token_ids == pipe.generate(prompt_ids=PROMPTS[1], max_new_tokens=12, speculate=False).token_ids
+
+
 def test_abort_ends_a_row_still_reading_its_prompt(pipe):
     """Found by mutation testing: aborts reaped only running rows, so a row still prefilling a long prompt
     read it to the end (and got its first token) before it ended. Aborted mid-prompt, it ends at the next

@@ -221,9 +221,9 @@ def graph_fns():
     init_mindspore()
 
     class Process(nn.Cell):
-        def construct(self, x, temperature, top_k, top_p, penalty, seen, drafts):
-            mask = gs.seen_mask(seen, drafts, x.shape[-1])
-            return gs.process(x, temperature, top_k, top_p, penalty, mask, 8) + (mask,)
+        def construct(self, x, temperature, top_k, top_p, penalty, seen, drafts, counts, presence, frequency):
+            mask, c = gs.seen_mask(seen, drafts, x.shape[-1]), gs.output_counts(counts, drafts, x.shape[-1])
+            return gs.process(x, temperature, top_k, top_p, penalty, mask, 8, c, presence, frequency) + (mask,)
 
     class Accept(nn.Cell):
         def construct(self, p, q, drafts, n_valid, u_acc, u_smp, g, ids):
@@ -246,28 +246,39 @@ def test_graph_processing_equals_the_pure_function_on_hand_built_logits(graph_fn
     of [.5, .25, .125, .125] are exact in float32)."""
     process, _ = graph_fns
     K, Vs = 2, 4
-    rows = [  # (logits [V], params, committed ids, drafts [K])
-        ([2.0, -2.0, 1.0, 0.5], SamplingParams(1.0, repetition_penalty=4.0), [0, 1], [3, 3]),
-        ([-1.0, -2.0, -3.0, -3.5], SamplingParams(0.0, repetition_penalty=4.0), [0], [1, 2]),  # greedy: 1, 2, 3
-        ([1.0, 0.5, 2.0, 0.0], SamplingParams(1.0, repetition_penalty=100.0), [], [2, 2]),  # a repeated draft
-        (np.log([0.5, 0.25, 0.125, 0.125]), SamplingParams(1.0, top_p=0.5), [], [0, 1]),
-        (np.log([0.5, 0.25, 0.125, 0.125]), SamplingParams(1.0, top_p=0.75), [], [0, 1]),
+    pf = dict(presence_penalty=0.5, frequency_penalty=0.75)
+    rows = [  # (logits [V], params, committed ids, drafts [K], the output's part of the committed ids)
+        ([2.0, -2.0, 1.0, 0.5], SamplingParams(1.0, repetition_penalty=4.0), [0, 1], [3, 3], []),
+        ([-1.0, -2.0, -3.0, -3.5], SamplingParams(0.0, repetition_penalty=4.0), [0], [1, 2], []),  # greedy: 1, 2, 3
+        ([1.0, 0.5, 2.0, 0.0], SamplingParams(1.0, repetition_penalty=100.0), [], [2, 2], []),  # a repeated draft
+        (np.log([0.5, 0.25, 0.125, 0.125]), SamplingParams(1.0, top_p=0.5), [], [0, 1], []),
+        (np.log([0.5, 0.25, 0.125, 0.125]), SamplingParams(1.0, top_p=0.75), [], [0, 1], []),
+        # presence and frequency: the output's counts, the drafts before each position counted in; a prompt
+        # token (3) is not the output's; a negative penalty pulls a token up
+        ([2.0, 1.0, 0.0, 1.5], SamplingParams(1.0, **pf), [3, 0, 0], [0, 1], [0, 0]),
+        ([2.0, 1.6, 1.0, 0.5], SamplingParams(0.0, **pf), [0], [1, 2], [0]),  # greedy: 1, 2, 0 (below)
+        ([0.0, 1.0, 0.5, 0.2], SamplingParams(1.0, presence_penalty=-2.0, repetition_penalty=2.0), [2], [2, 0], [2]),
     ]
-    seen = np.zeros((len(rows), Vs))
-    for r, (_, _, prev, _) in enumerate(rows):
+    seen, counts = np.zeros((len(rows), Vs)), np.zeros((len(rows), Vs))
+    for r, (_, _, prev, _, out) in enumerate(rows):
         seen[r, prev] = 1
+        np.add.at(counts[r], out, 1)
     probs, exact, mask = process(np.array([np.tile(x, (K + 1, 1)) for x, *_ in rows]),
-                                 [p.temperature for _, p, _, _ in rows], [p.top_k for _, p, _, _ in rows],
-                                 [p.top_p for _, p, _, _ in rows], [p.repetition_penalty for _, p, _, _ in rows],
-                                 seen, [d for *_, d in rows])
+                                 [p.temperature for _, p, *_ in rows], [p.top_k for _, p, *_ in rows],
+                                 [p.top_p for _, p, *_ in rows], [p.repetition_penalty for _, p, *_ in rows],
+                                 seen, [d for *_, d, _ in rows], counts, [p.presence_penalty for _, p, *_ in rows],
+                                 [p.frequency_penalty for _, p, *_ in rows])
     assert exact.all()
-    for r, (x, params, prev, drafts) in enumerate(rows):
+    for r, (x, params, prev, drafts, out) in enumerate(rows):
         for i in range(K + 1):
-            ids = prev + drafts[:i]
+            ids, c = prev + drafts[:i], np.bincount(out + drafts[:i], minlength=Vs)
             assert mask[r, i].tolist() == [t in ids for t in range(Vs)], (r, i)
-            assert np.allclose(probs[r, i], params.process(x, ids), atol=1e-6), (r, i, probs[r, i])
+            assert np.allclose(probs[r, i], params.process(x, ids, c), atol=1e-6), (r, i, probs[r, i])
     assert [probs[1, i].argmax() for i in range(K + 1)] == [1, 2, 3]  # each seen -x * 4 fell below the next
     assert (probs[3] > 0).sum(-1).tolist() == [1] * (K + 1) and (probs[4] > 0).sum(-1).tolist() == [2] * (K + 1)
+    # 2 - 1.25 < 1.6; then 1.6 - 1.25 < 1.0; then 1.0 - 1.25 < 0.75: each token the output took falls back
+    assert [probs[6, i].argmax() for i in range(K + 1)] == [1, 2, 0]
+    assert not np.allclose(probs[5, 0], SamplingParams(1.0).process(rows[5][0]))  # (the penalties bite)
 
 
 def test_graph_accept_with_n_valid_below_k_equals_the_pure_function(graph_fns):
@@ -327,12 +338,14 @@ class Batch:
     def __init__(self, ckpt, rows):
         from mindspec.graphs.llama import LlamaDecoder, SampleStep
         self.decoder = LlamaDecoder(ckpt.config, ckpt.get, max_seq=32, slots=rows)
-        self.B, self.cell = rows, SampleStep(self.decoder, cap=CAP)
-        self.cell.set_train(False)
+        # (the graph of rows with presence/frequency penalties is another cell, as TargetModel's "penal" kind)
+        self.B, self.cells = rows, {pen: SampleStep(self.decoder, cap=CAP, penalties=pen) for pen in (False, True)}
+        for cell in self.cells.values():
+            cell.set_train(False)
         self.reruns, self.redone = 0, []  # calls with rows whose candidates did not hold their kept set; the
         # last call's rows, redone on the host
 
-    def verify(self, ids, start, q, u, params, seen=None, n_valid=None):
+    def verify(self, ids, start, q, u, params, seen=None, n_valid=None, counts=None):
         """ids [B, K+1], q [B, K, V], u [B, K+1] (the last column: the sample uniform), params: one
         SamplingParams or a list, row r taking params[r % len], n_valid [B] (None: K every row) ->
         (n_accepted [B], next_token [B])."""
@@ -347,8 +360,9 @@ class Batch:
         args = (i32(ids), i32(np.arange(B)), i32(np.full(B, start)), i32(n_valid), f32(q), f32(u[:, :K]),
                 f32(np.repeat(u[:, K:], K + 1, 1)), f32([p.temperature for p in row]),
                 i32([p.top_k for p in row]), f32([p.top_p for p in row]), f32([p.repetition_penalty for p in row]),
-                f32(np.zeros((B, V)) if seen is None else seen), i32(np.arange(32)))
-        *out, exact, logits = self.cell(*args)
+                f32(np.zeros((B, V)) if seen is None else seen), f32(np.zeros((B, V)) if counts is None else counts),
+                f32([p.presence_penalty for p in row]), f32([p.frequency_penalty for p in row]), i32(np.arange(32)))
+        *out, exact, logits = self.cells[counts is not None](*args)
         out = [np.array(x.asnumpy()) for x in out]
         rows = self.redone = np.flatnonzero(~exact.asnumpy())
         self.reruns += len(rows) > 0
@@ -388,6 +402,11 @@ GRAPH_CASES = [  # (K, params of the rows, in turn): one graph, any mix of rows;
          SamplingParams(1.0, top_p=1e-30), SamplingParams(1.0, top_k=2 ** 31 - 1)]),  # extremes stay sane
     # top_k above the candidates, alone in its call: kept only the CAP candidates, exact by the graph's word
     (1, [SamplingParams(1.0, top_k=CAP + 2)]),
+    (1, [SamplingParams(1.0, top_k=CAP + 2, presence_penalty=1.0, frequency_penalty=0.5)]),  # (the host's redo too)
+    # OpenAI's presence and frequency penalties (the prefix taken as the output: counted), with the others
+    (2, [SamplingParams(1.0, presence_penalty=1.5, frequency_penalty=0.7),
+         SamplingParams(0.0, frequency_penalty=2.0),  # greedy + penalty
+         SamplingParams(0.8, top_k=4, presence_penalty=-1.0, repetition_penalty=1.3)]),
 ]
 CHECKED = 24  # rows per call compared with the pure function (the numpy reference is the slow part)
 
@@ -403,23 +422,27 @@ def test_fused_verify_graph_equals_pure_function(pair, batch):
         drafts = sample(q, rng.random((ROWS, k)))  # [B, K]
         drafts[3::4, -1] = q[3::4, -1].argmin(-1)  # robustness: a draft q gives (next to) no mass
         u = rng.random((ROWS, k + 1), dtype=np.float32)
-        seen = np.zeros((ROWS, V))
+        seen, counts = np.zeros((ROWS, V)), np.zeros((ROWS, V))
         np.put_along_axis(seen, prefix, 1, 1)
+        for r in range(ROWS):
+            np.add.at(counts[r], prefix[r], 1)
         # some rows draft fewer than the bucket (found by mutation testing: every call passed n_valid = K)
         n_valid = np.where(np.arange(ROWS) % 3 == 1, np.arange(ROWS) % k, k)
-        n, nxt = batch.verify(np.concatenate([prefix[:, -1:], drafts], 1), 4, q, u, param_list, seen, n_valid)
+        n, nxt = batch.verify(np.concatenate([prefix[:, -1:], drafts], 1), 4, q, u, param_list, seen, n_valid,
+                              counts)
         assert {r for r in range(ROWS) if CAP < param_list[r % len(param_list)].top_k < V} <= set(batch.redone)
         for r in range(CHECKED):
             params = param_list[r % len(param_list)]
             seq = list(prefix[r]) + list(drafts[r])
             logits = reference_logits(ckpt.config, ckpt.get, seq)[4:]  # [K+1, V]
-            p = np.stack([params.process(logits[i], seq[:5 + i]) for i in range(k + 1)])
+            p = np.stack([params.process(logits[i], seq[:5 + i], np.bincount(seq[:5 + i], minlength=V))
+                          for i in range(k + 1)])
             want = speculative_accept(p, q[r], drafts[r], u[r, :k], u[r, k], n_valid[r])
             assert (n[r], nxt[r]) == want, (params, r, seq)
             outcomes.add((n[r] == n_valid[r], n_valid[r] < k))
     assert outcomes == {(True, False), (False, False), (True, True), (False, True)}  # both the recovered and
     # the bonus path were compared, with every draft valid and with fewer
-    assert batch.reruns - reruns == 3  # the cases with top_k > CAP (or top-p sets past it) went through the host
+    assert batch.reruns - reruns == 4  # the cases with top_k > CAP (or top-p sets past it) went through the host
 
 
 # ---- statistical losslessness --------------------------------------------------------------------

@@ -691,6 +691,10 @@ BAD = [  # (path, body or raw bytes, status, words in the message)
     ("/v1/chat/completions", {"messages": HI, "max_completion_tokens": 0}, 400,
      "max_completion_tokens must be an integer >= 1"),
     ("/generate", {"inputs": "hi", "stream": "yes"}, 422, "stream must be"),
+    ("/v1/chat/completions", {"messages": HI, "presence_penalty": 3}, 400,
+     "presence_penalty must be a number in [-2, 2], got 3"),
+    ("/generate", {"inputs": "hi", "parameters": {"frequency_penalty": "x"}}, 422,
+     "frequency_penalty must be a number in [-2, 2], got 'x'"),
     ("/generate", {"inputs": "hi", "parameters": {"top_n_tokens": 21}}, 422,
      "parameters.top_n_tokens must be an integer from 0 to 20, got 21"),
     ("/infer", {"inputs": "hi", "parameters": {"top_n_tokens": 2}}, 422,
@@ -909,6 +913,17 @@ def test_unmodified_client_libraries(server, pipe):
     assert out.generated_text == ref.text and [t.id for t in out.details.tokens] == ref.token_ids
     evs = list(hf.text_generation(TEXT, max_new_tokens=N, stream=True, details=True))
     assert [e.token.id for e in evs] == ref.token_ids and evs[-1].generated_text == ref.text
+
+
+def test_presence_and_frequency_penalties_are_the_engines(server, pipe):
+    """OpenAI's presence_penalty and frequency_penalty (in MindIE's chat examples, refused before: an operator's
+    probe): the library's text for the same request, which they change."""
+    kw, n = dict(presence_penalty=-2.0, frequency_penalty=-1.5), 4 * N  # (this model's logits: see test_engine's)
+    ref = pipe.generate(prompt=TEXT, max_new_tokens=n, **kw)
+    assert ref.token_ids != pipe.generate(prompt=TEXT, max_new_tokens=n).token_ids
+    assert post(server[0], "/v1/completions", {"prompt": TEXT, "max_tokens": n, **kw})["choices"][0]["text"] == ref.text
+    body = {"inputs": TEXT, "parameters": {"max_new_tokens": n, **kw}}
+    assert post(server[0], "/generate", body)["generated_text"] == ref.text
 
 
 def test_top_n_tokens_are_the_engines_own_logprobs_in_tgis_shape(server, pipe):
