@@ -213,7 +213,8 @@ class SampleStep(nn.Cell):
     q [B, K, V] the processed draft distributions the drafts were sampled from (K = 0: [B, 1, V],
     unused); u_acc [B, K] (K = 0: [B, 1], unused) and u_smp [B, K+1] uniforms in [0, 1);
     temperature, top_k (int32), top_p, penalty [B]; seen [B, V] float32 (1: token committed); counts
-    [B, V] float32 (the output's tokens, counted) with presence, frequency [B]; keys [W] as GreedyStep. Returns n_accepted [B], next [B], the logprobs of the tokens the step commits
+    [B, V] float32 (the output's tokens, counted) with presence, frequency [B]; keys [W] as GreedyStep.
+    Returns n_accepted [B], next [B], the logprobs of the tokens the step commits
     (lp [B, K+1]: the accepted drafts, then next at index n_accepted; top_lp, top_id [B, K+1,
     TOP_LOGPROBS]: see token_logprobs), exact [B] bool (the top-k candidates held the row's kept set; when
     not, its outputs are redone on the host: graphs/exact.py) and the logits [B, K+1, V] for that.

@@ -83,7 +83,8 @@ class DraftProposer:
         prev = r.seq + [int(t) for t in prev_drafts] if r.params.repetition_penalty != 1.0 else None
         counts = None
         if r.params.penalises_output:  # (the output so far and the drafts before this one)
-            counts = r.output_counts(len(logits)) + np.bincount(np.asarray(prev_drafts, np.int64), minlength=len(logits))
+            V = len(logits)
+            counts = r.output_counts(V) + np.bincount(np.asarray(prev_drafts, np.int64), minlength=V)
         # a greedy request has no seed: its draft's draw changes only what is proposed, never the output
         u = float(uniforms(r.params.seed or 0, len(r.seq) + i, 1, DRAFT)[0])
         tok, q = draft_token(logits, r.params, prev, u, counts)
