@@ -360,17 +360,19 @@ class TargetModel:
 
     # ---- warm-up: compile before timing, through MindSpore's compile cache when that is safe ----
 
-    def graph_names(self, batch_sizes, ks, greedy=True, sample=False, reach=None):
+    def graph_names(self, batch_sizes, ks, greedy=True, sample=False, reach=None, penal=False):
         """The graphs (kind, B, T, W) a run over these batch sizes and K values (0: plain decode) needs,
         in a fixed order; reach: the most positions a row of the run holds (None: the whole cache), so
-        no window larger than the one that holds it."""
+        no window larger than the one that holds it; penal: the sampling graphs of rows with presence or
+        frequency penalties too."""
         top = self._window(min(reach + max(self.k_buckets), self.windows[-1])) if reach else self.windows[-1]
         names = []
         for B in batch_sizes:
             for W in (w for w in self.windows if w <= top):
                 names.append(("prefill", B, PREFILL_CHUNK, W))
                 for K in dict.fromkeys(self._decode_k(B, K) for K in ks):
-                    names += [(kind, B, K + 1, W) for kind, on in (("greedy", greedy), ("sample", sample)) if on]
+                    names += [(kind, B, K + 1, W) for kind, on in (("greedy", greedy), ("sample", sample),
+                                                                   ("penal", penal)) if on]
         return names
 
     def warmup(self, names, cache_dir=None, now=None):
@@ -527,6 +529,8 @@ class TargetModel:
         need = min(W, self.max_seq)  # (a step's rows end by max_seq in the windows below the whole cache)
         if kind == "prefill":
             return self.prefill(np.arange(B), np.full(B, need - 1), [[0]] * B, RowSampling.greedy(B), dry=dry)
-        s = RowSampling.greedy(B, K, self.cfg.vocab_size) if kind == "sample" else None
+        s = RowSampling.greedy(B, K, self.cfg.vocab_size) if kind in ("sample", "penal") else None
+        if kind == "penal":
+            s.counts = np.zeros((B, self.cfg.vocab_size), np.float32)  # (what makes step() run that kind)
         T = self._decode_k(B, K) + 1
         self.step(np.zeros((B, K + 1)), np.arange(B), np.full(B, need - T), np.zeros(B), s, dry=dry)

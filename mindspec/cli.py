@@ -234,7 +234,7 @@ def cmd_serve(a):
         from .tp import is_rank0
         if not is_rank0():
             app = App(serve_defaults(a), tp=True, max_batch=a.max_batch)
-            app.pipe = prepare(load_pipeline(a), a.max_batch)
+            app.pipe = prepare(load_pipeline(a), a.max_batch, serve_defaults(a))
             return follow(app)
     _check_model_paths(a)
     serve(lambda: load_pipeline(a), serve_defaults(a), host=a.host, port=a.port, model_name=a.model_name,

@@ -347,7 +347,7 @@ class Engine:
             seen = np.zeros((len(rows), V), np.float32)
             for i, r in enumerate(rows):
                 seen[i, r.seq] = 1.0
-        if any(x.penalises_output for x in p):
+        if not prefill and any(x.penalises_output for x in p):  # (a prompt's first token: no output yet)
             counts = np.stack([r.output_counts(V) for r in rows]).astype(np.float32)
         return RowSampling(
             temperature=np.array([x.temperature for x in p], np.float32),

@@ -278,12 +278,13 @@ class Pipeline:
         return r
 
     @_graphs
-    def prepare(self, reqs, max_batch=1, every_graph=False, rows_now=None):
+    def prepare(self, reqs, max_batch=1, every_graph=False, rows_now=None, penal=False):
         """Size the cache for these requests (read them first, size once), compile what they need
         (every graph of every batch bucket with every_graph) and measure the dynamic-K costs. rows_now:
         where the compile cache holds every graph and the costs are known (measuring them runs every
         graph), load only the graphs of batches up to that many rows now, the others left to
-        target.load_next. Returns the seconds spent compiling (or loading from the compile cache)."""
+        target.load_next; penal: the graphs of rows with presence/frequency penalties too (a request with
+        them asks for them itself). Returns the seconds spent compiling (or loading from the compile cache)."""
         _check_call("prepare", reqs, max_batch)  # (0 rows returned as if done)
         if rows_now is not None and not (is_int(rows_now) and rows_now >= 1):
             raise MindspecError(f"rows_now must be an integer >= 1 or None, got {rows_now!r}")
@@ -300,7 +301,8 @@ class Pipeline:
         sample = every_graph or any(not r.params.plain_greedy or r.logprobs is not None for r in reqs)
         ks = [0] + [k for k in t.k_buckets if drafting and (every_graph or any(
             r.speculate and (r.k == "auto" or k <= r.k) for r in reqs))]  # a fixed K runs buckets <= K only
-        names = t.graph_names(sizes, ks, greedy, sample, None if every_graph else need)
+        penal = penal or any(r.params.penalises_output for r in reqs)
+        names = t.graph_names(sizes, ks, greedy, sample, None if every_graph else need, penal)
         t.warmup(names, self.cache_dir, None if rows_now is None else sum(B <= rows_now for _, B, *_ in names))
         if drafting and (every_graph or any(r.k == "auto" for r in reqs)):
             self._dynamic_for(sizes)

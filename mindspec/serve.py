@@ -300,12 +300,14 @@ def follow(app):
         app.turn(new, gone, lambda *_: None)
 
 
-def prepare(pipe, max_batch):
+def prepare(pipe, max_batch, defaults=None):
     """Before the server says ready: compile the one-row graphs (every graph where the compile cache does not
     hold them all or the dynamic-K costs must be measured), run each once (a graph's first run is slower,
     so the first request is not) and know those costs; App.turn loads the rest (every tensor-parallel rank
-    runs this)."""
-    pipe.prepare([], max_batch, every_graph=True, rows_now=1)
+    runs this). The graphs of rows with presence/frequency penalties are among them only where the defaults
+    set one (else a request with them compiles each of its shapes on first need)."""
+    penal = any((defaults or {}).get(k) for k in ("presence_penalty", "frequency_penalty"))
+    pipe.prepare([], max_batch, every_graph=True, rows_now=1, penal=penal)
     while (cold := pipe.target.cold()) and cold[0][1] == 1:  # (in warm-up's order: one row's graphs first)
         pipe.target.warm_next()
     return pipe
@@ -339,7 +341,7 @@ def serve(load, defaults, host="127.0.0.1", port=1025, model_name=None, tp=False
         print(f"mindspec: {what} also on http://{f'[{h}]' if ':' in h else h}:{p}", file=sys.stderr, flush=True)
     with signals.Signals(True, _hard_stop, final=True) as sig:
         try:
-            app.pipe = prepare(load(), max_batch)
+            app.pipe = prepare(load(), max_batch, defaults)
             sig.reinstall()  # over whatever the frameworks loaded meanwhile installed
             sig.check()
             app.model_name = app.model_name or os.path.basename(os.path.normpath(app.pipe.model_dir))

@@ -552,6 +552,8 @@ def test_serve_and_batch_defaults_draw_no_seed_under_msrun_or_dp(monkeypatch):
     (["generate", "--target", "nowhere", "--repetition-penalty", "0"],
      "repetition_penalty must be a number in [0.01, 100.0], got 0.0"),
     (["generate", "--target", "nowhere", "--draft-min-conf", "1.5"], "draft_min_conf must be between 0 and 1, got 1.5"),
+    (["batch", "--input", "i", "--output", "o", "--presence-penalty", "2.5"],
+     "presence_penalty must be a number in [-2, 2], got 2.5"),
     (["generate", "--target", "nowhere", "--seed", "-3"], "seed must be an integer in [0, 2**63), got -3"),
     (["generate", "Hi", "-k", "abc"], "mindspec: error: argument -k: "),  # (the docs prober's: "mindspec generate:")
     (["generate", "Hi", "--max-seq", "-5"],
@@ -631,3 +633,16 @@ def test_an_unwritable_or_closed_stdout_is_one_line_and_exit_2(tiny_target, tmp_
             (args, p.returncode, p.stderr[-2000:])
     (rec,) = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert len(rec["token_ids"]) == 3
+
+
+def test_the_penalty_flags_are_the_defaults_of_a_job_and_older_job_ids_stay():
+    """--presence-penalty / --frequency-penalty reach a job's defaults (its lines, its id) only when set: a job's
+    id holds its defaults, and a job made before the flags existed must resume (the review's)."""
+    from mindspec.batch import job_id
+    from mindspec.cli import parse, sampling_kwargs
+    base = ["batch", "--input", "i", "--output", "o"]
+    plain = sampling_kwargs(parse(base))
+    assert "presence_penalty" not in plain and "frequency_penalty" not in plain
+    assert job_id(plain) == job_id(sampling_kwargs(parse(base + ["--presence-penalty", "0"])))
+    kw = sampling_kwargs(parse(base + ["--presence-penalty", "0.5", "--frequency-penalty", "-1"]))
+    assert (kw["presence_penalty"], kw["frequency_penalty"]) == (0.5, -1.0) and job_id(kw) != job_id(plain)

@@ -428,15 +428,16 @@ def test_fused_verify_graph_equals_pure_function(pair, batch):
             np.add.at(counts[r], prefix[r], 1)
         # some rows draft fewer than the bucket (found by mutation testing: every call passed n_valid = K)
         n_valid = np.where(np.arange(ROWS) % 3 == 1, np.arange(ROWS) % k, k)
+        penal = any(p.penalises_output for p in param_list)  # (the plain graph for the others, as TargetModel)
         n, nxt = batch.verify(np.concatenate([prefix[:, -1:], drafts], 1), 4, q, u, param_list, seen, n_valid,
-                              counts)
+                              counts if penal else None)
         assert {r for r in range(ROWS) if CAP < param_list[r % len(param_list)].top_k < V} <= set(batch.redone)
         for r in range(CHECKED):
             params = param_list[r % len(param_list)]
             seq = list(prefix[r]) + list(drafts[r])
             logits = reference_logits(ckpt.config, ckpt.get, seq)[4:]  # [K+1, V]
-            p = np.stack([params.process(logits[i], seq[:5 + i], np.bincount(seq[:5 + i], minlength=V))
-                          for i in range(k + 1)])
+            p = np.stack([params.process(logits[i], seq[:5 + i], np.bincount(seq[:5 + i], minlength=V) if penal
+                                         else None) for i in range(k + 1)])
             want = speculative_accept(p, q[r], drafts[r], u[r, :k], u[r, k], n_valid[r])
             assert (n[r], nxt[r]) == want, (params, r, seq)
             outcomes.add((n[r] == n_valid[r], n_valid[r] < k))
@@ -558,12 +559,13 @@ def target(pair, request):
     return m, dict(top_k=6) if request.param == "on the host" else {}
 
 
-def _rows(params_list, u_acc, u_smp, q=None, seen=None):
+def _rows(params_list, u_acc, u_smp, q=None, seen=None, counts=None):
     from mindspec.graphs.runner import RowSampling
     return RowSampling(np.array([p.temperature for p in params_list]), np.array([p.top_k for p in params_list]),
                        np.array([p.top_p for p in params_list]),
                        np.array([p.repetition_penalty for p in params_list]), np.asarray(u_acc), np.asarray(u_smp),
-                       seen=seen, q=q)
+                       seen=seen, q=q, counts=counts, presence=np.array([p.presence_penalty for p in params_list]),
+                       frequency=np.array([p.frequency_penalty for p in params_list]))
 
 
 def test_target_model_sampling_matches_the_pure_functions(pair, target):
@@ -595,3 +597,29 @@ def test_target_model_sampling_matches_the_pure_functions(pair, target):
     # the soak prober's: a graph variant did this inside, compiled per shape on first need while serving
     # (15-40 s with every row waiting, +0.1-1 GB each): the host needs no graph of its own
     assert {key.split("(")[0] for key in m.compiled} == {"prefill", "sample"}
+
+
+def test_target_model_penalised_rows_match_the_pure_functions(pair, target):
+    """Rows with presence/frequency penalties through TargetModel (its "penal" graphs: runner.step's inputs in
+    their order, and on the host runner._sampled's redo; the review's: only a test harness of its own had run
+    them): each verify's outcome is the pure functions', the output's counts and the drafts before each
+    position counted in."""
+    (m, kw), ckpt = target, pair[0]
+    rng = np.random.default_rng(12)
+    ref = lambda seq: reference_logits(ckpt.config, ckpt.get, seq)[-1]  # noqa: E731
+    host = m.host_rows
+    for case in range(4):
+        params = SamplingParams(float(rng.uniform(0.5, 1.5)), presence_penalty=1.5, frequency_penalty=-0.8, **kw)
+        seq = [int(x) for x in rng.integers(0, V, 6)]
+        m.prefill([0], [0], [seq[:-1]], _rows([params], [[0.5]], [[0.5]]))  # (the cache: positions 0..4)
+        counts = np.bincount(seq[2:], minlength=V).astype(np.float32)  # the output: seq[2:]; seq[:2] the prompt
+        q = params.for_draft().process(rng.normal(0, 2, (2, V))).astype(np.float32)  # [K, V]
+        drafts = [int(sample(q[i], float(rng.random()))) for i in range(2)]
+        u = rng.random(3, dtype=np.float32)
+        n, nxt = m.step([[seq[-1]] + drafts], [0], [len(seq) - 1], [2],
+                        _rows([params], [u[:2]], [[u[2]] * 3], q=q[None], counts=counts[None]))
+        p = np.stack([params.process(ref(seq + drafts[:i]), None, counts + np.bincount(drafts[:i], minlength=V))
+                      for i in range(3)])
+        assert (int(n[0]), int(nxt[0])) == speculative_accept(p, q, drafts, u[:2], u[2]), case
+    assert m.host_rows - host == (8 if kw else 0)  # each case's prefill and verify: redone on the host
+    assert any(key.startswith("penal(") for key in m.compiled)
