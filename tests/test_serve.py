@@ -288,7 +288,7 @@ def _serve_in_process(pipe, monkeypatch, base, check, **kw):
                 os.kill(os.getpid(), signal.SIGTERM)
 
     # no warm-up of every graph (some 12 s here): the requests compile the few they use
-    monkeypatch.setattr("mindspec.serve.prepare", lambda pipe, max_batch: pipe)
+    monkeypatch.setattr("mindspec.serve.prepare", lambda pipe, max_batch, defaults=None: pipe)
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     checker = threading.Thread(target=client, daemon=True)
     checker.start()
