@@ -334,11 +334,15 @@ def serve(load, defaults, host="127.0.0.1", port=1025, model_name=None, tp=False
                                                                      zip(bound, planes.values())}))
     app.call = http.call
     port = http.start()
-    print(f"mindspec: listening on http://{host}:{port}; ready once the model is loaded and its graphs compiled "
-          "(from a warm compile cache: its one-row graphs)", file=sys.stderr, flush=True)
+    lines = [f"mindspec: listening on http://{host}:{port}; ready once the model is loaded and its graphs compiled "
+             "(from a warm compile cache: its one-row graphs)"]
     for (h, p), names in zip(http.extra, planes.values()):
         what = " and ".join(w for w, plane in (("health probes", MANAGEMENT), ("/metrics", METRICS)) if names & plane)
-        print(f"mindspec: {what} also on http://{f'[{h}]' if ':' in h else h}:{p}", file=sys.stderr, flush=True)
+        lines.append(f"mindspec: {what} also on http://{f'[{h}]' if ':' in h else h}:{p}")
+    # one write: the access log's lines come from the HTTP thread meanwhile (found: one cut a line in two;
+    # print writes a line and its newline apart)
+    sys.stderr.write("".join(line + "\n" for line in lines))
+    sys.stderr.flush()
     with signals.Signals(True, _hard_stop, final=True) as sig:
         try:
             app.pipe = prepare(load(), max_batch, defaults)
