@@ -477,7 +477,7 @@ class Api:
         body = await self._body(request)
         _check_keys(body, {"inputs", "parameters", "stream"})
         flag = _stream_flag(body)  # checked everywhere; /generate and /generate_stream decide by their route
-        if stream is not None and "stream" in body and body["stream"] is not None and flag != stream:
+        if stream is not None and body.get("stream") is not None and flag != stream:  # (a route's own: as asked)
             route, other = ("/generate", "/generate_stream") if flag else ("/generate_stream", "/generate")
             raise RequestError(f"stream {json.dumps(flag)} does not go with {route}: POST {other} (or / with "
                                f"stream {json.dumps(flag)})", param="stream")
