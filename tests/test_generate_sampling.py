@@ -69,3 +69,56 @@ def test_second_token_follows_the_target_distribution(pipe, tiny_target, min_con
     exp = exp.astype(np.float64) / exp.sum(dtype=np.float64) * obs.sum()  # float32 rounding trips chisquare
     assert chisquare(obs, exp).pvalue > 0.001, (obs, exp)
     assert (0 < cuts < n) if min_conf else cuts == 0, cuts  # the cut really shortened some steps
+
+
+
+@pytest.fixture(scope="module")
+def tied(tmp_path_factory):
+    """(pipeline, checkpoint dir) of a tiny pair with tied embeddings: a model that likes repeating a token it
+    was fed, so penalties on the output's tokens move its distribution a long way."""
+    from conftest import make_tiny_checkpoint
+    target, tensors = make_tiny_checkpoint(tmp_path_factory.mktemp("tied"), tie=True)
+    draft_dir, _ = make_tiny_checkpoint(tmp_path_factory.mktemp("tieddraft"), tie=True, base=tensors, noise=0.1, seed=1)
+    path = str(tmp_path_factory.mktemp("tdraft") / "d.onnx")
+    export_draft(draft_dir, path)
+    return mindspec.load(target=target, draft=path, k=2, max_seq=64), target
+
+
+def test_third_token_under_penalties_follows_the_target_distribution(tied):
+    """Sampling with OpenAI's presence and frequency penalties stays lossless: p is penalised by the output's
+    counts (the step's drafts counted in at each position, checked position by position in test_engine). The
+    third token (decided at the verify's second position when the first draft is kept) must follow
+    sum_ab p(a) p(b | a) p(c | a, b), each p penalised by the output before it; unpenalised, it is rejected."""
+    from mindspec.sampling import process_logits
+    pipe, target = tied
+    ck = Checkpoint(target)
+    t, pen = 1.5, dict(presence_penalty=2.0, frequency_penalty=2.0)
+
+    def p(prefix, output, **kw):  # the target's p after PROMPT + prefix, `output` the tokens generated
+        counts = np.bincount(np.asarray(output, np.int64), minlength=ck.config.vocab_size)
+        return process_logits(reference_logits(ck.config, ck.get, PROMPT + prefix)[-1], t, counts=counts, **kw)
+
+    def third(**kw):  # the third token's distribution
+        def likely(q):  # the tokens holding all but 1e-4 of q
+            order = np.argsort(-q)
+            return order[:int(np.searchsorted(np.cumsum(q[order]), 1 - 1e-4)) + 1]
+        p1, dist = p([], [], **kw), 0
+        for a in likely(p1):
+            p2 = p([int(a)], [int(a)], **kw)
+            for b in likely(p2):
+                dist = dist + p1[a] * p2[b] * p([int(a), int(b)], [int(a), int(b)], **kw)
+        return dist / dist.sum()
+    n, drafted = 300, 0
+    seen = np.zeros(ck.config.vocab_size)
+    for s in range(n):
+        res = pipe.generate(prompt_ids=PROMPT, max_new_tokens=4, temperature=t, seed=5000 + s, **pen)
+        seen[res.token_ids[2]] += 1
+        drafted += res.stats["drafted"]
+    assert drafted > n  # most runs drafted: the accept/reject step decided their third token
+
+    def pvalue(dist):
+        big = dist * n >= 5  # pool the rare tokens into one bin
+        obs, exp = np.append(seen[big], seen[~big].sum()), np.append(dist[big], dist[~big].sum())
+        return chisquare(obs, exp / exp.sum() * n).pvalue
+    assert pvalue(third(**pen)) > 0.001, pvalue(third(**pen))
+    assert pvalue(third()) < 0.001, pvalue(third())
