@@ -15,6 +15,7 @@ A failing engine call ends its requests with a 500 and the worker goes on; FAILE
 a row make /health answer 503 until a step succeeds (see App._account).
 """
 import asyncio
+import contextlib
 import itertools
 import os
 import queue
@@ -28,7 +29,7 @@ from .metrics import Metrics
 from .mindie_config import QUEUE_DELAY_US
 from .request import RequestError, make, parse
 from . import signals
-from .tp import share
+from .tp import share, stoppable
 
 TICK = 0.5  # s: how long an idle worker waits for a request before checking signals (and, under TP, pinging)
 # Engine steps failing in a row (a target or draft call raised: its requests ended with finish reason "error")
@@ -37,6 +38,7 @@ TICK = 0.5  # s: how long an idle worker waits for a request before checking sig
 # fault, a broken graph), and a load balancer should stop sending requests here. Small, so it says so within
 # a few requests; one successful step makes the server healthy again.
 FAILED_STEPS = 3
+STOP = "stop"  # what rank 0 of a tensor-parallel server shares when it stops, for the other ranks
 PROBE = {"prompt": "Hello", "max_tokens": 2, "ignore_eos": True}  # a prefill and a draft + verify step
 
 
@@ -117,15 +119,23 @@ class App:
         """The worker loop (main thread). Under tensor parallelism this is rank 0: each turn it hands the
         new requests and aborts to the other ranks (see follow), which apply them and step in lock step."""
         eng, ended = self.pipe.engine, False
+        if self.tp:
+            stoppable()  # a stop now reaches this rank alone (the launcher's SIGTERM), which ends the others here
         while True:
-            signals.check()  # SIGINT/SIGTERM end the loop here (mindspec.signals)
+            try:
+                signals.check()  # SIGINT/SIGTERM end the loop here (mindspec.signals)
+            except KeyboardInterrupt:
+                if self.tp:
+                    share(STOP)  # the other ranks wait in follow()'s share: they end
+                raise
             free = self.max_batch - len(eng.rows) - len(eng.waiting) - self.jobs.qsize()
             new, gone, jobs = self._take(wait_s(eng.has_work or self.warming, ended and free > 0, self.queue_delay))
             if self.tp:
                 share((new, gone))  # also when idle: the other ranks must not wait in a collective for long
             for rid, kw in new:
                 self.live[rid] = jobs[rid]
-            ended = self.turn(new, gone, self._events, account=True)
+            with signals.deferred() if self.tp else contextlib.nullcontext():  # (the other ranks run it too)
+                ended = self.turn(new, gone, self._events, account=True)
 
     def turn(self, new, gone, on_event, account=False):
         """Apply one turn's new requests and aborts, then run one engine step (every rank runs this).
@@ -294,10 +304,10 @@ def wait_s(busy, freed, delay):
 
 def follow(app):
     """Ranks > 0 of a tensor-parallel server: apply each turn rank 0 shares and step the engine in lock
-    step with it (the target's collectives need every rank); answer nobody. Runs until the job is stopped."""
-    while True:
-        new, gone = share(None)
-        app.turn(new, gone, lambda *_: None)
+    step with it (the target's collectives need every rank); answer nobody. Runs until rank 0 stops (or the
+    job is stopped)."""
+    while (turn := share(None)) != STOP:
+        app.turn(*turn, lambda *_: None)
 
 
 def prepare(pipe, max_batch, defaults=None):

@@ -21,6 +21,7 @@ import threading
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _active = None  # the Signals in force (main thread), for check() from code that holds none
+_deferred = 0  # inside deferred(): check() raises nothing
 
 
 class Signals:
@@ -219,6 +220,19 @@ def active():
 
 
 def check():
-    """Raise KeyboardInterrupt if a signal was recorded (nothing when no Signals is in force)."""
-    if _active is not None:
+    """Raise KeyboardInterrupt if a signal was recorded (nothing when no Signals is in force, or deferred)."""
+    if _active is not None and not _deferred:
         _active.check()
+
+
+@contextlib.contextmanager
+def deferred():
+    """check() raises nothing inside: a stop stays recorded for the first check() after. For work every rank
+    of a tensor-parallel job runs in lock step (a server's turn): rank 0 leaving it half-way would leave the
+    others waiting in a collective for ever."""
+    global _deferred
+    _deferred += 1
+    try:
+        yield
+    finally:
+        _deferred -= 1

@@ -10,6 +10,8 @@ whole job: msrun notices within a second and kills the others; the launcher prin
 the rank and its log, and returns non-zero; a rank that failed with a one-line error (`fail`) is
 named with that error, and the job exits 2. Nothing waits on a dead rank for long: msrun's
 cluster time-out bounds the start-up, and a grace period bounds the shutdown after a failure.
+A Ctrl-C or SIGTERM stops every rank at once (exit 130), except a server serving (`stoppable`): rank 0
+gets it and ends the job as at TP=1 (its requests answered 503, the other ranks told, exit 0).
 
 Several machines (`--nodes N --node-rank R --master-addr A --master-port P`, each machine running the
 same command): `topology` checks the flags and `msrun_command` gives each machine its share of the ranks
@@ -63,6 +65,8 @@ ENV_JOB = "MINDSPEC_TP_JOB"  # the launcher's job directory: rank 0's stdout/std
 ENV_LAUNCHER = "MINDSPEC_TP_LAUNCHER"  # the launcher's pid: ranks (and msrun's scheduler) die with it
 ENV_NODES = "MINDSPEC_TP_NODES"  # "R/N": this machine's --node-rank R of --nodes N
 ENDED = "ended"  # in the job directory once the launcher stopped the job itself: its watchers then leave it be
+STOPPABLE = "stoppable"  # in the job directory once rank 0 ends the job itself on a stop (a server serving)
+STOP_GRACE = 30  # s: after a stop was handed to rank 0, how long the job may take to end itself
 CLUSTER_TIMEOUT = 120  # s: msrun's cluster time-out (ranks that never join / stop answering)
 NODES_TIMEOUT = 600  # s: the same over several machines, each started by hand (msrun's own default)
 FAILURE_GRACE = 3  # s: after a rank died msrun kills the others at once, then waits for its scheduler: not for long
@@ -279,8 +283,13 @@ def launch(argv, n, script=None, timeout=CLUSTER_TIMEOUT, log_dir=None, grace=FA
     failed_at, done_at, ended0, stuck, interrupted, seen = None, None, None, [], False, 0
     main = threading.current_thread() is threading.main_thread()
     old_term = signal.signal(signal.SIGTERM, signal.default_int_handler) if main else None  # SIGTERM = Ctrl-C
-    try:
+
+    def watch(until=float("inf")):
+        """Follow the job until it ended or must be stopped (True), or `until` (time.monotonic()) came (False)."""
+        nonlocal failed_at, done_at, ended0, stuck, seen
         while proc.poll() is None:
+            if time.monotonic() > until:
+                return False
             out.pump()
             err.pump()
             if out.error is not None and product:
@@ -305,6 +314,16 @@ def launch(argv, n, script=None, timeout=CLUSTER_TIMEOUT, log_dir=None, grace=FA
             if done_at is not None and (time.monotonic() - done_at > EXIT_GRACE or _all_exited(job, topo.ranks)):
                 break  # MindSpore's finalize (ranks unregistering, the scheduler polling) takes ~7 s: skip it
             time.sleep(0.05)
+        return True
+
+    try:
+        try:
+            watch()
+        except KeyboardInterrupt:
+            # a server serving ends itself as at TP=1 (its requests answered 503, the other ranks told, exit 0):
+            # the stop goes to rank 0 alone; else, or when the job does not end within STOP_GRACE, msrun stops it
+            if not (_hand_stop(job) and watch(time.monotonic() + STOP_GRACE)):
+                raise
     except KeyboardInterrupt:
         interrupted = True
         _wind_down(proc, main)
@@ -337,6 +356,20 @@ def launch(argv, n, script=None, timeout=CLUSTER_TIMEOUT, log_dir=None, grace=FA
         _who_died(job, msrun_log, topo.ranks, rcs, n)
     print(f"mindspec: error: {what}; the job was stopped (logs: {log_dir})", file=stderr, flush=True)
     return rcs.get(said[0], 2) if said else 1
+
+
+def _hand_stop(job):
+    """SIGTERM to rank 0 where it ends the job itself on a stop (STOPPABLE); returns whether it was sent."""
+    if not os.path.exists(os.path.join(job, STOPPABLE)):
+        return False
+    try:
+        pid = int(_read(os.path.join(job, "rank0.pid"), "0"))
+        if pid > 0:  # (never 0: that would be this process's group)
+            os.kill(pid, signal.SIGTERM)
+            return True
+    except (ValueError, OSError):  # (gone)
+        pass
+    return False
 
 
 def _on_ascend(device):
@@ -552,6 +585,14 @@ def init_worker(n=None):
                 os.close(target)
                 stream.reconfigure(line_buffering=True)
     return size, rank
+
+
+def stoppable():
+    """Rank 0 (of a launched job) now ends the job itself on a stop: the launcher hands a Ctrl-C or SIGTERM to
+    it alone (a server's worker loop, which tells the other ranks)."""
+    job = os.environ.get(ENV_JOB)
+    if job and is_worker() and is_rank0():
+        open(os.path.join(job, STOPPABLE), "w").close()
 
 
 def barrier():

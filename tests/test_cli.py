@@ -195,6 +195,27 @@ def test_a_signal_after_a_command_ended_and_before_it_exits_changes_nothing():
         assert (p.returncode, p.stdout, p.stderr) == (*want, ""), (how, p.returncode, p.stdout, p.stderr[-2000:])
 
 
+def test_a_stop_inside_deferred_is_raised_at_the_first_check_after():
+    """A tensor-parallel server's turn runs with its stop deferred (rank 0 leaving it half-way, e.g. at a graph
+    compile's check, would leave the other ranks in a collective): the stop is raised at the next check."""
+    code = """if 1:
+        import os, signal
+        from mindspec import signals
+        with signals.Signals(True, lambda: os._exit(9), final=True):
+            with signals.deferred():
+                os.kill(os.getpid(), signal.SIGTERM)
+                signals.check()
+                print("deferred", flush=True)
+            try:
+                signals.check()
+            except KeyboardInterrupt:
+                print("raised", flush=True)
+        os._exit(0)
+    """
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert (p.returncode, p.stdout, p.stderr) == (0, "deferred\nraised\n", ""), (p.returncode, p.stdout, p.stderr)
+
+
 def _bad(d, name, breaker):
     path = d / name
     if not path.exists():

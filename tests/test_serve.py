@@ -1718,7 +1718,8 @@ def test_sigterm_while_loading_stops_quietly(pair, tmp_path, after):
 def test_tensor_parallel_server(pair, pipe):
     """`serve --tp 2`: rank 0 listens on 127.0.0.1 and hands each request to rank 1 (idle ranks ping
     each other every TICK, so a quiet server does not break the group); answers equal TP=1's, a bad
-    request is still a 4xx, and SIGTERM to the launcher ends the whole job. Its stdout is full (a review's:
+    request is still a 4xx, and SIGTERM to the launcher ends the whole job as at TP=1: the requests in flight
+    answer 503, the other ranks are told, exit 0. Its stdout is full (a review's:
     the launcher stopped the job when it could not copy the "serving" line; at TP=1 the server serves)."""
     import time
     target, draft = pair
@@ -1754,8 +1755,25 @@ def test_tensor_parallel_server(pair, pipe):
         tgi = post(base, "/generate", body)
         ref = pipe.generate(prompt=TEXT, max_new_tokens=N, temperature=1.5, seed=7, k=1)
         assert [t["id"] for t in tgi["details"]["tokens"]] == ref.token_ids
+        # SIGTERM as at TP=1 (it exited 130, the requests in flight cut off): one running, the others queued
+        # (--max-batch 1) each answer 503, and the job exits 0
+        got = []
+        asks = [threading.Thread(target=lambda: got.append(call(base, "/v1/completions", {
+            "prompt": IDS, "max_tokens": MAX_SEQ - len(IDS), "ignore_eos": True})), daemon=True) for _ in range(3)]
+        for t in asks:
+            t.start()
+        assert wait_for(lambda: _metrics(base)[("mindspec_requests_waiting", ())] == 2, 60)
         p.send_signal(signal.SIGTERM)
-        assert p.wait(timeout=60) == 130
+        assert p.wait(timeout=60) == 0
+        for t in asks:
+            t.join(30)
+        stopping = (503, {"error": {"message": "the server is shutting down", "type": "server_error", "param": None,
+                                    "code": 503}})
+        assert len(got) == 3 and [(c, json.loads(t)) for c, t in got].count(stopping) >= 2, got
+        log = []
+        while "mindspec: server stopped\n" not in log:
+            log.append(lines.get(timeout=10))
+        assert not any("error" in x or "Traceback" in x for x in log), log
     finally:
         if p.poll() is None:
             import os
