@@ -216,16 +216,23 @@ class Api:
     def error(status, message, family, param=None, headers=None):
         """One-line JSON errors: OpenAI's shape on /v1/* and the rest, TGI/MindIE's {"error", "error_type"}
         on theirs, where input validation answers 422 as TGI and MindIE do."""
-        msg = one_line(message)
         if status in (429, 503):  # busy, loading or stopping: a client's retry loop waits a second, not at once
             headers = {"Retry-After": "1", **(headers or {})}
+        status, body = Api.error_body(status, message, family, param)
+        return web.json_response(body, status=status, headers=headers)
+
+    @staticmethod
+    def error_body(status, message, family, param=None):
+        """(status, body) of error(); a stream's last event is the body alone (the status went out with its
+        first text)."""
+        msg = one_line(message)
         if family == "tgi":
             status = 422 if status == 400 else status
-            return web.json_response(tgi_error(status, msg), status=status, headers=headers)
+            return status, tgi_error(status, msg)
         if param is None and status < 500:  # the field a message starts with ("temperature must be ...")
             m = re.match(r"(?:unknown field ')?(\w+)", msg)
             param = m.group(1) if m and m.group(1) in _FIELDS else None
-        return web.json_response(openai_error(status, msg, param), status=status, headers=headers)
+        return status, openai_error(status, msg, param)
 
     # ---- plumbing
 
@@ -292,8 +299,9 @@ class Api:
                 status, msg = {"error": (getattr(val, "status", 400), val),
                                "fail": (500, f"internal error: {summary(val)}"),
                                "unavailable": (503, "the server is shutting down")}[kind]
-                if resp is not None:  # too late for a status code: a last event says what happened
-                    await resp.write(_event({"error": one_line(msg), "status": status}))
+                if resp is not None:  # too late for a status code: a last event says what happened, in the
+                    # API's error shape (OpenAI's SDK reads error.message from an object only)
+                    await resp.write(_event(self.error_body(status, msg, fmt.family, getattr(val, "param", None))[1]))
                     await resp.write_eof()
                     return resp
                 return self.error(status, msg, fmt.family, getattr(val, "param", None))

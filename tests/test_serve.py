@@ -1396,6 +1396,33 @@ def test_an_internal_error_is_named_by_its_first_line_of_words():
     assert summary(RuntimeError(banner)) == "RuntimeError" and summary(ValueError()) == "ValueError"
 
 
+def test_a_tgi_stream_that_fails_ends_in_tgis_error_shape(pipe, monkeypatch):
+    """A TGI stream whose engine step failed after its first token ends with TGI's error event, which
+    text_generation's client raises as a GenerationError naming the cause (it was {"error", "status"}: an
+    UnknownError)."""
+    from text_generation import Client
+    from text_generation.errors import GenerationError
+    base = _free_base()
+
+    real, calls = pipe.target.step, []
+
+    def second_fails(*a, **kw):  # (text goes out once a later token has some: the first step's must pass)
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError(KERNEL_FAULT)
+        return real(*a, **kw)
+
+    def check():
+        monkeypatch.setattr(pipe.target, "step", second_fails)
+        got = []
+        with pytest.raises(GenerationError, match="^internal error: RuntimeError: Launch kernel failed"):
+            for ev in Client(base, timeout=60).generate_stream(TEXT, max_new_tokens=N):
+                got.append(ev.token.text)
+        assert got and len(calls) == 2, (got, calls)  # the stream had started
+
+    _serve_in_process(pipe, monkeypatch, base, check)
+
+
 def test_health_says_503_while_the_engine_keeps_failing(pipe, monkeypatch):
     """An in-process server over the module's pipeline (the real HTTP stack, engine loop and health
     logic): with the
@@ -1449,10 +1476,18 @@ def test_health_says_503_while_the_engine_keeps_failing(pipe, monkeypatch):
             elif i == 1:
                 status, text = call(base, "/generate", {"inputs": TEXT, "parameters": {"max_new_tokens": N}})
                 assert json.loads(text)["error_type"] == "generation"
-            else:  # the prefill's first token went out: the stream ends with an error event
-                evs = events(base, "/v1/completions", dict(body, stream=True))
-                status, text = evs[-1]["status"], json.dumps(evs[-1])
-                assert len(evs) == 2 and evs[0]["choices"][0]["text"] is not None, evs
+            else:  # the prefill's first token went out: the stream ends with an error event, in OpenAI's shape
+                # (the probe's: it was {"error": "...", "status": 500}, and OpenAI's SDK raised "An error occurred
+                # during streaming", the cause left out)
+                import openai
+                oa = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
+                got = []
+                with pytest.raises(openai.APIError) as e:
+                    for chunk in oa.completions.create(model="m", prompt=IDS, max_tokens=N, stream=True):
+                        got.append(chunk.choices[0].text)
+                assert len(got) == 1 and e.value.message == e.value.body["message"], (got, e.value)
+                assert e.value.body["type"] == "server_error" and e.value.body["param"] is None
+                status, text = e.value.body["code"], e.value.message
             assert status == 500 and "\n" not in text and "Traceback" not in text, text
             assert "internal error: RuntimeError: Launch kernel failed" in text and "C++" not in text, text
         return real
