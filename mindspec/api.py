@@ -93,10 +93,10 @@ def _include_usage(body, stream):
     _check_keys(opts, {"include_usage", "continuous_usage_stats"}, "stream_options.")
     if opts.get("continuous_usage_stats") not in (None, False):  # (vLLM's usage on every chunk)
         raise RequestError("stream_options.continuous_usage_stats is not supported (false only)",
-                           param="stream_options")
+                           param="stream_options.continuous_usage_stats")
     usage = opts.get("include_usage", False)  # (OpenAI's default: {} asks for none)
     if not isinstance(usage, bool):
-        raise RequestError("stream_options.include_usage must be true or false", param="stream_options")
+        raise RequestError("stream_options.include_usage must be true or false", param="stream_options.include_usage")
     if not stream:  # (OpenAI's and vLLM's rule)
         raise RequestError("stream_options is only allowed with stream: true", param="stream_options")
     return usage
@@ -130,21 +130,22 @@ def _prompt(p, limit):
 
 
 def _check_keys(body, known, where=""):
-    """Unknown keys and known-but-unsupported values are a 400 naming the field, never silently dropped."""
+    """Unknown keys and known-but-unsupported values are a 400 naming the field, never silently dropped (`where`:
+    the path of a nested object's fields, "stream_options.", also in error.param)."""
     for key, value in body.items():
         if key in known or value is None:
             continue
         if key in IGNORED:
             check, kind = IGNORED[key]
             if not check(value):
-                raise RequestError(f"{where}{key} must be {kind}, got {json.dumps(value)[:60]}", param=key)
+                raise RequestError(f"{where}{key} must be {kind}, got {json.dumps(value)[:60]}", param=where + key)
             continue
         if key in OFF:
             if not any(value == off and isinstance(value, bool) == isinstance(off, bool) for off in OFF[key]):
                 raise RequestError(f"{where}{key}={json.dumps(value)[:60]} is not supported by mindspec serve",
-                                   param=key)
+                                   param=where + key)
             continue
-        raise RequestError(f"unknown field '{where}{key}'", param=key)
+        raise RequestError(f"unknown field '{where}{key}'", param=where + key)
 
 
 class Api:

@@ -771,8 +771,10 @@ def test_bad_requests_get_one_line_json_errors(server, path, body, status, needl
     if not path.startswith(("/generate", "/infer")):  # OpenAI's shape
         assert err["error"]["type"] == "invalid_request_error" and needle in err["error"]["message"], err
         assert err["error"]["code"] == status, err  # (found by mutation testing: the code was unchecked)
-        field = re.match(r"(?:unknown field ')?(\w+)[=' ]", err["error"]["message"])
-        if status == 400 and field and field.group(1) in str(body):  # the field at fault, as OpenAI names it
+        # the field at fault, as OpenAI names it; a nested one by its path (the probe's: "stream_options.use" was
+        # "use")
+        field = re.match(r"(?:unknown field ')?([\w.]+)[=' ]", err["error"]["message"])
+        if status == 400 and field and all(part in str(body) for part in field.group(1).split(".")):
             assert err["error"]["param"] == field.group(1), err
     else:  # TGI / MindIE's shape
         assert err["error_type"] == "validation" and needle in err["error"], err
@@ -983,6 +985,17 @@ def test_logprobs_are_the_engines_own_in_every_openai_shape(server, pipe):
     assert zero["tokens"] == [text(i) for i in ids] and zero["top_logprobs"] == [{}] * len(ids)
     assert zero["token_logprobs"][:N] == pytest.approx(lp["token_logprobs"], abs=1e-5)
     assert len(zero["token_logprobs"]) == len(ids) and zero["text_offset"] == starts
+    # a stop string (the probe's: documented as rebuilding the text): the tokens that made it keep their entries,
+    # as vLLM's, at the text's end; usage counts them
+    full = pipe.tokenizer.decode(ids[:N])
+    stop = full[len(pipe.tokenizer.decode(ids[:N // 2])):][:3]
+    cut = post(server[0], "/v1/completions", {"prompt": TEXT, "max_tokens": N, "logprobs": 0, "stop": stop,
+                                             "stream": False})
+    got, lps = cut["choices"][0]["text"], cut["choices"][0]["logprobs"]
+    assert stop not in got and full.startswith(got + stop) and cut["choices"][0]["finish_reason"] == "stop"
+    n = cut["usage"]["completion_tokens"]
+    assert lps["tokens"] == [text(i) for i in ids[:n]] and pipe.tokenizer.decode(ids[:n]).startswith(got + stop)
+    assert lps["text_offset"] == [min(x, len(got)) for x in starts[:n]] and lps["text_offset"][-1] == len(got)
 
     msgs = [{"role": "user", "content": "Hi"}]
     ref = pipe.generate(prompt="Hi", chat=True, max_new_tokens=N, logprobs=3)
