@@ -493,7 +493,11 @@ def _launch_tp(argv, args):
     if args.cmd == "batch":
         from .batch import check_shared_input
         check_shared_input(args.input, "--tp", "rank")
-    return tp.launch(argv, args.tp, topo=topo, device=args.device, product=args.cmd == "generate")
+    # a batch job whose rank died could not go on (exit 1 would say: some lines failed); one replica of --dp
+    # exits 1 still, its launcher counting what it left unfinished
+    died = (2, "; what it wrote is kept: run the same command again to resume") \
+        if args.cmd == "batch" and args.dp_replica is None else (1, "")
+    return tp.launch(argv, args.tp, topo=topo, device=args.device, product=args.cmd == "generate", died=died)
 
 
 def _check_tp_heads(args):

@@ -253,14 +253,15 @@ def _alive(pid):
 
 
 def launch(argv, n, script=None, timeout=CLUSTER_TIMEOUT, log_dir=None, grace=FAILURE_GRACE,
-           stdout=None, stderr=None, topo=None, device=None, stray=STRAY_GRACE, product=True):
+           stdout=None, stderr=None, topo=None, device=None, stray=STRAY_GRACE, product=True, died=(1, "")):
     """Run `python -m mindspec ARGV` (or `python SCRIPT ARGV`) on n ranks under msrun; return rank 0's
     exit code, or non-zero with one line on stderr when a rank died. Rank 0's output is streamed to
     stdout/stderr (default: this process's). `topo` (several machines): this machine's share of the n
     ranks; on a machine without rank 0, 0 when its ranks all ended well. `device`: --device (None: auto).
     `stray`: seconds the other ranks may run on once rank 0 ended, before they are stopped and named.
     `product`: rank 0's stdout is what the command makes (generate's text): a failed write of it stops the
-    job as at TP=1; otherwise (serve's "serving" line) what cannot be written is dropped."""
+    job as at TP=1; otherwise (serve's "serving" line) what cannot be written is dropped. `died`: (exit code,
+    words after the line) when a rank died or was left running (a batch job: 2, and that it resumes)."""
     stdout, stderr = stdout or sys.stdout, stderr or sys.stderr
     n = int(n)
     if n < 1:
@@ -354,8 +355,9 @@ def launch(argv, n, script=None, timeout=CLUSTER_TIMEOUT, log_dir=None, grace=FA
     what = f"tensor-parallel rank {said[0]} of {n}: {said[1]}" if said else \
         f"tensor-parallel rank {stuck[0]} of {n} was still running {stray:g} s after rank 0 ended" if stuck else \
         _who_died(job, msrun_log, topo.ranks, rcs, n)
-    print(f"mindspec: error: {what}; the job was stopped (logs: {log_dir})", file=stderr, flush=True)
-    return rcs.get(said[0], 2) if said else 1
+    print(f"mindspec: error: {what}; the job was stopped (logs: {log_dir}){'' if said else died[1]}", file=stderr,
+          flush=True)
+    return rcs.get(said[0], 2) if said else died[0]
 
 
 def _hand_stop(job):

@@ -761,9 +761,10 @@ def _job_processes(marker):
 
 
 def test_kill_9_of_a_tensor_parallel_launcher_ends_the_whole_job(setup, tmp_path):
-    """msrun starts every rank in its own session: killing the launcher's process group with SIGKILL
-    must still end the ranks and msrun's scheduler (they watch the launcher), leave no job directory,
-    and a resume then writes every id exactly once."""
+    """A rank killed mid-job (the batch prober's: exit 1, which says "some lines failed") stops the job with one
+    line naming it, exit 2, and its records kept. msrun starts every rank in its own session: killing the
+    launcher's process group with SIGKILL must still end the ranks and msrun's scheduler (they watch the
+    launcher), leave no job directory, and a resume then writes every id exactly once."""
     import signal
     inp = tmp_path / "in.jsonl"
     inp.write_text("".join(json.dumps({"id": i, "prompt_ids": [5 + i, 6, 7], "max_new_tokens": 40,
@@ -772,12 +773,29 @@ def test_kill_9_of_a_tensor_parallel_launcher_ends_the_whole_job(setup, tmp_path
     tmp.mkdir()
     env = dict(os.environ, TMPDIR=str(tmp), MINDSPEC_PROGRESS_S="3600")
     tp = ["--tp", "2", "--max-new-tokens", "40"]  # TP_GRAPHS (a sampled line: line 0)
+    p = subprocess.Popen(command(setup, out, inp, tp), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                         env=env)
+    while not (out.exists() and records(out)):
+        assert p.poll() is None, p.stderr.read()
+        time.sleep(0.05)
+    rank1 = [pid for pid in _job_processes(str(out)) if b"RANK_ID=1\x00" in _proc(pid, "environ")
+             and b"MS_ROLE=MS_WORKER\x00" in _proc(pid, "environ")]
+    assert len(rank1) == 1
+    os.kill(rank1[0], signal.SIGKILL)
+    code, err = p.wait(timeout=120), p.stderr.read()
+    assert code == 2 and re.fullmatch(r"mindspec: error: tensor-parallel rank 1 of 2 died \(killed by signal 9\); "
+                                      r"the job was stopped \(logs: .*\); what it wrote is kept: run the same "
+                                      r"command again to resume", last(err)), err
+    written = len(records(out))
+    assert 1 <= written < 12
+    shutil.rmtree(tmp)  # (the failed job's logs)
+    tmp.mkdir()
     p = subprocess.Popen(command(setup, out, inp, tp),
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
     deadline = time.time() + 240
-    while time.time() < deadline and not (out.exists() and records(out)):
+    while time.time() < deadline and len(records(out)) == written:
         time.sleep(0.2)
-    assert out.exists() and records(out), "the job never wrote a record"
+    assert len(records(out)) > written, "the job never wrote a record"
     os.killpg(p.pid, signal.SIGKILL)
     p.wait()
     deadline = time.time() + 30
