@@ -168,12 +168,18 @@ def check_chat(model):
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
 
+SPEED_ONLY = ("draft_temperature", "draft_min_conf")  # request defaults outside a job's id (job_id)
+
+
 def job_id(defaults, model=None, dtype=None):
     """A short hash of what makes a result valid: the target model (its checkpoint fingerprint and its
     tokenizer, chat template and EOS, which decide the text as much; None = the embedded default, fixed
     by its pinned package), the target's dtype (float16 rounds to other near-ties; float32 or None, as
-    before dtypes counted) and the request defaults (sampling flags, --chat). Not the draft, K, --max-seq
-    or --tp: they change speed, not the output's distribution."""
+    before dtypes counted) and the request defaults (sampling flags, --chat). Not the draft, K, the draft's
+    temperature or confidence cut, --max-seq or --tp: they change speed, not the output's distribution (the
+    first two were hashed as they were given until the batch prober's: hashed as unset, ids made with their
+    defaults stay)."""
+    defaults = {k: None if k in SPEED_ONLY else v for k, v in defaults.items()}
     if model is not None:
         from .checkpoint import Checkpoint
         files = [_digest(os.path.join(model, f)) for f in TOKENIZER_FILES]

@@ -667,3 +667,8 @@ def test_the_penalty_flags_are_the_defaults_of_a_job_and_older_job_ids_stay():
     assert job_id(plain) == job_id(sampling_kwargs(parse(base + ["--presence-penalty", "0"])))
     kw = sampling_kwargs(parse(base + ["--presence-penalty", "0.5", "--frequency-penalty", "-1"]))
     assert (kw["presence_penalty"], kw["frequency_penalty"]) == (0.5, -1.0) and job_id(kw) != job_id(plain)
+    # the draft's temperature and confidence cut change speed, not what a result means (the batch prober's: a
+    # greedy job re-run with --draft-min-conf was "another job"), as K: one job, whose id is the one made before (the default flags: d199c986c5ed)
+    for speed in (["--draft-temperature", "1.5"], ["--draft-min-conf", "0.5"], ["-k", "2"]):
+        assert job_id(sampling_kwargs(parse(base + speed))) == job_id(plain) == "d199c986c5ed", speed
+    assert job_id(sampling_kwargs(parse(base + ["--temperature", "0.5"]))) != job_id(plain)
