@@ -103,9 +103,9 @@ def check_shared_input(path, flag, who):
                             "descriptor of this process")
 
 
-def _row(n, text):
+def _row(n, text, input_path):
     """(id, request dict, None) of one input line, or (id, None, error); the id None when the line has no
-    usable one (none, not JSON, or not a string or an integer)."""
+    usable one (none, not JSON, or not a string or an integer). A line in another format stops the job."""
     try:
         row = loads(text)
     except ValueError as e:
@@ -117,6 +117,10 @@ def _row(n, text):
     rid = row.get("id")
     if "id" in row and (isinstance(rid, bool) or not isinstance(rid, (str, int))):
         return None, None, f"line {n}: id must be a string or an integer, got {rid!r}"
+    if {"custom_id", "body"} <= set(row) and "id" not in row:  # (the batch prober's: an error record a line)
+        raise MindspecError(f"{input_path}:{n}: an OpenAI Batch API request (custom_id, method, url, body): mindspec batch "
+                            "reads the request itself, one a line ({\"id\": ..., \"messages\": [...], ...}: "
+                            "docs/batch.md); jq -c '{id: .custom_id} + (.body | del(.model))' turns such a file into one")
     if unknown := sorted(set(row) - FIELDS - {"id"}):
         return rid, None, f"line {n}: unknown field(s) {', '.join(unknown)}"
     return rid, {k: v for k, v in row.items() if k != "id"}, None
@@ -127,7 +131,7 @@ def _rows(lines, input_path):
     starts: skipping one of them would lose a prompt silently."""
     items, whose = [], {}
     for n, text in lines:
-        rid, req, err = _row(n, text)
+        rid, req, err = _row(n, text, input_path)
         rid, what = (rid, "id") if rid is not None else (n, "line number")
         if _key(rid) in whose:
             raise MindspecError(f"{input_path}:{n}: its {what} {rid!r} is already line {whose[_key(rid)]}; ids "

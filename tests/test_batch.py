@@ -369,8 +369,26 @@ def test_duplicate_ids_stop_the_job_before_it_starts(setup, tmp_path):
     inp.write_text(json.dumps({"id": [1], "prompt": "first"}) + "\n" + json.dumps({"id": 1, "prompt": "second"}) + "\n")
     _expect_usage_error(setup, tmp_path / "o.jsonl", "dup.jsonl:2: its id 1 is already line 1's line number; ids must "
                         "be unique (a line without a usable \"id\", a string or an integer, has its line number)", inp=inp)
-    assert B._row(3, '{"id": null, "prompt": "x"}') == (None, None, "line 3: id must be a string or an integer, "
-                                                                     "got None")
+    assert B._row(3, '{"id": null, "prompt": "x"}', "i") == (None, None, "line 3: id must be a string or an "
+                                                                          "integer, got None")
+
+
+def test_an_openai_batch_file_is_refused_before_anything_loads(setup, tmp_path):
+    """The batch prober's: a line of OpenAI's Batch API ({custom_id, method, url, body}) loaded the model, then
+    got an error record ("unknown field(s) body, custom_id, method, url"), as every other line did: now the
+    job stops at once, saying what the line is and how to turn the file into requests."""
+    inp = tmp_path / "openai.jsonl"
+    lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}}
+             for i in range(2)]
+    inp.write_text(json.dumps({"id": "mine", "prompt": "x"}) + "\n" + "".join(json.dumps(x) + "\n" for x in lines))
+    _expect_usage_error(setup, tmp_path / "o.jsonl", "openai.jsonl:2: an OpenAI Batch API request (custom_id, method, "
+                        "url, body): mindspec batch reads the request itself", inp=inp)
+    assert not (tmp_path / "o.jsonl").exists()
+    # the conversion the message gives makes lines this reads
+    rows = B._rows([(n, json.dumps({"id": x["custom_id"]} | {k: v for k, v in x["body"].items() if k != "model"}))
+                    for n, x in enumerate(lines, 1)], "converted.jsonl")
+    assert [(r.rid, r.err) for r in rows] == [("r0", None), ("r1", None)]
 
 
 def _interrupt(setup, tmp_path, inp, out, sig, wait, tag):
