@@ -118,9 +118,10 @@ def _row(n, text, input_path):
     if "id" in row and (isinstance(rid, bool) or not isinstance(rid, (str, int))):
         return None, None, f"line {n}: id must be a string or an integer, got {rid!r}"
     if {"custom_id", "body"} <= set(row) and "id" not in row:  # (the batch prober's: an error record a line)
-        raise MindspecError(f"{input_path}:{n}: an OpenAI Batch API request (custom_id, method, url, body): mindspec batch "
-                            "reads the request itself, one a line ({\"id\": ..., \"messages\": [...], ...}: "
-                            "docs/batch.md); jq -c '{id: .custom_id} + (.body | del(.model))' turns such a file into one")
+        raise MindspecError(f"{input_path}:{n}: an OpenAI Batch API request (custom_id, method, url, body): "
+                            "mindspec batch reads the request itself, one a line ({\"id\": ..., \"messages\": [...], "
+                            "...}: docs/batch.md); jq -c '{id: .custom_id} + (.body | del(.model))' turns such a file "
+                            "into one")
     if unknown := sorted(set(row) - FIELDS - {"id"}):
         return rid, None, f"line {n}: unknown field(s) {', '.join(unknown)}"
     return rid, {k: v for k, v in row.items() if k != "id"}, None
@@ -181,8 +182,8 @@ def job_id(defaults, model=None, dtype=None):
     by its pinned package), the target's dtype (float16 rounds to other near-ties; float32 or None, as
     before dtypes counted) and the request defaults (sampling flags, --chat). Not the draft, K, the draft's
     temperature or confidence cut, --max-seq or --tp: they change speed, not the output's distribution (the
-    first two were hashed as they were given until the batch prober's: hashed as unset, ids made with their
-    defaults stay)."""
+    draft's two were hashed as given until the batch prober's; hashed as unset, ids made with their defaults
+    stay)."""
     defaults = {k: None if k in SPEED_ONLY else v for k, v in defaults.items()}
     if model is not None:
         from .checkpoint import Checkpoint
