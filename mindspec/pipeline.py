@@ -1,10 +1,13 @@
 """`mindspec.load(...)` -> Pipeline: target + draft + tokenizer, and thin drivers over the one engine:
 generate (one request), generate_many (many, continuously batched) and run (what serve and batch
 use)."""
+import atexit
 import functools
+import gc
 import inspect
 import os
 import threading
+import weakref
 from collections import deque
 
 import numpy as np
@@ -37,6 +40,29 @@ def _graphs(fn):
     return holding
 
 __all__ = ["Pipeline", "Result", "load"]
+
+
+_LIVE = weakref.WeakSet()  # pipelines holding graphs (_free_at_exit)
+_registered = False
+
+
+def _free_at_exit(pipe):
+    """Free `pipe`'s graphs at the interpreter's exit, while it is whole: freed in its teardown instead (the
+    library prober's: with multiprocessing imported), MindSpore's Cell.__del__ found weakref's functions gone,
+    six "Exception ignored" tracebacks on stderr. A pipeline a thread still runs keeps them."""
+    global _registered
+    if not _registered:
+        atexit.register(_free_all)  # (after MindSpore's import: runs before whatever it registered)
+        _registered = True
+    _LIVE.add(pipe)
+
+
+def _free_all():
+    for pipe in list(_LIVE):
+        if pipe.engine is None or not pipe.engine.has_work:
+            pipe.target = pipe.engine = None
+    gc.collect()
+    _LIVE.clear()
 
 
 class Pipeline:
@@ -196,6 +222,7 @@ class Pipeline:
         self.target = None  # free the old graphs' memory first
         self.target = TargetModel(self.ckpt, max_seq, self.spec.k_buckets, self.spec.batch_buckets, max_batch,
                                   self.dtype)
+        _free_at_exit(self)
         if self.tp > 1:  # every rank has its weights before any starts the first graph's collectives
             from .tp import barrier
             barrier()
