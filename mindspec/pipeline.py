@@ -99,6 +99,7 @@ class Pipeline:
         self.eos = frozenset(self.cfg.eos_token_ids) | frozenset(self.tokenizer.eos_token_ids)
         self.target = self.proposer = self.engine = self.manifest = self.draft_path = None
         self._turn, self._holder = threading.Lock(), None  # run(): one call at a time, threads take turns
+        self._pid = os.getpid()  # (_check_process)
         self.prefix_cache = bool(prefix_cache)  # a new request reuses the K/V of a prefix a finished one left (engine.py)
         self.set_draft(draft)
         self._check_k(k)
@@ -312,6 +313,7 @@ class Pipeline:
         graph), load only the graphs of batches up to that many rows now, the others left to
         target.load_next; penal: the graphs of rows with presence/frequency penalties too (a request with
         them asks for them itself). Returns the seconds spent compiling (or loading from the compile cache)."""
+        self._check_process()
         _check_call("prepare", reqs, max_batch)  # (0 rows returned as if done)
         if rows_now is not None and not (is_int(rows_now) and rows_now >= 1):
             raise MindspecError(f"rows_now must be an integer >= 1 or None, got {rows_now!r}")
@@ -352,6 +354,13 @@ class Pipeline:
         if prior is not None:
             self.engine.dynamic.seen_acc, self.engine.dynamic.seen_trials = prior.seen_acc, prior.seen_trials
 
+    def _check_process(self):
+        """Refuse a forked child (the library prober's: its generate hung for ever, silently)."""
+        if os.getpid() != self._pid:
+            raise MindspecError(f"this pipeline was loaded by process {self._pid}, and a process forked from it "
+                                "cannot run it (MindSpore's and onnxruntime's threads do not survive a fork: it "
+                                "would hang): load it in the child, or start children with the \"spawn\" method")
+
     def run(self, reqs, on_event=None, max_batch=1):
         """Run requests to the end through the engine, up to max_batch at once (the rest join as rows
         finish). on_event(request, text) gets each step's new text per request, and its end."""
@@ -370,6 +379,7 @@ class Pipeline:
         closed); one left by an exception (Ctrl-C, a consumer that raised) or closed half-way leaves the
         engine empty. A Ctrl-C is held back only while MindSpore runs (each warm-up and step, see _held):
         the consumer's own code between steps gets it as usual. The loop every caller shares."""
+        self._check_process()
         if self._holder == threading.get_ident():
             raise MindspecError("generate was called from inside its own callback, or while a stream of this "
                                 "pipeline is open: call it after that one ends (or close the stream)")

@@ -829,3 +829,27 @@ def test_a_script_ends_without_mindspores_teardown_tracebacks(tiny_target, noisy
     """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert r.returncode == 0 and r.stdout.startswith("[") and r.stderr == "", r.stderr[-3000:]
+
+
+def test_a_forked_child_is_refused_not_hung(pipe):
+    """The library prober's: generate in a process forked after the pipeline had run hung for ever (MindSpore's
+    and onnxruntime's threads are not in the child). The child gets one error at once; the parent runs on."""
+    import multiprocessing as mp
+    want = pipe.generate(prompt_ids=[5, 6, 7], max_new_tokens=4).token_ids
+    q = mp.get_context("fork").SimpleQueue()
+
+    def child():
+        try:
+            pipe.generate(prompt_ids=[5, 6, 7], max_new_tokens=4)
+            q.put("ran")
+        except mindspec.MindspecError as e:
+            q.put(str(e))
+    proc = mp.get_context("fork").Process(target=child)
+    proc.start()
+    proc.join(60)
+    alive = proc.is_alive()
+    if alive:
+        proc.kill()
+    assert not alive and q.get().startswith(f"this pipeline was loaded by process {os.getpid()}, and a process "
+                                             "forked from it cannot run it")
+    assert pipe.generate(prompt_ids=[5, 6, 7], max_new_tokens=4).token_ids == want
