@@ -32,11 +32,13 @@ _GRAPHS = threading.RLock()
 
 
 def _graphs(fn):
-    """fn holding _GRAPHS (it builds or runs graphs)."""
+    """The method fn holding _GRAPHS (it builds or runs graphs); refused first in a forked child (where another
+    thread's hold at the fork is held for ever)."""
     @functools.wraps(fn)
-    def holding(*args, **kw):
+    def holding(self, *args, **kw):
+        self._check_process()
         with _GRAPHS:
-            return fn(*args, **kw)
+            return fn(self, *args, **kw)
     return holding
 
 __all__ = ["Pipeline", "Result", "load"]
@@ -58,11 +60,18 @@ def _free_at_exit(pipe):
 
 
 def _free_all():
-    for pipe in list(_LIVE):
-        if pipe.engine is None or not pipe.engine.has_work:
-            pipe.target = pipe.engine = None
-    gc.collect()
-    _LIVE.clear()
+    # (not one a call holds: a daemon thread may be in it; nor while another thread runs a graph: two threads in
+    # MindSpore's executor at once deadlocked; nor in a forked child, whose MindSpore threads are gone)
+    if not _GRAPHS.acquire(timeout=5):
+        return
+    try:
+        for pipe in list(_LIVE):
+            if pipe._pid == os.getpid() and pipe._turn.acquire(blocking=False):
+                pipe.target = pipe.engine = None
+                pipe._turn.release()
+        gc.collect()
+    finally:
+        _GRAPHS.release()
 
 
 class Pipeline:
@@ -157,6 +166,7 @@ class Pipeline:
         """Swap the draft (None or False: target-only), keeping the compiled target. Not while a call of this
         pipeline is open (a stream not yet ended, a callback's own call); a draft refused changes nothing."""
         # (the running rows' engine would be dropped: a call on another thread then spun for ever)
+        self._check_process()
         if not self._turn.acquire(blocking=False):  # a call runs: on another thread, or this is its callback
             raise MindspecError("cannot change the draft while requests are running")
         try:
@@ -313,7 +323,6 @@ class Pipeline:
         graph), load only the graphs of batches up to that many rows now, the others left to
         target.load_next; penal: the graphs of rows with presence/frequency penalties too (a request with
         them asks for them itself). Returns the seconds spent compiling (or loading from the compile cache)."""
-        self._check_process()
         _check_call("prepare", reqs, max_batch)  # (0 rows returned as if done)
         if rows_now is not None and not (is_int(rows_now) and rows_now >= 1):
             raise MindspecError(f"rows_now must be an integer >= 1 or None, got {rows_now!r}")
@@ -359,7 +368,8 @@ class Pipeline:
         if os.getpid() != self._pid:
             raise MindspecError(f"this pipeline was loaded by process {self._pid}, and a process forked from it "
                                 "cannot run it (MindSpore's and onnxruntime's threads do not survive a fork: it "
-                                "would hang): load it in the child, or start children with the \"spawn\" method")
+                                "would hang): start children with multiprocessing's \"spawn\" method, or fork "
+                                "before loading")
 
     def run(self, reqs, on_event=None, max_batch=1):
         """Run requests to the end through the engine, up to max_batch at once (the rest join as rows

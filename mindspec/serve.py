@@ -118,9 +118,13 @@ class App:
     def work(self):
         """The worker loop (main thread). Under tensor parallelism this is rank 0: each turn it hands the
         new requests and aborts to the other ranks (see follow), which apply them and step in lock step."""
-        eng, ended = self.pipe.engine, False
         if self.tp:
-            stoppable()  # a stop now reaches this rank alone (the launcher's SIGTERM), which ends the others here
+            with stoppable():  # a stop now reaches this rank alone (the launcher's SIGTERM), which ends the others
+                return self._work()
+        return self._work()
+
+    def _work(self):
+        eng, ended = self.pipe.engine, False
         while True:
             try:
                 signals.check()  # SIGINT/SIGTERM end the loop here (mindspec.signals)

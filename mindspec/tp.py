@@ -11,7 +11,8 @@ the rank and its log, and returns non-zero; a rank that failed with a one-line e
 named with that error, and the job exits 2. Nothing waits on a dead rank for long: msrun's
 cluster time-out bounds the start-up, and a grace period bounds the shutdown after a failure.
 A Ctrl-C or SIGTERM stops every rank at once (exit 130), except a server serving (`stoppable`): rank 0
-gets it and ends the job as at TP=1 (its requests answered 503, the other ranks told, exit 0).
+gets it from its machine's launcher and ends the job as at TP=1 (its requests answered 503, the other ranks
+told, exit 0).
 
 Several machines (`--nodes N --node-rank R --master-addr A --master-port P`, each machine running the
 same command): `topology` checks the flags and `msrun_command` gives each machine its share of the ranks
@@ -45,6 +46,7 @@ On a shared CPU the N drafts compete for cores, which the benchmark (tools/bench
 Library use: start your script under msrun (or `launch(args, n, script=path)`), call `init_worker()`
 before `mindspec.load(...)`, and print only where `is_rank0()`.
 """
+import contextlib
 import errno
 import os
 import re
@@ -362,7 +364,7 @@ def launch(argv, n, script=None, timeout=CLUSTER_TIMEOUT, log_dir=None, grace=FA
 
 def _hand_stop(job):
     """SIGTERM to rank 0 where it ends the job itself on a stop (STOPPABLE); returns whether it was sent."""
-    if not os.path.exists(os.path.join(job, STOPPABLE)):
+    if not os.path.exists(os.path.join(job, STOPPABLE)) or os.path.exists(os.path.join(job, "rank0.rc")):
         return False
     try:
         pid = int(_read(os.path.join(job, "rank0.pid"), "0"))
@@ -589,12 +591,20 @@ def init_worker(n=None):
     return size, rank
 
 
+@contextlib.contextmanager
 def stoppable():
-    """Rank 0 (of a launched job) now ends the job itself on a stop: the launcher hands a Ctrl-C or SIGTERM to
-    it alone (a server's worker loop, which tells the other ranks)."""
+    """Inside, rank 0 (of a launched job) ends the job itself on a stop: the launcher hands a Ctrl-C or SIGTERM
+    to it alone (a server's worker loop, which tells the other ranks)."""
     job = os.environ.get(ENV_JOB)
-    if job and is_worker() and is_rank0():
-        open(os.path.join(job, STOPPABLE), "w").close()
+    path = os.path.join(job, STOPPABLE) if job and is_worker() and is_rank0() else None
+    if path:
+        open(path, "w").close()
+    try:
+        yield
+    finally:
+        if path:
+            with contextlib.suppress(OSError):
+                os.remove(path)
 
 
 def barrier():

@@ -50,10 +50,10 @@ def test_lines_nested_too_deep_with_a_key_twice_or_a_huge_number_are_their_own_e
     """Found reviewing the server's fixes: a line nested deeper than Python's stack stopped the whole job
     with a RecursionError traceback; a key given twice ran its last value (the server refuses it); a
     number past int()'s digit limit quoted sys.set_int_max_str_digits()."""
-    assert B._row(4, "[" * 100000 + "]" * 100000) == (None, None, "line 4: not valid JSON: nested deeper than "
+    assert B._row(4, "[" * 100000 + "]" * 100000, "i") == (None, None, "line 4: not valid JSON: nested deeper than "
                                                                "Python's stack")
-    assert B._row(5, '{"prompt": "a", "prompt": "b"}') == (None, None, "line 5: the key 'prompt' is given twice")
-    assert B._row(6, '{"seed": 1' + "0" * 5000 + "}") == (None, None, "line 6: not valid JSON: a number of more "
+    assert B._row(5, '{"prompt": "a", "prompt": "b"}', "i") == (None, None, "line 5: the key 'prompt' is given twice")
+    assert B._row(6, '{"seed": 1' + "0" * 5000 + "}", "i") == (None, None, "line 6: not valid JSON: a number of more "
                                                                    "than 4300 digits")
 
 
