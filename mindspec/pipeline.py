@@ -62,11 +62,11 @@ def _free_at_exit(pipe):
 def _free_all():
     # (not one a call holds: a daemon thread may be in it; nor while another thread runs a graph: two threads in
     # MindSpore's executor at once deadlocked; nor in a forked child, whose MindSpore threads are gone)
-    if not _GRAPHS.acquire(timeout=5):
+    if any(pipe._pid != os.getpid() for pipe in _LIVE) or not _GRAPHS.acquire(timeout=5):
         return
     try:
         for pipe in list(_LIVE):
-            if pipe._pid == os.getpid() and pipe._turn.acquire(blocking=False):
+            if pipe._turn.acquire(blocking=False):
                 pipe.target = pipe.engine = None
                 pipe._turn.release()
         gc.collect()
