@@ -11,7 +11,7 @@ import traceback
 from aiohttp import HttpVersion11, web
 
 from . import __version__
-from .errors import MindspecError, is_int, is_number, one_line, summary
+from .errors import MindspecError, is_int, is_number, one_line, shown, summary
 from .formats import TGI, OpenAI, openai_error, tgi_error
 from .request import RequestError, int_list, loads, make, parse
 from .spec import TOP_LOGPROBS
@@ -352,7 +352,7 @@ class Api:
         """The served model's card. A request may name any model unless --strict-model-name (one model
         is served, as single-model servers do); the model endpoints themselves want its name."""
         if name is not None and name != self.app.model_name and (exact or self.strict):
-            raise RequestError(f"model {name!r} not found: this server serves {self.app.model_name!r}", 404,
+            raise RequestError(f"model {shown(name)} not found: this server serves {shown(self.app.model_name)}", 404,
                                param="model")
         pipe = self.app.pipe
         return {"id": self.app.model_name, "object": "model", "created": self.app.started, "owned_by": "mindspec",

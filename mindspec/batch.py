@@ -18,7 +18,7 @@ import sys
 import time
 from typing import NamedTuple
 
-from .errors import MindspecError, read_json, summary
+from .errors import MindspecError, read_json, shown, summary
 from .omdir import OmDir
 from .request import FIELDS, RequestError, loads, make, parse
 from .signals import Signals
@@ -116,7 +116,7 @@ def _row(n, text, input_path):
         return None, None, f"line {n}: not a JSON object"
     rid = row.get("id")
     if "id" in row and (isinstance(rid, bool) or not isinstance(rid, (str, int))):
-        return None, None, f"line {n}: id must be a string or an integer, got {rid!r}"
+        return None, None, f"line {n}: id must be a string or an integer, got {shown(rid)}"
     if {"custom_id", "body"} <= set(row) and "id" not in row:  # (the batch prober's: an error record a line)
         raise MindspecError(f"{input_path}:{n}: an OpenAI Batch API request (custom_id, method, url, body): "
                             "mindspec batch reads the request itself, one a line ({\"id\": ..., \"messages\": [...], "

@@ -2,7 +2,7 @@
 import os
 from dataclasses import asdict, dataclass, field, replace
 
-from .errors import MindspecError, read_json
+from .errors import MindspecError, read_json, shown
 
 F32_MAX = 3.4028234663852886e38
 SUPPORTED_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -54,7 +54,7 @@ def _eos_list(v, where):
         return ()
     ids = list(v) if isinstance(v, (list, tuple)) else [v]
     if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-        raise MindspecError(f"{where}: eos_token_id must be an integer or a list of integers, got {v!r}")
+        raise MindspecError(f"{where}: eos_token_id must be an integer or a list of integers, got {shown(v)}")
     return tuple(ids)
 
 
@@ -76,15 +76,15 @@ def _rope(raw, where):
     if params is not None and not isinstance(params, dict) or isinstance(params, dict) and \
             any(isinstance(v, dict) for v in params.values()):
         raise MindspecError(f"{where}: rope_parameters must be one object of RoPE settings (per-layer RoPE is "
-                            f"not supported), got {params!r}")
+                            f"not supported), got {shown(params)}")
     scaling = raw.get("rope_scaling")
     if scaling is not None and not isinstance(scaling, dict):
-        raise MindspecError(f"{where}: rope_scaling must be an object, got {scaling!r}")
+        raise MindspecError(f"{where}: rope_scaling must be an object, got {shown(scaling)}")
     params = params or {}
     out = {k: params[k] for k in ("rope_theta", "partial_rotary_factor") if k in params}
     for key, v in out.items():
         if raw.get(key) is not None and raw[key] != v:
-            raise MindspecError(f"{where}: {key} {raw[key]!r} and rope_parameters' {v!r} differ")
+            raise MindspecError(f"{where}: {key} {shown(raw[key])} and rope_parameters' {shown(v)} differ")
     settings = {k: v for k, v in params.items() if k not in out}
     out["rope_scaling"] = _scaling(settings, where, "rope_parameters") if settings else \
         _scaling(scaling or {}, where, "rope_scaling")
@@ -102,15 +102,15 @@ def _scaling(settings, where, src):
     plain RoPE."""
     rope_type = _rope_type(settings)
     if settings and rope_type is None:  # (Hugging Face refuses it too: a factor of which scaling?)
-        raise MindspecError(f"{where}: {src} without a rope_type: {settings!r}")
+        raise MindspecError(f"{where}: {src} without a rope_type: {shown(settings)}")
     if rope_type is not None and not isinstance(rope_type, str):  # (found by a probe: a list, a traceback)
-        raise MindspecError(f"{where}: {src}.rope_type must be a string, got {rope_type!r}")
+        raise MindspecError(f"{where}: {src}.rope_type must be a string, got {shown(rope_type)}")
     if rope_type in (None, "default"):
         return None
     needs = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor",
                                               "original_max_position_embeddings")}.get(rope_type)
     if needs is None:
-        raise MindspecError(f"{where}: {src} {rope_type!r} is not supported (plain RoPE, \"linear\" and "
+        raise MindspecError(f"{where}: {src} {shown(rope_type)} is not supported (plain RoPE, \"linear\" and "
                             "\"llama3\" are)")
     for key in needs:
         v = settings.get(key)
@@ -118,10 +118,10 @@ def _scaling(settings, where, src):
                 "original_max_position_embeddings": "an integer >= 1"}.get(key, "a number > 0")
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf") \
                 or key == "factor" and v < 1 or what.startswith("an integer") and v != int(v):  # (8192.0: HF's too)
-            raise MindspecError(f"{where}: {src} {rope_type!r} needs {key}, {what}, got {v!r}")
+            raise MindspecError(f"{where}: {src} {shown(rope_type)} needs {key}, {what}, got {shown(v)}")
     if rope_type == "llama3" and not settings["low_freq_factor"] < settings["high_freq_factor"]:
         raise MindspecError(f"{where}: {src} \"llama3\" needs low_freq_factor < high_freq_factor, got "
-                            f"{settings['low_freq_factor']!r} and {settings['high_freq_factor']!r}")
+                            f"{shown(settings['low_freq_factor'])} and {shown(settings['high_freq_factor'])}")
     return RopeScaling(rope_type, **{k: float(settings[k]) if k != "original_max_position_embeddings"
                                      else int(settings[k]) for k in needs})
 
@@ -129,34 +129,34 @@ def _scaling(settings, where, src):
 def config_from_dict(raw, where="config.json"):
     archs = raw.get("architectures") or ["LlamaForCausalLM"]
     if not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
-        raise MindspecError(f"{where}: architectures must be a list of class names, got {archs!r}")
+        raise MindspecError(f"{where}: architectures must be a list of class names, got {shown(archs)}")
     arch = archs[0]
     if arch not in SUPPORTED_ARCHS and raw.get("model_type") != "llama":
-        raise MindspecError(f"{where}: architecture {arch!r} is not a Llama-family model")
+        raise MindspecError(f"{where}: architecture {shown(arch)} is not a Llama-family model")
     for key, what in (("attention_bias", "attention biases"), ("mlp_bias", "MLP biases"),
                       ("use_sliding_window", "sliding-window attention")):
         if raw.get(key) and not (key == "attention_bias" and arch == "Qwen2ForCausalLM"):
             raise MindspecError(f"{where}: {key} = true ({what}) is not supported")
     act = raw.get("hidden_act", "silu")
     if act not in ("silu", "swish"):  # (Hugging Face's "swish" is SiLU too)
-        raise MindspecError(f"{where}: hidden_act {act!r} is not supported (only silu)")
+        raise MindspecError(f"{where}: hidden_act {shown(act)} is not supported (only silu)")
     raw = dict(raw, **_rope(raw, where))
     if raw.get("partial_rotary_factor", 1) != 1:
-        raise MindspecError(f"{where}: partial_rotary_factor {raw['partial_rotary_factor']!r} is not supported "
+        raise MindspecError(f"{where}: partial_rotary_factor {shown(raw['partial_rotary_factor'])} is not supported "
                             "(RoPE over whole heads only)")
 
     def count(key, default=None):
         v = raw[key] if default is None else default if raw.get(key) is None else raw[key]
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:  # ("320", 0: a division by zero later)
-            raise MindspecError(f"{where}: {key} must be an integer >= 1, got {v!r}")
+            raise MindspecError(f"{where}: {key} must be an integer >= 1, got {shown(v)}")
         return v
 
     def positive(key, default):
         v = raw.get(key, default)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
-            raise MindspecError(f"{where}: {key} must be a number > 0, got {v!r}")  # (rope_theta -1: NaN)
+            raise MindspecError(f"{where}: {key} must be a number > 0, got {shown(v)}")  # (rope_theta -1: NaN)
         if v > F32_MAX:  # the graphs hold it in float32: inf (rms_norm_eps 1e39 gave token 0 forever)
-            raise MindspecError(f"{where}: {key} must be a number > 0, got {v!r}: beyond float32's range")
+            raise MindspecError(f"{where}: {key} must be a number > 0, got {shown(v)}: beyond float32's range")
         return float(v)
 
     try:
@@ -185,7 +185,7 @@ def config_from_dict(raw, where="config.json"):
         if window is not None and window < cfg.max_position_embeddings:
             cfg = replace(cfg, max_position_embeddings=window, sliding_window=window)
     except KeyError as e:
-        raise MindspecError(f"{where}: missing key {e.args[0]!r}") from None
+        raise MindspecError(f"{where}: missing key {shown(e.args[0])}") from None
     except (TypeError, ValueError) as e:
         raise MindspecError(f"{where}: bad value ({e})") from None
     cfg = replace(cfg, eos_token_ids=_eos_in_vocab(cfg.eos_token_ids, cfg.vocab_size, where))

@@ -25,6 +25,14 @@ def summary(e):
     return (f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__)[:300]
 
 
+def shown(v, limit=80):
+    """A user's value quoted in JSON's notation (true, null, "text"): the values a message quotes come from
+    JSON (request bodies, batch lines, config files), and Python's True, None and 'text' read as another
+    language there. Cut at limit characters; numpy's numbers as numbers."""
+    text = json.dumps(v, ensure_ascii=False, default=lambda o: o.item() if hasattr(o, "item") else repr(o))
+    return text if len(text) <= limit else text[:limit - 1] + "\u2026"
+
+
 def one_line(msg, limit=300):
     """A message on one line, a long value it quotes cut (a 4 MB field, the 128 kB an HTTP parser error
     quotes, is not echoed back)."""

@@ -11,7 +11,7 @@ import os
 import random
 import sys
 
-from .errors import MindspecError, is_int, parse_json
+from .errors import MindspecError, is_int, parse_json, shown
 
 SEED_ENV = "MINDSPEC_SEED_BASE"  # set by the tensor-parallel launcher: every rank draws the same seeds
 _seeds = None
@@ -43,7 +43,7 @@ def int_list(v):
 def _count(name, n):
     """n, a token count (max_tokens or one of its other names)."""
     if not is_int(n) or n < 1:
-        raise RequestError(f"{name} must be an integer >= 1, got {n!r}")
+        raise RequestError(f"{name} must be an integer >= 1, got {shown(n)}")
     return n
 
 
@@ -63,7 +63,7 @@ def _object(pairs):
     if len(obj) < len(pairs):
         seen = set()
         twice = next(k for k, _ in pairs if k in seen or seen.add(k))
-        raise RequestError(f"the key {repr(twice)[:80]} is given twice")
+        raise RequestError(f"the key {shown(twice)} is given twice")
     return obj
 
 
@@ -85,7 +85,7 @@ def stop_strings(stop):
         return None
     stop = [stop] if isinstance(stop, str) else stop
     if not (isinstance(stop, (list, tuple)) and all(isinstance(s, str) for s in stop)):
-        raise RequestError(f"stop must be a string or a list of strings, got {stop!r}")
+        raise RequestError(f"stop must be a string or a list of strings, got {shown(stop)}")
     if len(stop) > MAX_STOPS:
         raise RequestError(f"stop: at most {MAX_STOPS} strings, got {len(stop)}", param="stop")
     if "" in stop:  # (it would match everywhere; was dropped without a word)
@@ -102,7 +102,7 @@ def _messages(v):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise RequestError(f"messages[{i}] must be an object with a string \"role\"")
         if m["role"] not in ROLES:
-            raise RequestError(f"messages[{i}].role {m['role']!r} is not one of {', '.join(ROLES)}")
+            raise RequestError(f"messages[{i}].role {shown(m['role'])} is not one of {', '.join(ROLES)}")
         content = m.get("content")
         if isinstance(content, list):  # OpenAI content parts: text only
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
@@ -159,17 +159,17 @@ def parse(req, defaults=None):
         if req.get(name) is not None:
             kw["limit_field"] = name  # asked for explicitly: more than the cache holds is an error, not a cut
     if not is_int(kw.get("min_tokens", 0)) or not 0 <= kw.get("min_tokens", 0) <= kw.get("max_new_tokens", 2 ** 31):
-        raise RequestError(f"min_tokens must be an integer in [0, max_tokens], got {kw.get('min_tokens')!r}")
+        raise RequestError(f"min_tokens must be an integer in [0, max_tokens], got {shown(kw.get('min_tokens'))}")
     ids = kw.get("stop_token_ids")
     if ids is not None and not int_list(ids):
         raise RequestError("stop_token_ids must be a list of integer token ids")
     if kw.get("stop") is not None:
         kw["stop"] = stop_strings(kw["stop"])
     if "k" in kw and kw["k"] != "auto" and not is_int(kw["k"]):
-        raise RequestError(f"k must be an integer K bucket or \"auto\", got {kw['k']!r}")
+        raise RequestError(f"k must be an integer K bucket or \"auto\", got {shown(kw['k'])}")
     for flag in ("chat", "do_sample", "ignore_eos"):
         if not isinstance(kw.get(flag, False), bool):
-            raise RequestError(f"{flag} must be true or false, got {kw[flag]!r}")
+            raise RequestError(f"{flag} must be true or false, got {shown(kw[flag])}")
     do_sample = kw.pop("do_sample", None)
     if do_sample is False:  # TGI / MindIE: greedy whatever the other sampling fields say
         kw.update(temperature=0.0, top_k=0, top_p=1.0)

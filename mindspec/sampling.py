@@ -13,7 +13,7 @@ from typing import Optional
 
 import numpy as np
 
-from .errors import MindspecError
+from .errors import MindspecError, shown
 
 
 MAX_TEMPERATURE = 100.0  # above this every distribution is flat to float32 precision
@@ -43,11 +43,11 @@ class SamplingParams:
             if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) \
                     or isinstance(v, (float, np.floating)) and not math.isfinite(v) \
                     or not (lo < v if lo_open else lo <= v) or not v <= hi:
-                raise MindspecError(f"{name} must be a number in {'(' if lo_open else '['}{lo}, {hi}], got {v!r}")
+                raise MindspecError(f"{name} must be a number in {'(' if lo_open else '['}{lo}, {hi}], got {shown(v)}")
         number("temperature", self.temperature, 0, MAX_TEMPERATURE)
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, (int, np.integer)) \
                 or not -1 <= self.top_k <= MAX_TOP_K:
-            raise MindspecError(f"top_k must be an integer in [0, {MAX_TOP_K}] (0 or -1: off), got {self.top_k!r}")
+            raise MindspecError(f"top_k must be an integer in [0, {MAX_TOP_K}] (0 or -1: off), got {shown(self.top_k)}")
         if self.top_k == -1:  # (vLLM's off, in MindIE's OpenAI examples)
             object.__setattr__(self, "top_k", 0)
         number("top_p", self.top_p, 0, 1, lo_open=True)
@@ -61,7 +61,7 @@ class SamplingParams:
                 object.__setattr__(self, name, 0.0)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer))
                                       or not 0 <= self.seed < 2 ** 63):
-            raise MindspecError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+            raise MindspecError(f"seed must be an integer in [0, 2**63), got {shown(self.seed)}")
 
     @property
     def greedy(self):

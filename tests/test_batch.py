@@ -52,7 +52,7 @@ def test_lines_nested_too_deep_with_a_key_twice_or_a_huge_number_are_their_own_e
     number past int()'s digit limit quoted sys.set_int_max_str_digits()."""
     assert B._row(4, "[" * 100000 + "]" * 100000, "i") == (None, None, "line 4: not valid JSON: nested deeper than "
                                                                "Python's stack")
-    assert B._row(5, '{"prompt": "a", "prompt": "b"}', "i") == (None, None, "line 5: the key 'prompt' is given twice")
+    assert B._row(5, '{"prompt": "a", "prompt": "b"}', "i") == (None, None, 'line 5: the key "prompt" is given twice')
     assert B._row(6, '{"seed": 1' + "0" * 5000 + "}", "i") == (None, None, "line 6: not valid JSON: a number of more "
                                                                    "than 4300 digits")
 
@@ -370,7 +370,7 @@ def test_duplicate_ids_stop_the_job_before_it_starts(setup, tmp_path):
     _expect_usage_error(setup, tmp_path / "o.jsonl", "dup.jsonl:2: its id 1 is already line 1's line number; ids must "
                         "be unique (a line without a usable \"id\", a string or an integer, has its line number)", inp=inp)
     assert B._row(3, '{"id": null, "prompt": "x"}', "i") == (None, None, "line 3: id must be a string or an "
-                                                                          "integer, got None")
+                                                                          "integer, got null")
 
 
 def test_an_openai_batch_file_is_refused_before_anything_loads(setup, tmp_path):
@@ -1385,7 +1385,7 @@ def test_ids_a_bool_id_an_int_and_its_string_and_a_byte_order_mark(tmp_path, cap
     inp.write_text('{"id": true, "prompt_ids": [1]}\n{"prompt_ids": [2]}\n')
     assert _batch(str(inp), out) == 1 and ran == [2]
     assert records(out) == [{"mindspec_batch": 1, "job": job, "id": 1,
-                             "error": "line 1: id must be a string or an integer, got True"},
+                             "error": "line 1: id must be a string or an integer, got true"},
                             {"mindspec_batch": 1, "job": job, "id": 2, **OK, "request": B._asked({"prompt_ids": [2]})}]
     out.unlink()
     inp.write_text('{"id": 1, "prompt_ids": [1]}\n{"id": "1", "prompt_ids": [2]}\n')

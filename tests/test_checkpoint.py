@@ -120,7 +120,7 @@ def test_rope_settings_are_read_from_transformers_5s_rope_parameters(tmp_path, t
 
 @pytest.mark.parametrize("change,words", [
     (dict(num_attention_heads=0), "num_attention_heads must be an integer >= 1, got 0"),  # ZeroDivisionError
-    (dict(vocab_size="320"), "vocab_size must be an integer >= 1, got '320'"),  # taken as 320
+    (dict(vocab_size="320"), "vocab_size must be an integer >= 1, got \"320\""),  # taken as 320
     (dict(rope_theta=-1), "rope_theta must be a number > 0, got -1"),  # NaN logits: every token EOS
     (dict(num_hidden_layers=1), "weights of more layers than config.json's num_hidden_layers 1"),  # ran 1 of 2
     # the second review's: each was a traceback
@@ -128,18 +128,18 @@ def test_rope_settings_are_read_from_transformers_5s_rope_parameters(tmp_path, t
     (dict(rope_scaling="linear"), "rope_scaling must be an object"),
     (dict(eos_token_id=[2, None]), "eos_token_id must be an integer or a list of integers"),
     # a user probe's: each ran as a SiLU, full-RoPE model, giving another model's tokens
-    (dict(hidden_act="gelu"), "hidden_act 'gelu' is not supported .only silu."),
+    (dict(hidden_act="gelu"), 'hidden_act "gelu" is not supported .only silu.'),
     (dict(partial_rotary_factor=0.5), "partial_rotary_factor 0.5 is not supported .RoPE over whole heads only."),
     (dict(rope_scaling={"factor": 2.0}), "rope_scaling without a rope_type"),
     # RoPE settings (transformers 5's rope_parameters, Llama 3.1's scaling)
-    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_scaling 'yarn' is not supported"),
-    (dict(rope_scaling=dict(L31, rope_type=["llama3"])), r"rope_type must be a string, got \['llama3'\]"),
+    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), 'rope_scaling "yarn" is not supported'),
+    (dict(rope_scaling=dict(L31, rope_type=["llama3"])), r'rope_type must be a string, got \["llama3"\]'),
     (dict(rope_parameters={"rope_type": 3}), "rope_parameters.rope_type must be a string, got 3"),
-    (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "rope_scaling 'llama3' needs low_freq_factor, a "
-                                                                "number > 0, got None"),
+    (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), 'rope_scaling "llama3" needs low_freq_factor, a '
+                                                                "number > 0, got null"),
     (dict(rope_scaling=dict(L31, factor=0.5)), "needs factor, a number >= 1, got 0.5"),
     (dict(rope_scaling=dict(L31, original_max_position_embeddings=8192.5)), "an integer >= 1, got 8192.5"),
-    (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0}), "rope_parameters 'yarn' is not supported"),
+    (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0}), 'rope_parameters "yarn" is not supported'),
     (dict(rope_scaling=dict(L31, low_freq_factor=4.0)), "needs low_freq_factor < high_freq_factor, got 4.0 and 4.0"),
     (dict(rope_parameters={"rope_theta": 500000.0}), "rope_theta 10000.0 and rope_parameters' 500000.0 differ"),
     (dict(rope_parameters={"full_attention": {"rope_theta": 1e6}}), "per-layer RoPE is not supported"),

@@ -398,7 +398,7 @@ def test_model_names_with_slashes_and_colons_are_found(pipe):
         assert OpenAI(base_url=base + "/v1", api_key="x").models.retrieve("org/model:v1").id == "org/model:v1"
         status, text = call(base, "/v1/models/org%2Fother")
         assert status == 404 and json.loads(text)["error"]["message"] == \
-            "model 'org/other' not found: this server serves 'org/model:v1'"
+            'model "org/other" not found: this server serves "org/model:v1"'
         assert call(base, "/v2/models/org/other/ready")[0] == 404
 
 
@@ -665,7 +665,7 @@ BAD = [  # (path, body or raw bytes, status, words in the message)
      "temperature must be > 0 when do_sample is true"),
     ("/v1/completions", {"prompt": IDS, "max_tokens": MAX_SEQ}, 400, "max_tokens=128 does not fit: the 4-token prompt"),
     ("/generate", {"inputs": "hi", "parameters": {"max_new_tokens": MAX_SEQ}}, 422, "max_new_tokens=128 does not fit"),
-    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "role 'wizard' is not one of"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, 'role "wizard" is not one of'),
     ("/v1/chat/completions", {"messages": HI, "prompt": "hi"}, 400,
      "either \"prompt\" or \"messages\", not both"),
     ("/v1/completions", {"prompt": ["one", "two"]}, 400, "prompt is a list of 2 prompts: send one prompt per request"),
@@ -694,7 +694,12 @@ BAD = [  # (path, body or raw bytes, status, words in the message)
     ("/v1/chat/completions", {"messages": HI, "presence_penalty": 3}, 400,
      "presence_penalty must be a number in [-2, 2], got 3"),
     ("/generate", {"inputs": "hi", "parameters": {"frequency_penalty": "x"}}, 422,
-     "frequency_penalty must be a number in [-2, 2], got 'x'"),
+     "frequency_penalty must be a number in [-2, 2], got \"x\""),
+    # values are quoted as the client wrote them, in JSON (were Python's True, None, 'x')
+    ("/v1/completions", {"prompt": "hi", "max_tokens": True}, 400, "max_tokens must be an integer >= 1, got true"),
+    ("/v1/completions", {"prompt": "hi", "temperature": [1]}, 400, "temperature must be a number in [0, 100.0], got [1]"),
+    ("/generate", {"inputs": "hi", "parameters": {"do_sample": "yes"}}, 422, 'do_sample must be true or false, got "yes"'),
+    ("/v1/completions", {"prompt": "hi", "stop": [None]}, 400, "stop must be a string or a list of strings, got [null]"),
     ("/generate", {"inputs": "hi", "parameters": {"top_n_tokens": 21}}, 422,
      "parameters.top_n_tokens must be an integer from 0 to 20, got 21"),
     ("/infer", {"inputs": "hi", "parameters": {"top_n_tokens": 2}}, 422,
@@ -715,7 +720,7 @@ BAD = [  # (path, body or raw bytes, status, words in the message)
     # long for Python's int() quoted sys.set_int_max_str_digits(); a nested prompt called "a list of 1
     # prompts"; a key given twice ran its last value (a gateway checking the first sees another request)
     ("/v1/chat/completions", {"messages": HI, "max_tokens": 4, "max_completion_tokens": "x"}, 400,
-     "max_completion_tokens must be an integer >= 1, got 'x'"),
+     "max_completion_tokens must be an integer >= 1, got \"x\""),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "name": 5}]}, 400,
      "messages[0].name is not supported"),
     ("/v1/chat/completions", {"messages": HI + [{"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]}]},
@@ -725,10 +730,10 @@ BAD = [  # (path, body or raw bytes, status, words in the message)
      "request body is not valid JSON: a number of more than 4300 digits"),
     ("/v1/completions", {"prompt": [[[1]]]}, 400, "prompt must be a string or a non-empty list of integer token ids"),
     ("/v1/completions", {"prompt": [["a"]]}, 400, "prompt must be a string or a non-empty list of integer token ids"),
-    ("/v1/completions", b'{"prompt": "a", "prompt": "b"}', 400, "the key 'prompt' is given twice"),
+    ("/v1/completions", b'{"prompt": "a", "prompt": "b"}', 400, 'the key "prompt" is given twice'),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "role": "system", "content": "x"}]}', 400,
-     "the key 'role' is given twice"),
-    ("/generate", b'{"inputs": "a", "parameters": {"seed": 1, "seed": 2}}', 422, "the key 'seed' is given twice"),
+     'the key "role" is given twice'),
+    ("/generate", b'{"inputs": "a", "parameters": {"seed": 1, "seed": 2}}', 422, 'the key "seed" is given twice'),
     # found by a hostile-client probe: a body full of ids (or messages) under the 4 MB limit held the server for
     # seconds (each id's check, then the engine's thread) before its length was refused, or was accepted; a
     # wrong type taken for two values; ignored fields of any type or range
