@@ -228,8 +228,6 @@ def cmd_generate(a):
 
 def cmd_serve(a):
     from .serve import App, follow, prepare, serve
-    if a.max_seq is None:
-        a.max_seq = SERVE_MAX_SEQ  # a server cannot resize its cache while requests run
     if a.tp > 1:  # rank 0 listens and hands each turn's requests to the other ranks, which follow in lock step
         from .tp import is_rank0
         if not is_rank0():
@@ -575,6 +573,11 @@ def parse(argv):
     if getattr(args, "k", "auto") != "auto" and args.target and not args.draft:  # (the embedded draft: its target's)
         raise MindspecError(f"-k {args.k} sets the draft tokens of a step: --target without --draft runs "
                             "target-only (give --draft)")
+    if args.cmd == "serve":
+        if args.max_seq is None:
+            args.max_seq = SERVE_MAX_SEQ  # a server cannot resize its cache while requests run
+        if args.max_input_tokens is not None:  # (MindIE's min(maxInputTokenLen, maxSeqLen - 1): a position to generate)
+            args.max_input_tokens = min(args.max_input_tokens, max(args.max_seq - 1, 1))
     if args.cmd == "generate":
         args.limit_field = "--max-new-tokens" if "max_new_tokens" in _given(argv) else None  # (else cut to fit)
         if args.prompt == "-":

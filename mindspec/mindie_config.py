@@ -39,6 +39,14 @@ def _false(why):
     return check
 
 
+def _no_truncation(v):
+    """truncation: MindIE's 0 or false (its default) is what mindspec does; -1, 1 or true cut the prompt."""
+    if v is False or (is_int(v) and v == 0):
+        return False
+    raise ValueError(f"must be false or 0: a prompt longer than --max-input-tokens is refused, never cut, "
+                     f"got {json.dumps(v)}")
+
+
 def _bool(v):
     if not isinstance(v, bool):
         raise ValueError(f"must be true or false, got {json.dumps(v)}")
@@ -85,8 +93,7 @@ KEYS = {
     "BackendConfig.npuDeviceIds": ("npu_devices", _device_ids),  # (the first instance's: one a rank, apply)
     "BackendConfig.ModelDeployConfig.maxSeqLen": ("max_seq", _int(2)),
     "BackendConfig.ModelDeployConfig.maxInputTokenLen": ("max_input_tokens", _int(1)),
-    "BackendConfig.ModelDeployConfig.truncation": (None, _false("a prompt longer than --max-input-tokens is "
-                                                                "refused, never cut")),
+    "BackendConfig.ModelDeployConfig.truncation": (None, _no_truncation),
     "BackendConfig.ModelDeployConfig.ModelConfig[0].modelName": ("model_name", _str),
     "BackendConfig.ModelDeployConfig.ModelConfig[0].modelWeightPath": ("target", _str),
     "BackendConfig.ModelDeployConfig.ModelConfig[0].worldSize": ("tp", _int(1)),
@@ -108,25 +115,41 @@ QUIET = {"Version", "LogConfig", "EnableDynamicAdjustTimeoutConfig"} | {f"Server
     "kmcKsfMaster", "kmcKsfStandby", "inferMode", "interCommTLSEnabled", "interCommPort", "interCommTlsCaPath",
     "interCommTlsCaFiles", "interCommTlsCert", "interCommPk", "interCommPkPwd", "interCommTlsCrlPath",
     "interCommTlsCrlFiles", "openAiSupport", "tokenTimeout", "e2eTimeout", "distDPServerEnabled",
-    "maxRequestLength")} | {
+    "maxRequestLength", "metricsTlsCaFile", "metricsTlsCert", "metricsTlsPk", "metricsTlsPkPwd", "metricsTlsCrlPath",
+    "metricsTlsCrlFiles", "npuUsageThreshold", "HealthCheckConfig", "layerwiseDisaggregated",
+    "layerwiseDisaggregatedRoleType", "layerwiseDisaggregatedMasterIpAddress", "layerwiseDisaggregatedSlaveIpAddress",
+    "layerwiseDisaggregatedDataPort", "layerwiseDisaggregatedCrtlPort",
+    "tlsCrl", "managementTlsCrl", "interCommTlsCaFile", "interCommTlsCrl")} | {  # (the last four: older layouts')
     f"BackendConfig.{k}" for k in (
         "backendName", "modelInstanceNumber", "tokenizerProcessNumber", "multiNodesInferEnabled",
         "multiNodesInferPort", "interNodeTLSEnabled", "interNodeTlsCaPath", "interNodeTlsCaFiles",
         "interNodeTlsCert", "interNodeTlsPk", "interNodeTlsPkPwd", "interNodeTlsCrlPath", "interNodeTlsCrlFiles",
-        "interNodeKmcKsfMaster", "interNodeKmcKsfStandby")} | {
+        "interNodeKmcKsfMaster", "interNodeKmcKsfStandby", "interNodeTlsCaFile", "interNodeTlsCrl", "kvPoolConfig")} | {
     f"BackendConfig.ModelDeployConfig.ModelConfig[0].{k}" for k in (
-        "modelInstanceType", "cpuMemSize", "npuMemSize", "backendType", "trustRemoteCode")} | {
+        "modelInstanceType", "cpuMemSize", "npuMemSize", "backendType", "trustRemoteCode", "async_scheduler_wait_time",
+        "kv_trans_timeout", "kv_link_timeout", "models")} | {
     f"BackendConfig.ScheduleConfig.{k}" for k in (
         "templateType", "templateName", "cacheBlockSize", "maxPrefillBatchSize", "maxPrefillTokens",
         "prefillTimeMsPerReq", "prefillPolicyType", "decodeTimeMsPerReq", "decodePolicyType", "maxPreemptCount",
-        "supportSelectBatch", "maxFirstTokenWaitTime")}
+        "supportSelectBatch", "maxFirstTokenWaitTime", "stageSelectPolicy", "dynamicBatchSizeEnable", "enablePrefixCache",
+        "enableSplit", "enablChunkedPrefill", "policyType", "splitType", "splitStartType", "splitChunkTokens",
+        "splitStartBatchSize", "prefillExpectedTime", "decodeExpectedTime", "bufferResponseEnabled", "distributedEnable",
+        "maxBeamWidth", "layerwiseDisaggregated", "prefillChunkSize", "maxNumPartialPrefills", "maxLongPartialPrefills",
+        "longPrefillTokenThreshold")}  # (the split-fuse and chunked-prefill keys: mindspec chunks prompts always)
 
 
 # the blocks of MindIE's layout (and ours): a block of another shape is refused, not warned about and skipped
 MODEL_LIST = "BackendConfig.ModelDeployConfig.ModelConfig"
 # MindIE's keys that mean something mindspec does not do: warned about, with why
-NOTED = {f"{MODEL_LIST}[0].plugin_params": "MindIE's speculation plugins (MTP, lookahead) are not used; mindspec "
-                                          "speculates with its draft (mindspec.draft)"}
+PLUGINS = "MindIE's speculation plugins (MTP, lookahead) are not used; mindspec speculates with its draft (mindspec.draft)"
+LORA = "LoRA adapters are not supported: the model at modelWeightPath is served as it is"
+NOTED = {f"{MODEL_LIST}[0].plugin_params": PLUGINS, f"{MODEL_LIST}[0].pluginParams": PLUGINS,
+         "BackendConfig.ModelDeployConfig.speculationGamma": "it sizes MindIE's speculation plugins; mindspec's K is "
+                                                             "mindspec.speculationGamma (-k)",
+         "BackendConfig.ModelDeployConfig.LoraModules": LORA, "BackendConfig.ModelDeployConfig.maxLoras": LORA,
+         "BackendConfig.ModelDeployConfig.maxLoraRank": LORA} | {
+    f"{MODEL_LIST}[0].{k}": "worldSize ranks run tensor-parallel (--tp); no other split of them is made (data "
+                            "parallel is --dp: whole replicas)" for k in ("tp", "dp", "sp", "cp", "moe_tp", "moe_ep")}
 OBJECTS = ("ServerConfig", "BackendConfig", "BackendConfig.ModelDeployConfig", "BackendConfig.ScheduleConfig",
            "mindspec")
 KINDS = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number", float: "a number",
@@ -167,7 +190,7 @@ def read(path):
     if st.st_size > MAX_BYTES:
         raise ValueError(f"{path}: {st.st_size} bytes; a config.json is at most 1 MiB")
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:  # (a byte-order mark skipped, as MindIE's JSON parser does)
             data = json.load(f)
     except OSError as e:
         raise ValueError(f"{path}: {e.strerror or e}") from None
@@ -212,6 +235,9 @@ def apply(args, path, given):
         raise MindspecError(str(e)) from None
     for w in warnings:
         print(f"mindspec: warning: {w}", file=sys.stderr)
+    for dest, var in (("host", "MIES_CONTAINER_IP"), ("management_host", "MIES_CONTAINER_MANAGEMENT_IP")):
+        if os.environ.get(var):  # (MindIE: a container's address wins over the file's)
+            values[dest] = os.environ[var]
     for dest, value in values.items():
         if dest not in given:
             setattr(args, dest, value)
@@ -225,9 +251,6 @@ def _together(args, from_file, zero_ok):
         if dest in from_file and getattr(args, dest) in ("0.0.0.0", "::") and not zero_ok:
             raise MindspecError(f"ServerConfig.{key}: {getattr(args, dest)} listens on every interface, which "
                                 "MindIE allows only with ServerConfig.allowAllZeroIpListening true")
-    if {"max_seq", "max_input_tokens"} <= from_file and args.max_input_tokens > args.max_seq:
-        raise MindspecError(f"BackendConfig.ModelDeployConfig.maxInputTokenLen: must be <= maxSeqLen "
-                            f"({args.max_seq}), got {args.max_input_tokens}")
     if getattr(args, "management_host", None) not in (None, args.host):  # (a port serves one address here)
         for key in ("managementPort", "metricsPort"):
             port = getattr(args, "management_port" if key == "managementPort" else "metrics_port", None)

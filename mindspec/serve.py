@@ -314,6 +314,11 @@ def follow(app):
         app.turn(*turn, lambda *_: None)
 
 
+def _url(host, port):
+    """The base URL of an address (an IPv6 one in brackets, as URLs write it)."""
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}"
+
+
 def prepare(pipe, max_batch, defaults=None):
     """Before the server says ready: compile the one-row graphs (every graph where the compile cache does not
     hold them all or the dynamic-K costs must be measured), run each once (a graph's first run is slower,
@@ -348,11 +353,11 @@ def serve(load, defaults, host="127.0.0.1", port=1025, model_name=None, tp=False
                                                                      zip(bound, planes.values())}))
     app.call = http.call
     port = http.start()
-    lines = [f"mindspec: listening on http://{host}:{port}; ready once the model is loaded and its graphs compiled "
+    lines = [f"mindspec: listening on {_url(host, port)}; ready once the model is loaded and its graphs compiled "
              "(from a warm compile cache: its one-row graphs)"]
     for (h, p), names in zip(http.extra, planes.values()):
         what = " and ".join(w for w, plane in (("health probes", MANAGEMENT), ("/metrics", METRICS)) if names & plane)
-        lines.append(f"mindspec: {what} also on http://{f'[{h}]' if ':' in h else h}:{p}")
+        lines.append(f"mindspec: {what} also on {_url(h, p)}")
     # one write: the access log's lines come from the HTTP thread meanwhile (found: one cut a line in two;
     # print writes a line and its newline apart)
     sys.stderr.write("".join(line + "\n" for line in lines))
@@ -364,7 +369,7 @@ def serve(load, defaults, host="127.0.0.1", port=1025, model_name=None, tp=False
             sig.check()
             app.model_name = app.model_name or os.path.basename(os.path.normpath(app.pipe.model_dir))
             app.ready.set()
-            _say(f"mindspec: serving {app.model_name} on http://{host}:{port} (up to {max_batch} requests at once)")
+            _say(f"mindspec: serving {app.model_name} on {_url(host, port)} (up to {max_batch} requests at once)")
             app.work()
         except KeyboardInterrupt:
             pass

@@ -187,7 +187,9 @@ BAD_CONFIGS = [  # (file content, the one line expected)
     ({"ServerConfig": {"httpsEnabled": True}}, "ServerConfig.httpsEnabled: must be false: mindspec serves plain HTTP"),
     # (it said "plain HTTP" too, the TP server prober found)
     ({"BackendConfig": {"ModelDeployConfig": {"truncation": True}}}, "BackendConfig.ModelDeployConfig.truncation: "
-     "must be false: a prompt longer than --max-input-tokens is refused, never cut, got true"),
+     "must be false or 0: a prompt longer than --max-input-tokens is refused, never cut, got true"),
+    ({"BackendConfig": {"ModelDeployConfig": {"truncation": -1}}}, "truncation: must be false or 0: a prompt "),
+    ({"BackendConfig": {"ModelDeployConfig": {"truncation": 1}}}, "truncation: must be false or 0: a prompt "),
     ({"BackendConfig": {"ModelDeployConfig": {"ModelConfig": [{"worldSize": 0}]}}},
      "BackendConfig.ModelDeployConfig.ModelConfig[0].worldSize: must be an integer >= 1, got 0"),
     ({"BackendConfig": {"ScheduleConfig": {"maxBatchSize": 2.5}}},
@@ -223,8 +225,6 @@ BAD_CONFIGS = [  # (file content, the one line expected)
      "from the main address 127.0.0.1: give ServerConfig.managementPort a port other than the main port"),
     ({"ServerConfig": {"allowAllZeroIpListening": "yes"}},
      'ServerConfig.allowAllZeroIpListening: must be true or false, got "yes"'),
-    ({"BackendConfig": {"ModelDeployConfig": {"maxSeqLen": 256, "maxInputTokenLen": 4096}}},
-     "BackendConfig.ModelDeployConfig.maxInputTokenLen: must be <= maxSeqLen (256), got 4096"),
     ({"BackendConfig": {"npuDeviceIds": [[0, 1, 2, 3]]}}, "BackendConfig.npuDeviceIds: 4 devices [0, 1, 2, 3] for 1 "
      "tensor-parallel ranks (worldSize / --tp): give one a rank"),
     ({"BackendConfig": {"npuDeviceIds": [[0, 0]]}}, "BackendConfig.npuDeviceIds: must be a list of lists of distinct"),
@@ -317,8 +317,10 @@ def test_mindie_rules_across_keys_hold_for_the_files_values(tmp_path):
     cfg = json.loads(path.read_text())
     del cfg["ServerConfig"]["managementIpAddress"]
     path.write_text(json.dumps(cfg))
-    with pytest.raises(MindspecError, match=r"maxInputTokenLen: must be <= maxSeqLen \(256\), got 300"):
-        parse(["serve", "--config", str(path), "--host", "0.0.0.0"])  # (0.0.0.0 given: the user's)
+    # a MindIE prober's: refused "as MindIE", where MindIE takes min(maxInputTokenLen, maxSeqLen - 1)
+    assert parse(["serve", "--config", str(path), "--host", "0.0.0.0"]).max_input_tokens == 255  # (0.0.0.0: the user's)
+    assert parse(["serve", "--config", str(path), "--host", "0.0.0.0", "--max-seq", "200"]).max_input_tokens == 199
+    assert parse(["serve", "--max-input-tokens", "5000"]).max_input_tokens == 1023  # (the flag's too: 1024 positions)
     for key in ("managementPort", "metricsPort"):  # (the second review: a plane on the main port of another address)
         other = tmp_path / "other.json"
         other.write_text(json.dumps({"ServerConfig": {"managementIpAddress": "127.0.0.2", "managementPort": 3000,
@@ -333,6 +335,64 @@ def test_mindie_rules_across_keys_hold_for_the_files_values(tmp_path):
     a = parse(["serve", "--config", str(path), "--max-seq", "512"])
     assert (a.host, a.management_host, a.management_port, a.max_seq, a.max_input_tokens) == (
         "0.0.0.0", "::", 2000, 512, 300)
+
+
+def test_real_mindie_files_read_quietly_and_what_they_set_that_is_not_done_is_said(tmp_path, capsys, monkeypatch):
+    """A MindIE prober's: MindIE-LLM's shipped config.json gave 19 "unknown key" warnings (metrics TLS, health check,
+    layer-wise disaggregation, kvPoolConfig, a model's own keys), while its speculationGamma, LoRA modules,
+    pluginParams and tp/dp were "unknown keys (ignored)"; truncation 0, its documented default, was refused; a
+    byte-order mark was not valid JSON; MIES_CONTAINER_IP, which wins over ipAddress in MindIE, was ignored."""
+    from mindspec.cli import parse
+    from mindspec.mindie_config import read
+    shipped = {
+        "Version": "1.0.0",
+        "ServerConfig": {"ipAddress": "127.0.0.1", "managementIpAddress": "127.0.0.2", "port": 1025,
+                         "managementPort": 1026, "metricsPort": 1027, "allowAllZeroIpListening": False,
+                         "maxLinkNum": 1000, "httpsEnabled": False, "metricsTlsCaFile": ["metrics_ca.pem"],
+                         "metricsTlsCert": "c.pem", "metricsTlsPk": "k.pem", "metricsTlsCrlPath": "m/",
+                         "metricsTlsCrlFiles": ["crl.pem"], "inferMode": "standard", "tokenTimeout": 600,
+                         "e2eTimeout": 600, "layerwiseDisaggregated": False, "layerwiseDisaggregatedRoleType": "",
+                         "layerwiseDisaggregatedMasterIpAddress": "127.0.0.3",
+                         "layerwiseDisaggregatedSlaveIpAddress": ["127.0.0.4"], "layerwiseDisaggregatedDataPort": 10024,
+                         "layerwiseDisaggregatedCrtlPort": [10001, 10002], "HealthCheckConfig": {"npuUsageThreshold": 10},
+                         "tlsCrl": "old.pem"},
+        "BackendConfig": {"npuDeviceIds": [[0]], "kvPoolConfig": {"backend": "", "configPath": ""},
+                          "interNodeTlsCaFile": "x", "ModelDeployConfig": {
+                              "maxSeqLen": 2560, "maxInputTokenLen": 2048, "truncation": 0, "ModelConfig": [{
+                                  "modelName": "llama_65b", "worldSize": 1, "async_scheduler_wait_time": 120,
+                                  "kv_trans_timeout": 10, "kv_link_timeout": 1080,
+                                  "models": {"layerwiseDisaggregatedMasterDeviceNum": 2}}]},
+                          "ScheduleConfig": {"maxBatchSize": 200, "enableSplit": False, "splitChunkTokens": 512,
+                                             "policyType": 0, "bufferResponseEnabled": False, "maxBeamWidth": 1,
+                                             "layerwiseDisaggregated": {"nextPHeadPrior": True}}},
+        "LogConfig": {"dynamicLogLevel": ""}}
+    path = tmp_path / "config.json"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps(shipped).encode())
+    values, warnings = read(str(path))
+    assert warnings == [] and values["max_input_tokens"] == 2048 and values["model_name"] == "llama_65b"
+    model = shipped["BackendConfig"]["ModelDeployConfig"]
+    model.update(speculationGamma=4, maxLoras=2, LoraModules=[{"name": "l", "path": "/l", "baseModelName": "m"}])
+    model["ModelConfig"][0].update(pluginParams="{}", dp=2, colour=1)
+    path.write_text(json.dumps(shipped))
+    mc = "BackendConfig.ModelDeployConfig"
+    lora = "LoRA adapters are not supported: the model at modelWeightPath is served as it is"
+    assert sorted(read(str(path))[1]) == sorted([
+        f"{path}: {mc}.speculationGamma is not used: it sizes MindIE's speculation plugins; mindspec's K is "
+        "mindspec.speculationGamma (-k)",
+        f"{path}: {mc}.maxLoras is not used: {lora}", f"{path}: {mc}.LoraModules is not used: {lora}",
+        f"{path}: {mc}.ModelConfig[0].pluginParams is not used: MindIE's speculation plugins (MTP, lookahead) are "
+        "not used; mindspec speculates with its draft (mindspec.draft)",
+        f"{path}: {mc}.ModelConfig[0].dp is not used: worldSize ranks run tensor-parallel (--tp); no other split of "
+        "them is made (data parallel is --dp: whole replicas)",
+        f"{path}: unknown key {mc}.ModelConfig[0].colour (ignored)"])
+    small = tmp_path / "small.json"
+    small.write_text(json.dumps({"ServerConfig": {"ipAddress": "127.0.0.5", "managementIpAddress": "127.0.0.6",
+                                                  "managementPort": 2001}}))
+    monkeypatch.setenv("MIES_CONTAINER_IP", "127.0.0.3")
+    monkeypatch.setenv("MIES_CONTAINER_MANAGEMENT_IP", "127.0.0.4")
+    a = parse(["serve", "--config", str(small)])
+    assert (a.host, a.management_host) == ("127.0.0.3", "127.0.0.4")
+    assert parse(["serve", "--config", str(small), "--host", "127.0.0.9"]).host == "127.0.0.9"  # (a flag wins)
 
 
 def test_every_key_sets_its_flag_and_the_ranges_include_their_ends(tmp_path, capsys):
@@ -517,3 +577,9 @@ def test_time_per_output_token_is_the_time_after_the_first_over_the_tokens_after
     assert m.registry.get_sample_value("mindspec_time_to_first_token_seconds_sum") == 1.0
     m.finish(5, SimpleNamespace(finish_reason="stop", token_ids=[7], stats=stats), 0.5, 0.5)  # one token: no tpot
     assert m.registry.get_sample_value("mindspec_time_per_output_token_seconds_count") == 1
+
+
+def test_an_ipv6_address_is_written_in_brackets_in_the_lines_that_give_the_url():
+    """A MindIE prober's: ipAddress "::1" printed "serving ... on http://::1:18445", not a URL."""
+    from mindspec.serve import _url
+    assert (_url("::1", 18445), _url("127.0.0.1", 1025)) == ("http://[::1]:18445", "http://127.0.0.1:1025")
