@@ -18,14 +18,13 @@ from .spec import TOP_LOGPROBS
 
 MAX_BODY = 4 * 2 ** 20  # MindIE's limit on a request's text: 4 MB
 EXTENSIONS = ("top_k", "repetition_penalty", "k", "draft_temperature", "min_tokens", "ignore_eos",
-              "stop_token_ids")  # beyond each API's own fields
+              "stop_token_ids", "truncate_prompt_tokens")  # beyond each API's own fields (the last: vLLM's)
 _TEXT, _FLAG = (lambda v: isinstance(v, str), "a string"), (lambda v: isinstance(v, bool), "true or false")
 # accepted and without effect (clients and MindIE's examples send them) when of their type and range
 # (TGI's): name -> (check, what it must be)
 IGNORED = {"user": _TEXT, "priority": (is_int, "an integer"), "service_tier": _TEXT, "store": _FLAG,
            "metadata": (lambda v: isinstance(v, dict), "an object"), "parallel_tool_calls": _FLAG,
            "typical_p": (lambda v: is_number(v) and 0 < v <= 1, "a number in (0, 1]"), "watermark": _FLAG,
-           "truncate": (lambda v: is_int(v) and v >= 1, "an integer >= 1"), "adapter_id": _TEXT,
            "timeout": (lambda v: is_number(v) and v >= 0, "a number >= 0"), "skip_special_tokens": _FLAG}
 # known but not implemented: refused unless they hold their "off" value
 OFF = {"best_of": (1,), "echo": (False,),
@@ -40,7 +39,8 @@ COMPLETION_KEYS = frozenset(("model", "prompt", "max_tokens", "stream", "stream_
 CHAT_KEYS = frozenset(("model", "messages", "max_tokens", "max_completion_tokens", "stream", "stream_options", "n",
                        "logprobs", "top_logprobs") + SAMPLING)
 TGI_PARAMS = frozenset(("max_new_tokens", "do_sample", "details", "return_full_text", "decoder_input_details",
-                        "top_n_tokens") + SAMPLING)
+                        "top_n_tokens", "truncate", "adapter_id") + SAMPLING)
+NO_ADAPTER = ("", "None")  # adapter_id values that ask for the base model (MindIE's default is "None")
 
 
 def _local_port(request):
@@ -502,8 +502,21 @@ class Api:
         for key in ("details", "return_full_text", "decoder_input_details"):
             if params.get(key) not in (None, True, False):  # null: the default
                 raise RequestError(f"{key} must be true or false")
+        if stream and params.get("decoder_input_details"):  # (TGI's and MindIE's rule)
+            raise RequestError("parameters.decoder_input_details must be false on a stream (the prompt's tokens come "
+                               "in a non-streamed answer's details)", param="parameters.decoder_input_details")
+        adapter = params.get("adapter_id")
+        if adapter is not None and adapter not in NO_ADAPTER:
+            raise RequestError(f"parameters.adapter_id {json.dumps(adapter)[:60]} is not supported: no LoRA adapters "
+                               "are served (null or \"None\": the model itself)", param="parameters.adapter_id")
+        truncate = params.get("truncate")
+        if truncate is not None and not (is_int(truncate) and truncate >= 1):
+            raise RequestError(f"parameters.truncate must be an integer >= 1, got {json.dumps(truncate)[:60]}",
+                               param="parameters.truncate")
         fields = ("max_new_tokens", "do_sample") + SAMPLING
         flat = dict({k: params[k] for k in fields if k in params}, prompt=inputs)
+        if truncate is not None:  # (the prompt's last `truncate` tokens, as TGI's)
+            flat["truncate_prompt_tokens"] = truncate
         top_n = params.get("top_n_tokens") or 0  # (TGI's: each token's n likeliest, with the logprobs)
         if type(top_n) is not int or not 0 <= top_n <= TOP_LOGPROBS or top_n and native:
             raise RequestError(f"parameters.top_n_tokens must be an integer from 0 to {TOP_LOGPROBS}"
@@ -511,7 +524,8 @@ class Api:
         if top_n:
             flat["logprobs"] = top_n
         kw = self._parse(flat, self.app.defaults)
-        fmt = TGI(self.app, kw, native, params.get("details", False), params.get("decoder_input_details", False),
+        prefill = params.get("decoder_input_details") or False  # (either one asks for the details: MindIE's)
+        fmt = TGI(self.app, kw, native, params.get("details") or prefill, prefill,
                   inputs if params.get("return_full_text") else "", listed)  # (its clock starts before the tokenizer)
         return await self._generate(request, [await self._encoded(kw)], [fmt], stream)
 

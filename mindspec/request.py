@@ -21,7 +21,7 @@ FIELDS = frozenset(PROMPT_FIELDS + (
     "chat", "max_new_tokens", "max_tokens", "max_completion_tokens", "temperature", "top_k", "top_p",
     "repetition_penalty", "presence_penalty", "frequency_penalty", "draft_temperature", "seed", "stop", "do_sample",
     "k", "min_tokens", "ignore_eos",
-    "stop_token_ids", "logprobs"))
+    "stop_token_ids", "logprobs", "truncate_prompt_tokens"))
 ROLES = ("system", "user", "assistant")
 MAX_STOPS = 32  # stop strings a request may give (OpenAI allows 4, TGI 4 by default, vLLM any number)
 
@@ -160,6 +160,10 @@ def parse(req, defaults=None):
             kw["limit_field"] = name  # asked for explicitly: more than the cache holds is an error, not a cut
     if not is_int(kw.get("min_tokens", 0)) or not 0 <= kw.get("min_tokens", 0) <= kw.get("max_new_tokens", 2 ** 31):
         raise RequestError(f"min_tokens must be an integer in [0, max_tokens], got {shown(kw.get('min_tokens'))}")
+    cut = kw.get("truncate_prompt_tokens")
+    if cut is not None and not (is_int(cut) and cut >= 1):
+        raise RequestError(f"truncate_prompt_tokens must be an integer >= 1, got {shown(cut)}",
+                           param="truncate_prompt_tokens")
     ids = kw.get("stop_token_ids")
     if ids is not None and not int_list(ids):
         raise RequestError("stop_token_ids must be a list of integer token ids")
@@ -202,6 +206,9 @@ def make(pipe, kw, request_id=None):
     prompt, prompt_ids, chat = kw.pop("prompt", None), kw.pop("prompt_ids", None), kw.pop("chat", False)
     if messages is not None:
         prompt, chat = pipe.tokenizer.apply_chat_template(messages), False
+    cut = kw.pop("truncate_prompt_tokens", None)
+    if cut is not None:  # the prompt's last `cut` tokens (vLLM's truncate_prompt_tokens, TGI's truncate)
+        prompt, prompt_ids, chat = None, pipe.encode(prompt, prompt_ids, chat, pipe.max_positions)[-cut:], False
     r = pipe.request(prompt, prompt_ids, chat=chat, request_id=request_id, **kw)
     if max_input and len(r.prompt_ids) > max_input:
         raise RequestError(f"prompt is {len(r.prompt_ids)} tokens, more than this server's limit of {max_input}",

@@ -217,6 +217,38 @@ def test_greedy_equals_target_only(server, pipe):
                                                                     speculate=False).text
 
 
+def test_mindies_tgi_fields_details_truncate_and_adapter_id(server, pipe):
+    """A MindIE prober's: decoder_input_details alone gave no details (MindIE: either one asks for them), and was
+    taken on a stream (MindIE and TGI: false only there); a stream's details had no prompt_tokens (MindIE's have);
+    truncate was accepted and ignored (TGI and MindIE keep the prompt's last N tokens); a LoRA adapter_id ran the
+    base model without a word."""
+    base, ids = server[0], pipe.encode(TEXT)
+    out = post(base, "/generate", {"inputs": TEXT, "parameters": {"max_new_tokens": 1, "decoder_input_details": True}})
+    assert [t["id"] for t in out["details"]["prefill"]] == ids and out["details"]["prompt_tokens"] == len(ids)
+    for path in ("/generate_stream", "/infer"):
+        status, text = call(base, path, {"inputs": TEXT, "stream": True,
+                                         "parameters": {"max_new_tokens": 1, "decoder_input_details": True}})
+        assert status == 422 and "decoder_input_details must be false on a stream" in text, text
+        last = events(base, path, {"inputs": TEXT, "stream": True,
+                                   "parameters": {"max_new_tokens": 2, "details": True}})[-1]
+        assert last["details"]["prompt_tokens"] == len(ids) and last["details"]["generated_tokens"] == 2
+    long = [5, 6, 7, 8, 9, 10, 11, 12]
+    ref = pipe.generate(prompt_ids=long[-3:], max_new_tokens=N, speculate=False)
+    out = post(base, "/generate", {"inputs": TEXT, "parameters": {"max_new_tokens": N, "truncate": len(ids) - 1,
+                                                                 "details": True}})
+    assert out["details"]["prompt_tokens"] == len(ids) - 1 and [t["id"] for t in out["details"]["tokens"]] == \
+        pipe.generate(prompt_ids=ids[1:], max_new_tokens=N, speculate=False).token_ids
+    c = post(base, "/v1/completions", {"prompt": long, "max_tokens": N, "truncate_prompt_tokens": 3})  # (vLLM's name)
+    assert c["choices"][0]["text"] == ref.text and c["usage"]["prompt_tokens"] == 3
+    c = post(base, "/v1/completions", {"prompt": IDS, "max_tokens": 1, "truncate_prompt_tokens": 100})  # (all of it)
+    assert c["usage"]["prompt_tokens"] == len(IDS)
+    for body, words in (({"truncate": 0}, "parameters.truncate must be an integer >= 1, got 0"),
+                        ({"adapter_id": "my_lora"}, 'parameters.adapter_id "my_lora" is not supported: no LoRA')):
+        status, text = call(base, "/generate", {"inputs": TEXT, "parameters": dict(body, max_new_tokens=1)})
+        assert status == 422 and words in json.loads(text)["error"], text
+    assert post(base, "/generate", {"inputs": TEXT, "parameters": {"max_new_tokens": 1, "adapter_id": "None"}})
+
+
 def test_greedy_with_a_repetition_penalty_is_the_targets_own(server, pipe):
     """A greedy request with a penalty is not plain greedy: its draft once drew uniforms keyed by a seed
     that only sampled requests are given (None here), a 500 for it and for every other row of its draft call."""
@@ -1703,11 +1735,12 @@ def test_an_empty_content_encoding_is_identity(server):
 
 
 def test_ignored_fields_of_their_type_change_nothing(server):
-    """Fields accepted and ignored (TGI's typical_p, truncate, watermark, adapter_id; OpenAI's user, store,
-    metadata) give the answer without them when of their type and range (others: BAD)."""
+    """Fields accepted and ignored (TGI's typical_p, watermark; OpenAI's user, store, metadata) give the answer
+    without them when of their type and range (others: BAD); so do a truncate the prompt is within and the base
+    model's adapter_id."""
     base = server[0]
     tgi = {"inputs": TEXT, "parameters": {"max_new_tokens": 4}}
-    ignored = {"typical_p": 0.5, "truncate": 10, "watermark": False, "adapter_id": "x"}
+    ignored = {"typical_p": 0.5, "truncate": 1000, "watermark": False, "adapter_id": "None"}
     assert post(base, "/generate", dict(tgi, parameters=dict(tgi["parameters"], **ignored))) == \
         dict(post(base, "/generate", tgi), mindspec=mock.ANY)
     openai = {"prompt": IDS, "max_tokens": 4}
