@@ -68,7 +68,12 @@ def _logprobs(body, chat):
     logprobs (true/false) with top_logprobs (0..20), completions' logprobs (0..20)."""
     if not chat:
         n = body.get("logprobs")
-        return None if n is None or n is False else n  # the range: Pipeline.request's, naming logprobs
+        if n is None or n is False:
+            return None
+        if not (is_int(n) and 0 <= n <= TOP_LOGPROBS):  # (true: chat's form, and an int to Python)
+            raise RequestError(f"logprobs must be an integer from 0 to {TOP_LOGPROBS} on /v1/completions (the "
+                               f"alternatives per token), got {shown(n)}", param="logprobs")
+        return n
     on, top = body.get("logprobs"), body.get("top_logprobs")
     if on is not None and not isinstance(on, bool):
         raise RequestError("logprobs must be true or false (top_logprobs says how many alternatives)",
@@ -431,7 +436,8 @@ class Api:
         if "prompt_ids" in kw:
             return kw
         ids = await self._ids(kw)
-        return dict({k: v for k, v in kw.items() if k not in ("prompt", "messages")}, prompt_ids=ids)
+        return dict({k: v for k, v in kw.items() if k not in ("prompt", "messages")}, prompt_ids=ids,
+                    prompt_field="messages" if "messages" in kw else "prompt")  # (what an error names)
 
     # ---- OpenAI-compatible
 

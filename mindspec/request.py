@@ -105,14 +105,18 @@ def _messages(v):
             raise RequestError(f"messages[{i}].role {shown(m['role'])} is not one of {', '.join(ROLES)}")
         content = m.get("content")
         if isinstance(content, list):  # OpenAI content parts: text only
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise RequestError(f"messages[{i}].content: only text parts are supported")
+            for j, p in enumerate(content):
+                if not (isinstance(p, dict) and p.get("type") == "text"):
+                    raise RequestError(f"messages[{i}].content: only text parts are supported")
+                if not isinstance(p.get("text"), str):
+                    raise RequestError(f"messages[{i}].content[{j}].text must be a string")
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
             raise RequestError(f"messages[{i}].content must be a string")
         msg = {"role": m["role"], "content": checked_text(f"messages[{i}].content", content)}
-        if isinstance(m.get("name"), str) and m["name"]:  # the chat template's to use (as vLLM passes it)
+        if m.get("name") not in (None, "") and not isinstance(m["name"], str):
+            raise RequestError(f"messages[{i}].name must be a string")
+        if m.get("name"):  # the chat template's to use (as vLLM passes it)
             msg["name"] = checked_text(f"messages[{i}].name", m["name"])
         for key, value in m.items():  # fields nothing would read; null or empty: unused
             if key not in msg and value not in (None, "", [], {}):
@@ -203,6 +207,7 @@ def make(pipe, kw, request_id=None):
     max_input = kw.pop("max_input_tokens", None)  # a server's limit (MindIE's maxInputTokenLen)
     ignore_eos, stop_ids = kw.pop("ignore_eos", False), kw.pop("stop_token_ids", None) or []
     messages = kw.pop("messages", None)
+    field = kw.pop("prompt_field", None) or ("prompt" if messages is None else "messages")  # (an error's param)
     prompt, prompt_ids, chat = kw.pop("prompt", None), kw.pop("prompt_ids", None), kw.pop("chat", False)
     if messages is not None:
         prompt, chat = pipe.tokenizer.apply_chat_template(messages), False
@@ -212,7 +217,7 @@ def make(pipe, kw, request_id=None):
     r = pipe.request(prompt, prompt_ids, chat=chat, request_id=request_id, **kw)
     if max_input and len(r.prompt_ids) > max_input:
         raise RequestError(f"prompt is {len(r.prompt_ids)} tokens, more than this server's limit of {max_input}",
-                           param="prompt")
+                           param=field)
     limit = pipe.max_positions  # as Pipeline.request's prompt check
     left = limit - len(r.prompt_ids)
     # as vLLM: asking for more than fits is an error; a default is cut to what fits (Pipeline.request)

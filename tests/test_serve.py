@@ -673,7 +673,8 @@ BAD = [  # (path, body or raw bytes, status, words in the message)
     ("/v1/chat/completions", {"messages": HI, "logprobs": 3}, 400, "logprobs must be true or false"),
     ("/v1/chat/completions", {"messages": HI, "logprobs": True, "top_logprobs": 21}, 400,
      "top_logprobs must be an integer from 0 to 20"),
-    ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs must be an integer in [0, 20]"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400,
+     "logprobs must be an integer from 0 to 20 on /v1/completions (the alternatives per token), got 21"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 10}}, 400, "logit_bias="),
     ("/v1/completions", {"prompt": "hi", "suffix": "end"}, 400, "suffix="),
     # vLLM's fields MindIE's OpenAI examples send: refused only away from their defaults (they were unknown)
@@ -754,7 +755,12 @@ BAD = [  # (path, body or raw bytes, status, words in the message)
     ("/v1/chat/completions", {"messages": HI, "max_tokens": 4, "max_completion_tokens": "x"}, 400,
      "max_completion_tokens must be an integer >= 1, got \"x\""),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "name": 5}]}, 400,
-     "messages[0].name is not supported"),
+     "messages[0].name must be a string"),  # (a MindIE prober's: "is not supported (a message gives ... name)")
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, 400,
+     "messages[0].content[0].text must be a string"),  # (was "only text parts are supported")
+    ("/v1/completions", {"prompt": "hi", "logprobs": True}, 400,
+     "logprobs must be an integer from 0 to 20 on /v1/completions (the alternatives per token), got true"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": "x"}, 400, 'logprobs must be an integer from 0 to 20'),
     ("/v1/chat/completions", {"messages": HI + [{"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]}]},
      400, "messages[1].tool_calls is not supported"),
     ("/v1/completions", {"prompt": "hi", "k": 3}, 400, "k=3 is not a compiled bucket [1, 2, 4, 8]"),

@@ -135,6 +135,9 @@ def test_the_file_sets_the_flags_and_unknown_keys_are_warned(server):
     assert c["mindspec"]["k_used"].keys() <= {"0", "1", "2"} and c["mindspec"]["drafted"] > 0  # the draft, K=2
     status, text = call(base, "/v1/completions", {"prompt": [5] * 41})  # maxInputTokenLen
     assert status == 400 and "prompt is 41 tokens, more than this server's limit of 40" in text
+    assert json.loads(text)["error"]["param"] == "prompt"
+    status, text = call(base, "/v1/chat/completions", {"messages": [{"role": "user", "content": "a " * 50}]})
+    assert status == 400 and json.loads(text)["error"]["param"] == "messages", text  # (was "prompt": no such field)
     log = "".join(err)
     assert "unknown key mindspec.colour (ignored)" in log and "unknown key Extra (ignored)" in log
     assert "managementPort" not in log and "npuDeviceIds" not in log  # MindIE's own keys: quiet
