@@ -25,7 +25,8 @@ _TEXT, _FLAG = (lambda v: isinstance(v, str), "a string"), (lambda v: isinstance
 IGNORED = {"user": _TEXT, "priority": (is_int, "an integer"), "service_tier": _TEXT, "store": _FLAG,
            "metadata": (lambda v: isinstance(v, dict), "an object"), "parallel_tool_calls": _FLAG,
            "typical_p": (lambda v: is_number(v) and 0 < v <= 1, "a number in (0, 1]"), "watermark": _FLAG,
-           "timeout": (lambda v: is_number(v) and v >= 0, "a number >= 0"), "skip_special_tokens": _FLAG}
+           "skip_special_tokens": _FLAG}
+MAX_TIMEOUT = 3600  # s: a request's own timeout, MindIE's range (0, 3600]
 # known but not implemented: refused unless they hold their "off" value
 OFF = {"best_of": (1,), "echo": (False,),
        "logit_bias": ({},), "suffix": ("",),
@@ -34,12 +35,12 @@ OFF = {"best_of": (1,), "echo": (False,),
        # vLLM's, in MindIE's OpenAI examples
        "include_stop_str_in_output": (False,), "use_beam_search": (False,), "chat_template_kwargs": ({},)}
 SAMPLING = ("temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty") + EXTENSIONS
-COMPLETION_KEYS = frozenset(("model", "prompt", "max_tokens", "stream", "stream_options", "n", "logprobs")
+COMPLETION_KEYS = frozenset(("model", "prompt", "max_tokens", "stream", "stream_options", "n", "logprobs", "timeout")
                             + SAMPLING)
 CHAT_KEYS = frozenset(("model", "messages", "max_tokens", "max_completion_tokens", "stream", "stream_options", "n",
-                       "logprobs", "top_logprobs") + SAMPLING)
+                       "logprobs", "top_logprobs", "timeout") + SAMPLING)
 TGI_PARAMS = frozenset(("max_new_tokens", "do_sample", "details", "return_full_text", "decoder_input_details",
-                        "top_n_tokens", "truncate", "adapter_id") + SAMPLING)
+                        "top_n_tokens", "truncate", "adapter_id", "timeout") + SAMPLING)
 NO_ADAPTER = ("", "None")  # adapter_id values that ask for the base model (MindIE's default is "None")
 
 
@@ -132,6 +133,15 @@ def _prompt(p, limit):
     if not p or not int_list(p):
         raise RequestError("prompt must be a string or a non-empty list of integer token ids", param="prompt")
     return {"prompt_ids": p}
+
+
+def _timeout(obj, where=""):
+    """A request's own timeout in seconds (MindIE's "timeout"), or None."""
+    v = obj.get("timeout")
+    if v is not None and not (is_number(v) and 0 < v <= MAX_TIMEOUT):
+        raise RequestError(f"{where}timeout must be a number in (0, {MAX_TIMEOUT}], got {shown(v)}",
+                           param=where + "timeout")
+    return v
 
 
 def _check_keys(body, known, where=""):
@@ -281,11 +291,13 @@ class Api:
         if not self.app.ready.is_set():
             raise RequestError("the model is still loading", 503)
 
-    async def _generate(self, request, kws, fmts, stream):
+    async def _generate(self, request, kws, fmts, stream, timeout=None):
         """Queue the requests (one per choice, fmts[i] formats choice i) and relay the worker's events:
         one JSON body, or SSE events. A client that leaves (streamed or not) cancels this handler
         (aiohttp's handler cancellation); the requests still running are aborted at the engine's next
-        step, as they are when one choice fails."""
+        step, as they are when one choice fails or the request's `timeout` (s) passes: a 504."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
         # every check of the request made now: a bad one is a 400 even while the queue is full (the engine makes
         # it again, on its thread; n's choices differ by their seed alone, and one is given here, so that no
         # rank-wide draw happens on this thread)
@@ -294,7 +306,12 @@ class Api:
         resp, done = None, [None] * len(jobs)
         try:
             while None in done:
-                tag, (kind, val) = await jobs[0].events.get()
+                try:
+                    tag, (kind, val) = await asyncio.wait_for(
+                        jobs[0].events.get(), None if deadline is None else max(deadline - loop.time(), 0))
+                except asyncio.TimeoutError:
+                    tag, kind, val = 0, "error", RequestError(
+                        f"the request did not finish within its timeout of {timeout:g} s", 504, param="timeout")
                 fmt = fmts[tag]
                 if kind in ("text", "done"):
                     if kind == "done":
@@ -477,7 +494,7 @@ class Api:
                for i in range(n)]  # (the last seeds wrap: every seed the request may give works with any n)
         first = OpenAI(self.app, chat, include_usage=usage)
         fmts = [first] + [OpenAI(self.app, chat, index=i, head=first.head, include_usage=usage) for i in range(1, n)]
-        return await self._generate(request, kws, fmts, stream)
+        return await self._generate(request, kws, fmts, stream, _timeout(body))
 
     async def completions(self, request):
         return await self._openai(request, chat=False)
@@ -515,6 +532,7 @@ class Api:
         if adapter is not None and adapter not in NO_ADAPTER:
             raise RequestError(f"parameters.adapter_id {json.dumps(adapter)[:60]} is not supported: no LoRA adapters "
                                "are served (null or \"None\": the model itself)", param="parameters.adapter_id")
+        timeout = _timeout(params, "parameters.")
         truncate = params.get("truncate")
         if truncate is not None and not (is_int(truncate) and truncate >= 1):
             raise RequestError(f"parameters.truncate must be an integer >= 1, got {json.dumps(truncate)[:60]}",
@@ -533,7 +551,7 @@ class Api:
         prefill = params.get("decoder_input_details") or False  # (either one asks for the details: MindIE's)
         fmt = TGI(self.app, kw, native, params.get("details") or prefill, prefill,
                   inputs if params.get("return_full_text") else "", listed)  # (its clock starts before the tokenizer)
-        return await self._generate(request, [await self._encoded(kw)], [fmt], stream)
+        return await self._generate(request, [await self._encoded(kw)], [fmt], stream, timeout)
 
     async def generate(self, request):
         return await self._tgi(request, stream=False)

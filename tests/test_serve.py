@@ -249,6 +249,32 @@ def test_mindies_tgi_fields_details_truncate_and_adapter_id(server, pipe):
     assert post(base, "/generate", {"inputs": TEXT, "parameters": {"max_new_tokens": 1, "adapter_id": "None"}})
 
 
+def test_a_requests_timeout_ends_it(server, pipe):
+    """A MindIE prober's: parameters.timeout (MindIE: seconds in (0, 3600], then the request is dropped) was
+    accepted and ignored, a request asking for 1 s answered after 18.8 s. Now the request ends at its timeout: a 504
+    before any text, a last error event on a stream; a request within its timeout is answered as without one."""
+    base = server[0]
+    long = {"max_new_tokens": MAX_SEQ - 16, "ignore_eos": True}
+    t = time.monotonic()
+    status, text = call(base, "/generate", {"inputs": TEXT, "parameters": dict(long, timeout=0.05)})
+    assert status == 504 and json.loads(text) == {
+        "error": "the request did not finish within its timeout of 0.05 s", "error_type": "generation"}, text
+    for _ in range(3):  # (a stream cut after its first text ends with an error event; before it, a 504 as above)
+        status, text = call(base, "/v1/completions", {"prompt": IDS, "max_tokens": MAX_SEQ - 16, "ignore_eos": True,
+                                                      "timeout": 0.05, "stream": True})
+        last = json.loads(text if status != 200 else text.strip().split("\n\n")[-1][len("data: "):])
+        assert status in (200, 504) and last["error"]["message"] == \
+            "the request did not finish within its timeout of 0.05 s", text[-300:]
+    assert time.monotonic() - t < 30
+    status, text = call(base, "/infer", {"inputs": TEXT, "parameters": {"timeout": 3601}})
+    assert status == 422 and "parameters.timeout must be a number in (0, 3600], got 3601" in text, text
+    status, text = call(base, "/v1/completions", {"prompt": IDS, "timeout": 0})
+    assert status == 400 and json.loads(text)["error"]["param"] == "timeout", text
+    ref = post(base, "/generate", {"inputs": TEXT, "parameters": {"max_new_tokens": N}})
+    assert post(base, "/generate", {"inputs": TEXT, "parameters": {"max_new_tokens": N, "timeout": 3600}}) == \
+        dict(ref, mindspec=mock.ANY)
+
+
 def test_greedy_with_a_repetition_penalty_is_the_targets_own(server, pipe):
     """A greedy request with a penalty is not plain greedy: its draft once drew uniforms keyed by a seed
     that only sampled requests are given (None here), a 500 for it and for every other row of its draft call."""
