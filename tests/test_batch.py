@@ -30,7 +30,7 @@ from conftest import wait_for
 
 MAX_SEQ = 128
 LINES = [
-    json.dumps({"id": "a", "prompt_ids": [5, 6, 7, 8], "max_new_tokens": 10}),
+    json.dumps({"id": "a", "prompt_ids": [3, 5, 6, 7, 8], "max_new_tokens": 10, "truncate_prompt_tokens": 4}),
     json.dumps({"prompt": "hello"}),  # id 2, the default --max-new-tokens
     "{oops",  # id 3: not JSON
     json.dumps({"id": "d", "messages": [{"role": "user", "content": "hi"}], "max_new_tokens": 6, "logprobs": 2}),
@@ -137,7 +137,7 @@ def test_results_equal_target_only_and_bad_lines_become_errors(setup, first_run,
     for rid, needle in EXPECT_ERRORS.items():
         assert set(got[rid]) == {"mindspec_batch", "job", "id", "error"} and needle in got[rid]["error"], got[rid]
     assert "does not fit" in got["f"]["error"]
-    refs = {"a": pipe.generate(prompt_ids=[5, 6, 7, 8], max_new_tokens=10, speculate=False),
+    refs = {"a": pipe.generate(prompt_ids=[5, 6, 7, 8], max_new_tokens=10, speculate=False),  # (the last 4)
             2: pipe.generate(prompt="hello", max_new_tokens=5, speculate=False),
             "d": pipe.generate(prompt="hi", chat=True, max_new_tokens=6, speculate=False, logprobs=2),
             "u": pipe.generate(prompt="x\u2028y\u0085z", max_new_tokens=3, speculate=False)}
