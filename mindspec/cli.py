@@ -353,6 +353,8 @@ def parser():
     c.set_defaults(func=cmd_convert)
     g = sub.add_parser("generate", help="generate text with a target + draft pair")
     g.add_argument("prompt", nargs="?", default=None, help="the prompt; - reads it from stdin (default: \"Once upon a time\")")
+    g.add_argument("--prompt", dest="prompt_flag", default=None, metavar="TEXT",
+                   help="the prompt, as a flag (an abbreviation of --prompt-ids otherwise)")
     g.add_argument("--prompt-ids", type=_ids, default=None, help="comma-separated token ids instead of text")
     add_model_args(g)
     add_sampling_args(g)
@@ -579,6 +581,10 @@ def parse(argv):
         if args.max_input_tokens is not None:  # (MindIE's min(maxInputTokenLen, maxSeqLen - 1): a position to generate)
             args.max_input_tokens = min(args.max_input_tokens, max(args.max_seq - 1, 1))
     if args.cmd == "generate":
+        if args.prompt_flag is not None:
+            if args.prompt is not None:
+                raise MindspecError("give the prompt once: as an argument or with --prompt")
+            args.prompt = args.prompt_flag
         args.limit_field = "--max-new-tokens" if "max_new_tokens" in _given(argv) else None  # (else cut to fit)
         if args.prompt == "-":
             args.prompt = _stdin_prompt(args)

@@ -50,12 +50,14 @@ class Metrics:
         self.requests.labels(endpoint, str(status)).inc()
 
     def finish(self, prompt_tokens, res, ttft_s, last_s):
-        """A generation ended (res: sequence.Result); ttft_s/last_s: seconds from arrival to its first
-        token (None when none came) and to its end."""
+        """A generation ended (res: sequence.Result); prompt_tokens: None for a choice after the first of a
+        request (they share its prompt); ttft_s/last_s: seconds from arrival to its first token (None when none
+        came) and to its end."""
         s, n = res.stats, len(res.token_ids)
         self.finished.labels(res.finish_reason).inc()
-        self.prompt_tokens.inc(prompt_tokens)
-        self.cached_tokens.inc(s.get("cached_tokens", 0))
+        if prompt_tokens is not None:
+            self.prompt_tokens.inc(prompt_tokens)
+            self.cached_tokens.inc(s.get("cached_tokens", 0))
         self.generated_tokens.inc(n)
         if ttft_s is not None:
             self.ttft.observe(ttft_s)

@@ -272,7 +272,9 @@ class App:
             return job.put(("fail", val))
         res = val.result()
         now = time.perf_counter()
-        self.metrics.finish(len(val.prompt_ids), res, val.first_at and val.first_at - job.t0, now - job.t0)
+        # (n choices share one prompt: counted with the first, as usage counts it)
+        self.metrics.finish(len(val.prompt_ids) if job.tag == 0 else None, res, val.first_at and val.first_at - job.t0,
+                            now - job.t0)
         if res.finish_reason == "error":
             print(f"mindspec: request {rid} failed: {val.error}", file=sys.stderr)
             return job.put(("fail", val.error))

@@ -672,3 +672,14 @@ def test_the_penalty_flags_are_the_defaults_of_a_job_and_older_job_ids_stay():
     for speed in (["--draft-temperature", "1.5"], ["--draft-min-conf", "0.5"], ["-k", "2"]):
         assert job_id(sampling_kwargs(parse(base + speed))) == job_id(plain) == "d199c986c5ed", speed
     assert job_id(sampling_kwargs(parse(base + ["--temperature", "0.5"]))) != job_id(plain)
+
+
+def test_generate_takes_the_prompt_as_prompt_too():
+    """A soak prober's: `mindspec generate --prompt "text"` (llama.cpp's and many tools' spelling) was read as an
+    abbreviation of --prompt-ids: "argument --prompt-ids: not a comma-separated list of token ids"."""
+    from mindspec.cli import parse
+    from mindspec.errors import MindspecError
+    assert parse(["generate", "--prompt", "Write a story"]).prompt == "Write a story"
+    assert parse(["generate", "--prompt-ids", "1,2"]).prompt_ids == [1, 2]
+    with pytest.raises(MindspecError, match="give the prompt once: as an argument or with --prompt"):
+        parse(["generate", "Hi", "--prompt", "Ho"])

@@ -1283,6 +1283,23 @@ def test_an_answer_with_no_text_still_counts_its_first_token(server):
     assert after[key] - before[key] == 1
 
 
+def test_a_prompt_of_n_choices_is_counted_once(server):
+    """A soak prober's: with n > 1, usage counted the prompt once and mindspec_prompt_tokens_total once a choice
+    (and the cached tokens of every choice, where usage gives the first's)."""
+    base = server[0]
+    before = _metrics(base)
+    out = post(base, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Name a colour."}],
+                                               "max_tokens": 5, "temperature": 1.0, "seed": 3, "n": 2})
+    after = _metrics(base)
+
+    def delta(name):
+        return after.get((name, ()), 0) - before.get((name, ()), 0)
+
+    assert delta("mindspec_prompt_tokens_total") == out["usage"]["prompt_tokens"] > 0
+    assert delta("mindspec_prompt_tokens_cached_total") == out["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert delta("mindspec_generation_tokens_total") == out["usage"]["completion_tokens"]
+
+
 def test_metrics_count_what_was_sent(server):
     base = server[0]
     before = _metrics(base)
