@@ -354,7 +354,7 @@ def parser():
     g = sub.add_parser("generate", help="generate text with a target + draft pair")
     g.add_argument("prompt", nargs="?", default=None, help="the prompt; - reads it from stdin (default: \"Once upon a time\")")
     g.add_argument("--prompt", dest="prompt_flag", default=None, metavar="TEXT",
-                   help="the prompt, as a flag (an abbreviation of --prompt-ids otherwise)")
+                   help="the prompt, given as a flag instead of the argument")
     g.add_argument("--prompt-ids", type=_ids, default=None, help="comma-separated token ids instead of text")
     add_model_args(g)
     add_sampling_args(g)

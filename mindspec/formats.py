@@ -225,6 +225,7 @@ class TGI:
             timed = self._timed([(0, "", None)])
         evs = [self._event(t) for t in timed]
         evs[-1]["generated_text"] = self.prefix + res.text
-        evs[-1]["details"] = dict(self._details(ids, res), prompt_tokens=len(ids)) if self.details else None  # (MindIE's)
+        # (a stream's details with prompt_tokens: MindIE's)
+        evs[-1]["details"] = dict(self._details(ids, res), prompt_tokens=len(ids)) if self.details else None
         evs[-1]["mindspec"] = res.stats
         return evs

@@ -131,17 +131,18 @@ QUIET = {"Version", "LogConfig", "EnableDynamicAdjustTimeoutConfig"} | {f"Server
     f"BackendConfig.ScheduleConfig.{k}" for k in (
         "templateType", "templateName", "cacheBlockSize", "maxPrefillBatchSize", "maxPrefillTokens",
         "prefillTimeMsPerReq", "prefillPolicyType", "decodeTimeMsPerReq", "decodePolicyType", "maxPreemptCount",
-        "supportSelectBatch", "maxFirstTokenWaitTime", "stageSelectPolicy", "dynamicBatchSizeEnable", "enablePrefixCache",
-        "enableSplit", "enablChunkedPrefill", "policyType", "splitType", "splitStartType", "splitChunkTokens",
-        "splitStartBatchSize", "prefillExpectedTime", "decodeExpectedTime", "bufferResponseEnabled", "distributedEnable",
-        "maxBeamWidth", "layerwiseDisaggregated", "prefillChunkSize", "maxNumPartialPrefills", "maxLongPartialPrefills",
-        "longPrefillTokenThreshold")}  # (the split-fuse and chunked-prefill keys: mindspec chunks prompts always)
+        "supportSelectBatch", "maxFirstTokenWaitTime", "stageSelectPolicy", "dynamicBatchSizeEnable",
+        "enablePrefixCache", "enableSplit", "enablChunkedPrefill", "policyType", "splitType", "splitStartType",
+        "splitChunkTokens", "splitStartBatchSize", "prefillExpectedTime", "decodeExpectedTime", "bufferResponseEnabled",
+        "distributedEnable", "maxBeamWidth", "layerwiseDisaggregated", "prefillChunkSize", "maxNumPartialPrefills",
+        "maxLongPartialPrefills", "longPrefillTokenThreshold")}  # (the split-fuse and chunked-prefill keys: mindspec chunks prompts always)
 
 
 # the blocks of MindIE's layout (and ours): a block of another shape is refused, not warned about and skipped
 MODEL_LIST = "BackendConfig.ModelDeployConfig.ModelConfig"
 # MindIE's keys that mean something mindspec does not do: warned about, with why
-PLUGINS = "MindIE's speculation plugins (MTP, lookahead) are not used; mindspec speculates with its draft (mindspec.draft)"
+PLUGINS = ("MindIE's speculation plugins (MTP, lookahead) are not used; mindspec speculates with its draft "
+           "(mindspec.draft)")
 LORA = "LoRA adapters are not supported: the model at modelWeightPath is served as it is"
 NOTED = {f"{MODEL_LIST}[0].plugin_params": PLUGINS, f"{MODEL_LIST}[0].pluginParams": PLUGINS,
          "BackendConfig.ModelDeployConfig.speculationGamma": "it sizes MindIE's speculation plugins; mindspec's K is "
