@@ -13,7 +13,7 @@ from aiohttp import HttpVersion11, web
 from . import __version__
 from .errors import MindspecError, is_int, is_number, one_line, shown, summary
 from .formats import TGI, OpenAI, openai_error, tgi_error
-from .request import RequestError, int_list, loads, make, parse
+from .request import RequestError, int_list, loads, make, parse, prompt_cut
 from .spec import TOP_LOGPROBS
 
 MAX_BODY = 4 * 2 ** 20  # MindIE's limit on a request's text: 4 MB
@@ -116,9 +116,10 @@ def _at_most(body, name, limit, why):
         raise RequestError(f"{name}: {n} items, at most {limit} ({why})", param=name)
 
 
-def _prompt(p, limit):
+def _prompt(p, limit, cut=None):
     """OpenAI's prompt as the flat request's {"prompt": text} or {"prompt_ids": ids}; a list of ids that
-    leaves none of the `limit` positions for the answer is refused unread, in Pipeline.request's words."""
+    leaves none of the `limit` positions for the answer is refused unread, in Pipeline.request's words,
+    unless `cut` (truncate_prompt_tokens) keeps its last ids only."""
     if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
         p = p[0]  # a batch of one prompt
     if isinstance(p, list) and len(p) > 1 and all(isinstance(x, (str, list)) for x in p):
@@ -128,6 +129,8 @@ def _prompt(p, limit):
         return {"prompt": p}
     if not isinstance(p, list):
         raise RequestError("prompt must be a string or a list of token ids (one prompt per request)", param="prompt")
+    if is_int(cut) and cut >= 1:  # (a bad cut: parse refuses it)
+        p = p[-cut:]
     if len(p) >= limit:
         raise RequestError(f"prompt is {len(p)} tokens; it does not fit max_seq {limit}", param="prompt")
     if not p or not int_list(p):
@@ -306,12 +309,17 @@ class Api:
         resp, done = None, [None] * len(jobs)
         try:
             while None in done:
-                try:
-                    tag, (kind, val) = await asyncio.wait_for(
-                        jobs[0].events.get(), None if deadline is None else max(deadline - loop.time(), 0))
-                except asyncio.TimeoutError:
-                    tag, kind, val = 0, "error", RequestError(
-                        f"the request did not finish within its timeout of {timeout:g} s", 504, param="timeout")
+                try:  # (what the worker already sent is taken before the deadline is looked at)
+                    tag, (kind, val) = jobs[0].events.get_nowait()
+                except asyncio.QueueEmpty:
+                    try:
+                        tag, (kind, val) = await asyncio.wait_for(
+                            jobs[0].events.get(), None if deadline is None else max(deadline - loop.time(), 0))
+                    except asyncio.TimeoutError:
+                        for job in jobs:
+                            job.why = "its timeout passed"
+                        tag, kind, val = 0, "error", RequestError(
+                            f"the request did not finish within its timeout of {timeout:g} s", 504, param="timeout")
                 fmt = fmts[tag]
                 if kind in ("text", "done"):
                     if kind == "done":
@@ -472,14 +480,14 @@ class Api:
             raise RequestError("give either \"prompt\" or \"messages\", not both", param="messages")
         _check_keys(body, CHAT_KEYS if chat else COMPLETION_KEYS)
         self._openai_model(body)
-        stream = _stream_flag(body)
+        stream, timeout = _stream_flag(body), _timeout(body)
         usage = _include_usage(body, stream)
         flat = {k: body[k] for k in ("max_tokens",) + SAMPLING if k in body}
         if chat:
             flat["messages"] = body.get("messages")
             flat["max_completion_tokens"] = body.get("max_completion_tokens")  # (both given: refused by parse)
         else:
-            flat.update(_prompt(body.get("prompt"), self.app.pipe.max_positions))
+            flat.update(_prompt(body.get("prompt"), self.app.pipe.max_positions, body.get("truncate_prompt_tokens")))
         lp = _logprobs(body, chat)
         if lp is not None:
             flat["logprobs"] = lp
@@ -494,7 +502,7 @@ class Api:
                for i in range(n)]  # (the last seeds wrap: every seed the request may give works with any n)
         first = OpenAI(self.app, chat, include_usage=usage)
         fmts = [first] + [OpenAI(self.app, chat, index=i, head=first.head, include_usage=usage) for i in range(1, n)]
-        return await self._generate(request, kws, fmts, stream, _timeout(body))
+        return await self._generate(request, kws, fmts, stream, timeout)
 
     async def completions(self, request):
         return await self._openai(request, chat=False)
@@ -524,23 +532,25 @@ class Api:
         _check_keys(params, TGI_PARAMS, "parameters.")
         for key in ("details", "return_full_text", "decoder_input_details"):
             if params.get(key) not in (None, True, False):  # null: the default
-                raise RequestError(f"{key} must be true or false")
+                raise RequestError(f"parameters.{key} must be true or false, got {shown(params[key])}",
+                                   param=f"parameters.{key}")
         if stream and params.get("decoder_input_details"):  # (TGI's and MindIE's rule)
             raise RequestError("parameters.decoder_input_details must be false on a stream (the prompt's tokens come "
                                "in a non-streamed answer's details)", param="parameters.decoder_input_details")
         adapter = params.get("adapter_id")
+        if adapter is not None and not isinstance(adapter, str):
+            raise RequestError(f"parameters.adapter_id must be a string, got {shown(adapter)}",
+                               param="parameters.adapter_id")
         if adapter is not None and adapter not in NO_ADAPTER:
-            raise RequestError(f"parameters.adapter_id {json.dumps(adapter)[:60]} is not supported: no LoRA adapters "
-                               "are served (null or \"None\": the model itself)", param="parameters.adapter_id")
+            raise RequestError(f"parameters.adapter_id {shown(adapter)} is not supported: no LoRA adapters are served "
+                               "(null or \"None\": the model itself)", param="parameters.adapter_id")
         timeout = _timeout(params, "parameters.")
-        truncate = params.get("truncate")
-        if truncate is not None and not (is_int(truncate) and truncate >= 1):
-            raise RequestError(f"parameters.truncate must be an integer >= 1, got {json.dumps(truncate)[:60]}",
-                               param="parameters.truncate")
         fields = ("max_new_tokens", "do_sample") + SAMPLING
         flat = dict({k: params[k] for k in fields if k in params}, prompt=inputs)
-        if truncate is not None:  # (the prompt's last `truncate` tokens, as TGI's)
-            flat["truncate_prompt_tokens"] = truncate
+        if prompt_cut("parameters.truncate", params.get("truncate")) is not None:  # (TGI's name of it)
+            if flat.setdefault("truncate_prompt_tokens", params["truncate"]) != params["truncate"]:
+                raise RequestError("give one of parameters.truncate or parameters.truncate_prompt_tokens, not both",
+                                   param="parameters.truncate")
         top_n = params.get("top_n_tokens") or 0  # (TGI's: each token's n likeliest, with the logprobs)
         if type(top_n) is not int or not 0 <= top_n <= TOP_LOGPROBS or top_n and native:
             raise RequestError(f"parameters.top_n_tokens must be an integer from 0 to {TOP_LOGPROBS}"

@@ -135,7 +135,7 @@ def _rows(lines, input_path):
         rid, req, err = _row(n, text, input_path)
         rid, what = (rid, "id") if rid is not None else (n, "line number")
         if _key(rid) in whose:
-            raise MindspecError(f"{input_path}:{n}: its {what} {rid!r} is already line {whose[_key(rid)]}; ids "
+            raise MindspecError(f"{input_path}:{n}: its {what} {shown(rid)} is already line {whose[_key(rid)]}; ids "
                                 "must be unique (a line without a usable \"id\", a string or an integer, has its "
                                 "line number)")
         whose[_key(rid)] = f"{n}'s {what}"

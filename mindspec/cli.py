@@ -585,6 +585,8 @@ def parse(argv):
             if args.prompt is not None:
                 raise MindspecError("give the prompt once: as an argument or with --prompt")
             args.prompt = args.prompt_flag
+        if args.prompt is not None and args.prompt_ids is not None:  # (was said once the model had loaded)
+            raise MindspecError("give a text prompt or --prompt-ids, not both")
         args.limit_field = "--max-new-tokens" if "max_new_tokens" in _given(argv) else None  # (else cut to fit)
         if args.prompt == "-":
             args.prompt = _stdin_prompt(args)

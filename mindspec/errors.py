@@ -28,8 +28,9 @@ def summary(e):
 def shown(v, limit=80):
     """A user's value quoted in JSON's notation (true, null, "text"): the values a message quotes come from
     JSON (request bodies, batch lines, config files), and Python's True, None and 'text' read as another
-    language there. Cut at limit characters; numpy's numbers as numbers."""
-    text = json.dumps(v, ensure_ascii=False, default=lambda o: o.item() if hasattr(o, "item") else repr(o))
+    language there. Cut at limit characters; numpy's numbers as numbers, anything else JSON lacks as its repr."""
+    text = json.dumps(v, ensure_ascii=False,
+                      default=lambda o: o.item() if getattr(o, "ndim", None) == 0 else repr(o))
     return text if len(text) <= limit else text[:limit - 1] + "\u2026"
 
 

@@ -166,11 +166,12 @@ class TGI:
 
     def _details(self, ids, res, every=None):
         """every: each token's (id, text, logprob) as the stream gives it (the full details), or None."""
-        d = {"finish_reason": self._finish(res), "generated_tokens": len(res.token_ids), "seed": self.kw.get("seed")}
+        d = {"finish_reason": self._finish(res), "generated_tokens": len(res.token_ids), "seed": self.kw.get("seed"),
+             "prompt_tokens": len(ids)}  # (MindIE's, also in a stream's and /infer's)
         if every is not None:
             pipe = self.app.pipe
             prefill = [token(pipe, i) for i in ids] if self.decoder_input_details else []
-            d.update(prompt_tokens=len(ids), prefill=prefill, tokens=[self._token(i, t, lp) for i, t, lp in every])
+            d.update(prefill=prefill, tokens=[self._token(i, t, lp) for i, t, lp in every])
             if self.kw.get("logprobs"):  # top_n_tokens
                 d["top_tokens"] = [self._top(lp) for _, _, lp in every]
         return d
@@ -225,7 +226,6 @@ class TGI:
             timed = self._timed([(0, "", None)])
         evs = [self._event(t) for t in timed]
         evs[-1]["generated_text"] = self.prefix + res.text
-        # (a stream's details with prompt_tokens: MindIE's)
-        evs[-1]["details"] = dict(self._details(ids, res), prompt_tokens=len(ids)) if self.details else None
+        evs[-1]["details"] = self._details(ids, res) if self.details else None
         evs[-1]["mindspec"] = res.stats
         return evs

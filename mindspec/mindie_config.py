@@ -135,7 +135,7 @@ QUIET = {"Version", "LogConfig", "EnableDynamicAdjustTimeoutConfig"} | {f"Server
         "enablePrefixCache", "enableSplit", "enablChunkedPrefill", "policyType", "splitType", "splitStartType",
         "splitChunkTokens", "splitStartBatchSize", "prefillExpectedTime", "decodeExpectedTime", "bufferResponseEnabled",
         "distributedEnable", "maxBeamWidth", "layerwiseDisaggregated", "prefillChunkSize", "maxNumPartialPrefills",
-        "maxLongPartialPrefills", "longPrefillTokenThreshold")}  # (the split-fuse and chunked-prefill keys: mindspec chunks prompts always)
+        "maxLongPartialPrefills", "longPrefillTokenThreshold")}  # (split-fuse, chunked prefill: mindspec's is always on)
 
 
 # the blocks of MindIE's layout (and ours): a block of another shape is refused, not warned about and skipped
@@ -155,6 +155,9 @@ OBJECTS = ("ServerConfig", "BackendConfig", "BackendConfig.ModelDeployConfig", "
            "mindspec")
 KINDS = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number", float: "a number",
          type(None): "null"}
+
+
+ENV = {"host": "MIES_CONTAINER_IP", "management_host": "MIES_CONTAINER_MANAGEMENT_IP"}  # (over the file's)
 
 
 def _flatten(obj, path=""):
@@ -236,7 +239,7 @@ def apply(args, path, given):
         raise MindspecError(str(e)) from None
     for w in warnings:
         print(f"mindspec: warning: {w}", file=sys.stderr)
-    for dest, var in (("host", "MIES_CONTAINER_IP"), ("management_host", "MIES_CONTAINER_MANAGEMENT_IP")):
+    for dest, var in ENV.items():
         if os.environ.get(var):  # (MindIE: a container's address wins over the file's)
             values[dest] = os.environ[var]
     for dest, value in values.items():
@@ -250,7 +253,8 @@ def _together(args, from_file, zero_ok):
     given on the command line wins, and is the user's own)."""
     for dest, key in (("host", "ipAddress"), ("management_host", "managementIpAddress")):
         if dest in from_file and getattr(args, dest) in ("0.0.0.0", "::") and not zero_ok:
-            raise MindspecError(f"ServerConfig.{key}: {getattr(args, dest)} listens on every interface, which "
+            key = f"${ENV[dest]}" if os.environ.get(ENV[dest]) else f"ServerConfig.{key}"  # (what set it)
+            raise MindspecError(f"{key}: {getattr(args, dest)} listens on every interface, which "
                                 "MindIE allows only with ServerConfig.allowAllZeroIpListening true")
     if getattr(args, "management_host", None) not in (None, args.host):  # (a port serves one address here)
         for key in ("managementPort", "metricsPort"):

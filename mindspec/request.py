@@ -47,6 +47,13 @@ def _count(name, n):
     return n
 
 
+def prompt_cut(name, n):
+    """n, a number of the prompt's last tokens to keep (vLLM's truncate_prompt_tokens, TGI's truncate), or None."""
+    if n is not None and not (is_int(n) and n >= 1):
+        raise RequestError(f"{name} must be an integer >= 1, got {shown(n)}", param=name)
+    return n
+
+
 def checked_text(name, v):
     """A string the tokenizer can take: JSON may carry lone surrogates (\\ud800) that UTF-8 cannot."""
     try:
@@ -164,10 +171,7 @@ def parse(req, defaults=None):
             kw["limit_field"] = name  # asked for explicitly: more than the cache holds is an error, not a cut
     if not is_int(kw.get("min_tokens", 0)) or not 0 <= kw.get("min_tokens", 0) <= kw.get("max_new_tokens", 2 ** 31):
         raise RequestError(f"min_tokens must be an integer in [0, max_tokens], got {shown(kw.get('min_tokens'))}")
-    cut = kw.get("truncate_prompt_tokens")
-    if cut is not None and not (is_int(cut) and cut >= 1):
-        raise RequestError(f"truncate_prompt_tokens must be an integer >= 1, got {shown(cut)}",
-                           param="truncate_prompt_tokens")
+    prompt_cut("truncate_prompt_tokens", kw.get("truncate_prompt_tokens"))
     ids = kw.get("stop_token_ids")
     if ids is not None and not int_list(ids):
         raise RequestError("stop_token_ids must be a list of integer token ids")

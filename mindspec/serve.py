@@ -54,6 +54,7 @@ class _Job:
         self.events, self._put = events, put
         self.t0 = time.perf_counter()  # arrival (metrics)
         self.sent = self.shown = 0  # tokens and characters handed to the HTTP side
+        self.why = "the client went away"  # (a cancel's reason, for the log: else its timeout passed)
 
     def put(self, event):
         if not self.probe:  # a health probe's events go nowhere: the worker's accounting is its answer
@@ -280,7 +281,7 @@ class App:
             return job.put(("fail", val.error))
         if res.finish_reason == "abort":
             n = len(val.output)
-            print(f"mindspec: request {rid} aborted after {n} token{'s' * (n != 1)}: the client went away",
+            print(f"mindspec: request {rid} aborted after {n} token{'s' * (n != 1)}: {job.why}",
                   file=sys.stderr, flush=True)
         else:
             every = pieces(val, 0, len(res.text), final=True)

@@ -683,3 +683,5 @@ def test_generate_takes_the_prompt_as_prompt_too():
     assert parse(["generate", "--prompt-ids", "1,2"]).prompt_ids == [1, 2]
     with pytest.raises(MindspecError, match="give the prompt once: as an argument or with --prompt"):
         parse(["generate", "Hi", "--prompt", "Ho"])
+    with pytest.raises(MindspecError, match="give a text prompt or --prompt-ids, not both"):  # (said after the load)
+        parse(["generate", "--prompt", "Ho", "--prompt-ids", "1,2"])

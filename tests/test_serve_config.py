@@ -586,3 +586,14 @@ def test_an_ipv6_address_is_written_in_brackets_in_the_lines_that_give_the_url()
     """A MindIE prober's: ipAddress "::1" printed "serving ... on http://::1:18445", not a URL."""
     from mindspec.serve import _url
     assert (_url("::1", 18445), _url("127.0.0.1", 1025)) == ("http://[::1]:18445", "http://127.0.0.1:1025")
+
+
+def test_a_container_address_that_listens_everywhere_is_named_by_its_variable(tmp_path, monkeypatch):
+    """The review's: MIES_CONTAINER_IP=0.0.0.0 was refused as "ServerConfig.ipAddress: 0.0.0.0 ...", a value the
+    file did not hold."""
+    from mindspec.cli import parse
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"ServerConfig": {"ipAddress": "127.0.0.1"}}))
+    monkeypatch.setenv("MIES_CONTAINER_IP", "0.0.0.0")
+    with pytest.raises(MindspecError, match=r"^\$MIES_CONTAINER_IP: 0.0.0.0 listens on every interface"):
+        parse(["serve", "--config", str(path)])
