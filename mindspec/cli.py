@@ -43,7 +43,8 @@ def cmd_export(a):
     from mindspec.export import export_draft
     m = export_draft(a.model, a.out, quantize=None if a.quantize == "none" else a.quantize, layers=a.layers,
                      max_seq=a.max_seq, dtype=a.dtype, profile=a.profile)
-    print(f"wrote {a.out} ({m['num_layers']} layers, {m['dtype']}, quantize={m['quantize']}, profile {m['profile']}) "
+    layers = f"{m['num_layers']} layer{'s' * (m['num_layers'] != 1)}"
+    print(f"wrote {a.out} ({layers}, {m['dtype']}, quantize={m['quantize'] or 'none'}, profile {m['profile']}) "
           f"and {a.out}.json")
 
 

@@ -70,7 +70,7 @@ def _object(pairs):
     if len(obj) < len(pairs):
         seen = set()
         twice = next(k for k, _ in pairs if k in seen or seen.add(k))
-        raise RequestError(f"the key {shown(twice)} is given twice")
+        raise RequestError(f"the key {shown(twice)} is given twice", param=twice)
     return obj
 
 

@@ -266,6 +266,8 @@ def test_mindies_tgi_fields_details_truncate_and_adapter_id(server, pipe):
         status, text = call(base, "/generate", {"inputs": TEXT, "parameters": dict(body, max_new_tokens=1)})
         assert status == 422 and words in json.loads(text)["error"], text
     assert post(base, "/generate", {"inputs": TEXT, "parameters": {"max_new_tokens": 1, "adapter_id": "None"}})
+    status, text = call(base, "/v1/completions", raw=b'{"prompt": "hi", "max_tokens": 2, "max_tokens": 3}')
+    assert status == 400 and json.loads(text)["error"]["param"] == "max_tokens", text  # (a README reader's: null)
 
 
 def test_a_requests_timeout_ends_it(server, pipe):
