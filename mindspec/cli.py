@@ -264,6 +264,29 @@ def _check_model_paths(a):
         check_file(a.draft)
         if a.target is not None:
             read_pair_manifest(a.draft, cfg, tokenizer, sha=False)  # (the load reads it whole)
+    if a.cmd == "serve":
+        _check_size(a)
+
+
+def _check_size(a):
+    """A server's cache that the model or the host cannot hold, refused before its port is bound (the load
+    checks it again: pipeline.check_size). The default model not yet converted is left to its load."""
+    from .checkpoint import Checkpoint
+    from .default import DEFAULT_QUANT, default_target
+    from .pipeline import check_size
+    from .plan import parse_size
+    from .spec import resolve_dtype
+    from mindspec.export.manifest import read_manifest
+    target = a.target or default_target()
+    if not os.path.exists(os.path.join(target, "config.json")):
+        return
+    draft = None if a.no_speculate else a.draft or (None if a.target else
+                                                    os.path.join(target, f"draft-{DEFAULT_QUANT}.onnx"))
+    draft = draft if draft and os.path.exists(draft) else None
+    device = detect_device(a.device)
+    check_size(Checkpoint(target).config, draft, read_manifest(draft, sha=False) if draft else None,
+               resolve_dtype(a.dtype, device), device, parse_size(a.device_mem, "--device-mem") if a.device_mem
+               else None, a.tp, a.max_seq, a.max_batch)
 
 
 def serve_defaults(a):

@@ -207,27 +207,8 @@ class Pipeline:
     def _build(self, max_seq, max_batch):
         """(Re)build the target graphs and the draft cache for `max_seq` positions and `max_batch` rows."""
         from mindspec.graphs.runner import TargetModel
-        if max_seq > self.cfg.max_position_embeddings:
-            raise MindspecError(f"{max_seq} positions exceed the model's {self.cfg.max_position_embeddings} (its "
-                                + ("sliding window: mindspec attends to every position" if self.cfg.sliding_window
-                                   else "max_position_embeddings") + ")")
-        positions = cache_positions(max_seq, self.spec.k_buckets)  # per slot, as allocated
-        if self.device_mem:  # before any weight is loaded, in the dtypes really used (the draft's: its manifest)
-            from .plan import check_fits, shape_from_config, shape_from_draft
-            from mindspec.graphs.fuse import rot_rows_for
-            check_fits(shape_from_config(self.cfg, PLAN_DTYPE[self.dtype], rot_rows=rot_rows_for(self.device)),
-                       shape_from_draft(self.draft_path) if self.draft_path else None,
-                       tp=self.tp, device_mem=self.device_mem, seq_len=positions * max_batch)
-        elif self.device == "CPU":  # the host's memory is the device's: rows that need more than all of it
-            # (swap and the weights aside: a coarse bound) are refused, not tried
-            from .plan import DTYPE_BYTES, GB, host_bytes_per_row, host_memory
-            row = host_bytes_per_row(self.cfg, DTYPE_BYTES[PLAN_DTYPE[self.dtype]], positions, self.manifest)
-            need = row * max_batch
-            have = host_memory()
-            if need > have:
-                raise MindspecError(f"{max_batch} rows of {max_seq} positions need about {need / GB:.1f} GB (KV "
-                                    f"caches and graph workspace), more than this machine's {have / GB:.1f} GB: "
-                                    "lower --max-batch (bench: --batch-sizes) or --max-seq")
+        check_size(self.cfg, self.draft_path, self.manifest, self.dtype, self.device, self.device_mem, self.tp,
+                   max_seq, max_batch, self.spec.k_buckets)
         if max_batch != self.spec.max_batch:
             self.spec = SpecConfig(self.spec.k, self.spec.k_buckets, self._batch_buckets, max_batch)
         self.target = None  # free the old graphs' memory first
@@ -508,6 +489,32 @@ def _check_call(who, reqs, max_batch):
         raise MindspecError(f"max_batch must be an integer >= 1, got {max_batch!r}")
     if not isinstance(reqs, (list, tuple)) or not all(isinstance(r, Request) for r in reqs):
         raise MindspecError(f"{who} take{'' if ' and ' in who else 's'} a list of Requests (made by Pipeline.request)")
+
+
+def check_size(cfg, draft_path, manifest, dtype, device, device_mem, tp, max_seq, max_batch, k_buckets=K_BUCKETS):
+    """Refuse a cache of max_batch slots of max_seq positions that the model or the device cannot hold, before any
+    weight loads (also before a server binds its port): more positions than the model's; on a device of
+    `device_mem` bytes, the planner's figure; on a CPU, rows that need more than all of the host's memory (swap
+    and the weights aside: a coarse bound)."""
+    if max_seq > cfg.max_position_embeddings:
+        raise MindspecError(f"{max_seq} positions exceed the model's {cfg.max_position_embeddings} (its "
+                            + ("sliding window: mindspec attends to every position" if cfg.sliding_window
+                               else "max_position_embeddings") + ")")
+    positions = cache_positions(max_seq, k_buckets)  # per slot, as allocated
+    if device_mem:  # in the dtypes really used (the draft's: its manifest)
+        from .plan import check_fits, shape_from_config, shape_from_draft
+        from mindspec.graphs.fuse import rot_rows_for
+        check_fits(shape_from_config(cfg, PLAN_DTYPE[dtype], rot_rows=rot_rows_for(device)),
+                   shape_from_draft(draft_path) if draft_path else None,
+                   tp=tp, device_mem=device_mem, seq_len=positions * max_batch)
+    elif device == "CPU":
+        from .plan import DTYPE_BYTES, GB, host_bytes_per_row, host_memory
+        need, have = host_bytes_per_row(cfg, DTYPE_BYTES[PLAN_DTYPE[dtype]], positions, manifest) * max_batch, \
+            host_memory()
+        if need > have:
+            raise MindspecError(f"{max_batch} rows of {max_seq} positions need about {need / GB:.1f} GB (KV "
+                                f"caches and graph workspace), more than this machine's {have / GB:.1f} GB: "
+                                "lower --max-batch (bench: --batch-sizes) or --max-seq")
 
 
 def load(target=None, draft=None, k="auto", **kw):
