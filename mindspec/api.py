@@ -129,7 +129,7 @@ def _prompt(p, limit, cut=None):
         return {"prompt": p}
     if not isinstance(p, list):
         raise RequestError("prompt must be a string or a list of token ids (one prompt per request)", param="prompt")
-    if is_int(cut) and cut >= 1:  # (a bad cut: parse refuses it)
+    if prompt_cut("truncate_prompt_tokens", cut) is not None:  # (the ids before the cut are not read)
         p = p[-cut:]
     if len(p) >= limit:
         raise RequestError(f"prompt is {len(p)} tokens; it does not fit max_seq {limit}", param="prompt")
@@ -306,7 +306,7 @@ class Api:
         # rank-wide draw happens on this thread)
         make(self.app.pipe, dict(kws[0], seed=0) if kws[0].get("seed") is None else kws[0])
         jobs = self.app.submit(kws)
-        resp, done = None, [None] * len(jobs)
+        resp, done, timed_out = None, [None] * len(jobs), False
         try:
             while None in done:
                 try:  # (what the worker already sent is taken before the deadline is looked at)
@@ -316,8 +316,7 @@ class Api:
                         tag, (kind, val) = await asyncio.wait_for(
                             jobs[0].events.get(), None if deadline is None else max(deadline - loop.time(), 0))
                     except asyncio.TimeoutError:
-                        for job in jobs:
-                            job.why = "its timeout passed"
+                        timed_out = True
                         tag, kind, val = 0, "error", RequestError(
                             f"the request did not finish within its timeout of {timeout:g} s", 504, param="timeout")
                 fmt = fmts[tag]
@@ -327,6 +326,9 @@ class Api:
                     for ev in (fmt.chunk(*val) if kind == "text" else fmt.last(done)) if stream else ():
                         resp = await _sse(request, resp, ev)
                     continue
+                for job in jobs:  # (why the rows still running are cancelled below, for their log lines)
+                    if timed_out or job.tag != tag:
+                        job.why = "its timeout passed" if timed_out else "another choice of its request failed"
                 status, msg = {"error": (getattr(val, "status", 400), val),
                                "fail": (500, f"internal error: {summary(val)}"),
                                "unavailable": (503, "the server is shutting down")}[kind]
@@ -547,10 +549,12 @@ class Api:
         timeout = _timeout(params, "parameters.")
         fields = ("max_new_tokens", "do_sample") + SAMPLING
         flat = dict({k: params[k] for k in fields if k in params}, prompt=inputs)
+        cut = prompt_cut("parameters.truncate_prompt_tokens", params.get("truncate_prompt_tokens"))
         if prompt_cut("parameters.truncate", params.get("truncate")) is not None:  # (TGI's name of it)
-            if flat.setdefault("truncate_prompt_tokens", params["truncate"]) != params["truncate"]:
+            if cut not in (None, params["truncate"]):
                 raise RequestError("give one of parameters.truncate or parameters.truncate_prompt_tokens, not both",
                                    param="parameters.truncate")
+            flat["truncate_prompt_tokens"] = params["truncate"]
         top_n = params.get("top_n_tokens") or 0  # (TGI's: each token's n likeliest, with the logprobs)
         if type(top_n) is not int or not 0 <= top_n <= TOP_LOGPROBS or top_n and native:
             raise RequestError(f"parameters.top_n_tokens must be an integer from 0 to {TOP_LOGPROBS}"

@@ -156,10 +156,9 @@ def add_sampling_args(p):
 def load_pipeline(a):
     """The pipeline of the model flags (add_model_args), kept (_LOADED) until main ends the process."""
     from .pipeline import load
-    from .plan import parse_size
-    mem = parse_size(a.device_mem, "--device-mem") if a.device_mem else None
     pipe = load(target=a.target, draft=False if a.no_speculate else a.draft, k=a.k, max_seq=a.max_seq,
-                device_mem=mem, tp=getattr(a, "tp", 1), max_batch=getattr(a, "max_batch", 1), dtype=a.dtype,
+                device_mem=_device_mem(a), tp=getattr(a, "tp", 1), max_batch=getattr(a, "max_batch", 1),
+                dtype=a.dtype,
                 device=a.device, prefix_cache=getattr(a, "prefix_cache", True))
     _LOADED.append(pipe)
     return pipe
@@ -269,24 +268,30 @@ def _check_model_paths(a):
 
 
 def _check_size(a):
-    """A server's cache that the model or the host cannot hold, refused before its port is bound (the load
-    checks it again: pipeline.check_size). The default model not yet converted is left to its load."""
+    """A server's cache that the pair or the host cannot hold, refused before its port is bound (the load checks
+    it again: pipeline.check_size). The embedded model is checked once converted, without its draft (which its
+    load may export again); a draft given is checked by _check_model_paths first."""
     from .checkpoint import Checkpoint
-    from .default import DEFAULT_QUANT, default_target
+    from .default import default_target
     from .pipeline import check_size
-    from .plan import parse_size
     from .spec import resolve_dtype
     from mindspec.export.manifest import read_manifest
     target = a.target or default_target()
     if not os.path.exists(os.path.join(target, "config.json")):
         return
-    draft = None if a.no_speculate else a.draft or (None if a.target else
-                                                    os.path.join(target, f"draft-{DEFAULT_QUANT}.onnx"))
-    draft = draft if draft and os.path.exists(draft) else None
+    draft = a.draft if a.draft is not None and not a.no_speculate else None
+    m = read_manifest(draft, sha=False) if draft else None
     device = detect_device(a.device)
-    check_size(Checkpoint(target).config, draft, read_manifest(draft, sha=False) if draft else None,
-               resolve_dtype(a.dtype, device), device, parse_size(a.device_mem, "--device-mem") if a.device_mem
-               else None, a.tp, a.max_seq, a.max_batch)
+    check_size(Checkpoint(target).config, draft, m, a.max_seq, a.max_batch, dtype=resolve_dtype(a.dtype, device),
+               device=device, device_mem=_device_mem(a), tp=a.tp)
+    if m and a.max_seq > m["max_seq"]:
+        raise MindspecError(f"--max-seq {a.max_seq} is more than the {m['max_seq']} positions the draft was "
+                            "exported for")
+
+
+def _device_mem(a):
+    from .plan import parse_size
+    return parse_size(a.device_mem, "--device-mem") if a.device_mem else None
 
 
 def serve_defaults(a):

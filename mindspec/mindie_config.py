@@ -249,12 +249,12 @@ def apply(args, path, given):
 
 
 def _together(args, from_file, zero_ok):
-    """MindIE's rules across keys, each of which stops MindIE from starting, on the values the file set (a flag
-    given on the command line wins, and is the user's own)."""
+    """MindIE's rules across keys, each of which stops MindIE from starting, on the values the file (or MindIE's
+    address variables) set: a flag given on the command line wins, and is the user's own."""
     for dest, key in (("host", "ipAddress"), ("management_host", "managementIpAddress")):
         if dest in from_file and getattr(args, dest) in ("0.0.0.0", "::") and not zero_ok:
-            key = f"${ENV[dest]}" if os.environ.get(ENV[dest]) else f"ServerConfig.{key}"  # (what set it)
-            raise MindspecError(f"{key}: {getattr(args, dest)} listens on every interface, which "
+            who = f"${ENV[dest]}" if os.environ.get(ENV[dest]) else f"ServerConfig.{key}"  # (what set it)
+            raise MindspecError(f"{who}: {getattr(args, dest)} listens on every interface, which "
                                 "MindIE allows only with ServerConfig.allowAllZeroIpListening true")
     if getattr(args, "management_host", None) not in (None, args.host):  # (a port serves one address here)
         for key in ("managementPort", "metricsPort"):

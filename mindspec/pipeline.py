@@ -207,8 +207,8 @@ class Pipeline:
     def _build(self, max_seq, max_batch):
         """(Re)build the target graphs and the draft cache for `max_seq` positions and `max_batch` rows."""
         from mindspec.graphs.runner import TargetModel
-        check_size(self.cfg, self.draft_path, self.manifest, self.dtype, self.device, self.device_mem, self.tp,
-                   max_seq, max_batch, self.spec.k_buckets)
+        check_size(self.cfg, self.draft_path, self.manifest, max_seq, max_batch, dtype=self.dtype, device=self.device,
+                   device_mem=self.device_mem, tp=self.tp, k_buckets=self.spec.k_buckets)
         if max_batch != self.spec.max_batch:
             self.spec = SpecConfig(self.spec.k, self.spec.k_buckets, self._batch_buckets, max_batch)
         self.target = None  # free the old graphs' memory first
@@ -491,11 +491,11 @@ def _check_call(who, reqs, max_batch):
         raise MindspecError(f"{who} take{'' if ' and ' in who else 's'} a list of Requests (made by Pipeline.request)")
 
 
-def check_size(cfg, draft_path, manifest, dtype, device, device_mem, tp, max_seq, max_batch, k_buckets=K_BUCKETS):
-    """Refuse a cache of max_batch slots of max_seq positions that the model or the device cannot hold, before any
+def check_size(cfg, draft_path, manifest, max_seq, max_batch, *, dtype, device, device_mem, tp, k_buckets=K_BUCKETS):
+    """Refuse a cache of max_batch slots of max_seq positions that the pair or the device cannot hold, before any
     weight loads (also before a server binds its port): more positions than the model's; on a device of
     `device_mem` bytes, the planner's figure; on a CPU, rows that need more than all of the host's memory (swap
-    and the weights aside: a coarse bound)."""
+    and the weights aside: a coarse bound). manifest: the draft's (draft_path), read already."""
     if max_seq > cfg.max_position_embeddings:
         raise MindspecError(f"{max_seq} positions exceed the model's {cfg.max_position_embeddings} (its "
                             + ("sliding window: mindspec attends to every position" if cfg.sliding_window
@@ -505,12 +505,12 @@ def check_size(cfg, draft_path, manifest, dtype, device, device_mem, tp, max_seq
         from .plan import check_fits, shape_from_config, shape_from_draft
         from mindspec.graphs.fuse import rot_rows_for
         check_fits(shape_from_config(cfg, PLAN_DTYPE[dtype], rot_rows=rot_rows_for(device)),
-                   shape_from_draft(draft_path) if draft_path else None,
+                   shape_from_draft(draft_path, sha=False) if draft_path else None,
                    tp=tp, device_mem=device_mem, seq_len=positions * max_batch)
     elif device == "CPU":
         from .plan import DTYPE_BYTES, GB, host_bytes_per_row, host_memory
-        need, have = host_bytes_per_row(cfg, DTYPE_BYTES[PLAN_DTYPE[dtype]], positions, manifest) * max_batch, \
-            host_memory()
+        need = host_bytes_per_row(cfg, DTYPE_BYTES[PLAN_DTYPE[dtype]], positions, manifest) * max_batch
+        have = host_memory()
         if need > have:
             raise MindspecError(f"{max_batch} rows of {max_seq} positions need about {need / GB:.1f} GB (KV "
                                 f"caches and graph workspace), more than this machine's {have / GB:.1f} GB: "

@@ -89,7 +89,7 @@ def shape_from_checkpoint(model_dir, dtype="fp16"):
     return shape_from_config(Checkpoint(model_dir).config, dtype)
 
 
-def shape_from_draft(path, dtype="fp16"):
+def shape_from_draft(path, dtype="fp16", sha=True):
     """A draft from a checkpoint dir (weights in `dtype`) or an exported .onnx (its real file size;
     the KV cache in the manifest's dtype, which the runtime allocates, twice for the ascend profile,
     whose device-side cache is double-buffered)."""
@@ -97,7 +97,7 @@ def shape_from_draft(path, dtype="fp16"):
         return shape_from_checkpoint(path, dtype)
     from mindspec.export import read_manifest
     from .config import load_config
-    m = read_manifest(path)
+    m = read_manifest(path, sha=sha)  # (sha=False: its file's checksum checked elsewhere, or left to the load)
     weight_bytes = sum(os.path.getsize(p) for p in (path, path + ".data") if os.path.exists(p))
     try:
         params = count_params(load_config(m["source"]), layers=m["num_layers"])

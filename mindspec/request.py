@@ -40,18 +40,16 @@ def int_list(v):
     return isinstance(v, list) and all(type(i) is int or is_int(i) for i in v)
 
 
-def _count(name, n):
+def _count(name, n, param=None):
     """n, a token count (max_tokens or one of its other names)."""
     if not is_int(n) or n < 1:
-        raise RequestError(f"{name} must be an integer >= 1, got {shown(n)}")
+        raise RequestError(f"{name} must be an integer >= 1, got {shown(n)}", param=param)
     return n
 
 
 def prompt_cut(name, n):
     """n, a number of the prompt's last tokens to keep (vLLM's truncate_prompt_tokens, TGI's truncate), or None."""
-    if n is not None and not (is_int(n) and n >= 1):
-        raise RequestError(f"{name} must be an integer >= 1, got {shown(n)}", param=name)
-    return n
+    return None if n is None else _count(name, n, param=name)
 
 
 def checked_text(name, v):
@@ -63,26 +61,29 @@ def checked_text(name, v):
     return v
 
 
-def _object(pairs):
-    """json's object_pairs_hook: a key given twice is refused (which one counts differs between parsers:
-    a gateway that checked the first would pass a request that runs with the last)."""
-    obj = dict(pairs)
-    if len(obj) < len(pairs):
-        seen = set()
-        twice = next(k for k, _ in pairs if k in seen or seen.add(k))
-        raise RequestError(f"the key {shown(twice)} is given twice", param=twice)
-    return obj
-
-
 def loads(data):
     """A request's JSON (a body or a batch line); ValueError (a message fit for the user) when it is not
-    JSON, RequestError for a key given twice."""
+    JSON, RequestError for a key given twice (which one counts differs between parsers: a gateway that
+    checked the first would pass a request that runs with the last), its param the key when it is a
+    top-level one (a nested object's path is not known here)."""
+    twice = []  # (the first key given twice, the object it is in)
+
+    def hook(pairs):
+        obj = dict(pairs)
+        if len(obj) < len(pairs) and not twice:
+            seen = set()
+            twice.append((next(k for k, _ in pairs if k in seen or seen.add(k)), obj))
+        return obj
     try:
-        return parse_json(data, object_pairs_hook=_object)
+        out = parse_json(data, object_pairs_hook=hook)
     except ValueError as e:
         if "integer string conversion" in str(e):  # int()'s limit, in words that are not about Python
             raise ValueError(f"a number of more than {sys.get_int_max_str_digits()} digits") from None
         raise
+    if twice:
+        key, where = twice[0]
+        raise RequestError(f"the key {shown(key)} is given twice", param=key if where is out else None)
+    return out
 
 
 def stop_strings(stop):

@@ -431,6 +431,10 @@ def test_generate_refuses_what_cannot_fit_before_loading(pair):
     _expect_error(["serve", "--port", "0", *huge], "100000000 rows of 128 positions need about")
     _expect_error(["serve", "--port", "0", "--target", target, "--draft", draft, "--max-seq", "100000"],
                   "100000 positions exceed the model's")
+    short = str(d / "short.onnx")
+    export_draft(target, short, max_seq=32)
+    _expect_error(["serve", "--port", "0", "--target", target, "--draft", short, "--max-seq", "48"],
+                  "--max-seq 48 is more than the 32 positions the draft was exported for")
     assert not (d / "huge.out.jsonl").exists()
     # the CLI prober's: a cache that fit, with the graphs' workspace that did not: `bench --batch-sizes 100000`
     # was killed by the kernel (19 GB resident, exit 137). Address space capped: a miss fails, not the machine.
@@ -446,6 +450,20 @@ def test_generate_refuses_what_cannot_fit_before_loading(pair):
     _expect_error(args + ["--device-mem", "lots"], "bad size")
     code, _, err = run(*args, "--device-mem", "64GB", "--max-new-tokens", "3", "-k", "2")
     assert code == 0, err
+
+
+def test_the_embedded_drafts_state_is_left_to_its_load(pair, tmp_path, monkeypatch):
+    """A review's: the size check before a server binds its port read the embedded draft, which the load exports
+    again when it is of an older format or half written: `serve` exited 2 where `generate` went on."""
+    from mindspec import cli, default
+    from mindspec.errors import MindspecError
+    home = tmp_path / "model"
+    shutil.copytree(pair[0], home)
+    (home / "draft-q8.onnx").write_bytes(b"half an export")
+    monkeypatch.setattr(default, "default_target", lambda: str(home))
+    cli._check_size(cli.parse(["serve", "--max-seq", "64"]))
+    with pytest.raises(MindspecError, match="100000 positions exceed the model's"):
+        cli._check_size(cli.parse(["serve", "--max-seq", "100000"]))
 
 
 def test_dynamic_k_flag():

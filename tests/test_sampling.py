@@ -623,3 +623,15 @@ def test_target_model_penalised_rows_match_the_pure_functions(pair, target):
         assert (int(n[0]), int(nxt[0])) == speculative_accept(p, q, drafts, u[:2], u[2]), case
     assert m.host_rows - host == (8 if kw else 0)  # each case's prefill and verify: redone on the host
     assert any(key.startswith("penal(") for key in m.compiled)
+
+
+def test_values_are_quoted_in_jsons_notation_cut_and_numpy_too():
+    """The review's: an array of numpy's (a library caller's top_k) raised inside the quoting, a traceback."""
+    import numpy as np
+    from mindspec.errors import MindspecError, shown
+    from mindspec.sampling import SamplingParams
+    assert [shown(v) for v in (True, None, "x", [1, None], np.int64(3), np.float32(0.5))] == \
+        ["true", "null", '"x"', "[1, null]", "3", "0.5"]
+    assert shown("a" * 200) == '"' + "a" * 78 + "\u2026" and len(shown("a" * 200)) == 80
+    with pytest.raises(MindspecError, match=r"top_k must be an integer .*, got \"array\(\[1, 2\]\)\""):
+        SamplingParams(top_k=np.array([1, 2]))
