@@ -533,7 +533,7 @@ class Api:
             raise RequestError("parameters must be a JSON object")
         _check_keys(params, TGI_PARAMS, "parameters.")
         for key in ("details", "return_full_text", "decoder_input_details"):
-            if params.get(key) not in (None, True, False):  # null: the default
+            if params.get(key) is not None and type(params[key]) is not bool:  # null: the default (1 == True)
                 raise RequestError(f"parameters.{key} must be true or false, got {shown(params[key])}",
                                    param=f"parameters.{key}")
         if stream and params.get("decoder_input_details"):  # (TGI's and MindIE's rule)

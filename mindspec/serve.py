@@ -273,9 +273,10 @@ class App:
             return job.put(("fail", val))
         res = val.result()
         now = time.perf_counter()
-        # (n choices share one prompt: counted with the first, as usage counts it)
-        self.metrics.finish(len(val.prompt_ids) if job.tag == 0 else None, res, val.first_at and val.first_at - job.t0,
-                            now - job.t0)
+        if res.finish_reason != "abort" or val.output:  # (aborted before its first token: its 499 or 504 only)
+            # (n choices share one prompt: counted with the first, as usage counts it)
+            self.metrics.finish(len(val.prompt_ids) if job.tag == 0 else None, res,
+                                val.first_at and val.first_at - job.t0, now - job.t0)
         if res.finish_reason == "error":
             print(f"mindspec: request {rid} failed: {val.error}", file=sys.stderr)
             return job.put(("fail", val.error))

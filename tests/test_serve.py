@@ -802,6 +802,8 @@ BAD = [  # (path, body or raw bytes, status, words in the message)
     ("/v1/completions", {"prompt": "hi", "temperature": [1]}, 400, "temperature must be a number in [0, 100.0], got [1]"),
     ("/generate", {"inputs": "hi", "parameters": {"do_sample": "yes"}}, 422, 'do_sample must be true or false, got "yes"'),
     ("/v1/completions", {"prompt": "hi", "stop": [None]}, 400, "stop must be a string or a list of strings, got [null]"),
+    ("/generate", {"inputs": "hi", "parameters": {"decoder_input_details": 1}}, 422,  # (a probe's: 1 == True)
+     "parameters.decoder_input_details must be true or false, got 1"),
     ("/generate", {"inputs": "hi", "parameters": {"top_n_tokens": 21}}, 422,
      "parameters.top_n_tokens must be an integer from 0 to 20, got 21"),
     ("/infer", {"inputs": "hi", "parameters": {"top_n_tokens": 2}}, 422,
@@ -1310,6 +1312,29 @@ def _metrics(base):
     assert status == 200
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def test_a_request_aborted_before_its_first_token_is_not_a_finished_generation(pipe):
+    """A hostile prober's: a request that timed out while queued was counted as an abort or not, depending on
+    whether the worker had handed it to the engine yet. A generation counts once it has a token."""
+    from mindspec.request import make, parse
+    from mindspec.serve import App, _Job
+    app = ready_app(pipe)
+
+    def aborted(tokens):
+        r = make(pipe, parse({"prompt_ids": IDS, "max_tokens": 4}))
+        r.commit(tokens)
+        r.finish("abort")
+        app.live[1] = _Job(1, {}, lambda fn, ev: None, None, 0)
+        before = _count(app, "abort")
+        app._events(1, "end", r)
+        return _count(app, "abort") - before
+
+    assert (aborted([]), aborted([5])) == (0, 1)
+
+
+def _count(app, reason):
+    return app.metrics.finished.labels(reason)._value.get()
 
 
 def test_an_answer_with_no_text_still_counts_its_first_token(server):
