@@ -54,7 +54,7 @@ class _Job:
         self.events, self._put = events, put
         self.t0 = time.perf_counter()  # arrival (metrics)
         self.sent = self.shown = 0  # tokens and characters handed to the HTTP side
-        self.why = "the client went away"  # (a cancel's reason, for the log: else its timeout passed)
+        self.why = "the client went away"  # (why a cancel came, for the log line; the handler may say otherwise)
 
     def put(self, event):
         if not self.probe:  # a health probe's events go nowhere: the worker's accounting is its answer
