@@ -80,7 +80,7 @@ def _logprobs(body, chat):
         raise RequestError("logprobs must be true or false (top_logprobs says how many alternatives)",
                            param="logprobs")
     if top is not None and not (type(top) is int and 0 <= top <= TOP_LOGPROBS):
-        raise RequestError(f"top_logprobs must be an integer from 0 to {TOP_LOGPROBS}, got {json.dumps(top)}",
+        raise RequestError(f"top_logprobs must be an integer from 0 to {TOP_LOGPROBS}, got {shown(top)}",
                            param="top_logprobs")
     if top and not on:
         raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs")
@@ -156,11 +156,11 @@ def _check_keys(body, known, where=""):
         if key in IGNORED:
             check, kind = IGNORED[key]
             if not check(value):
-                raise RequestError(f"{where}{key} must be {kind}, got {json.dumps(value)[:60]}", param=where + key)
+                raise RequestError(f"{where}{key} must be {kind}, got {shown(value)}", param=where + key)
             continue
         if key in OFF:
             if not any(value == off and isinstance(value, bool) == isinstance(off, bool) for off in OFF[key]):
-                raise RequestError(f"{where}{key}={json.dumps(value)[:60]} is not supported by mindspec serve",
+                raise RequestError(f"{where}{key}={shown(value)} is not supported by mindspec serve",
                                    param=where + key)
             continue
         raise RequestError(f"unknown field '{where}{key}'", param=where + key)
@@ -496,7 +496,7 @@ class Api:
         kw, n = self._parse(flat, self.app.defaults), 1 if body.get("n") is None else body["n"]
         if type(n) is not int or not 1 <= n <= self.app.max_batch:
             raise RequestError(f"n must be an integer from 1 to {self.app.max_batch} (the server's --max-batch: "
-                               f"the choices run side by side), got {json.dumps(n)}", param="n")
+                               f"the choices run side by side), got {shown(n)}", param="n")
         kw = await self._encoded(kw)
         # choice i samples with seed + i (a greedy request gives n equal choices, as vLLM's; a seed that is
         # not an integer is left for the engine's check to refuse)
@@ -521,8 +521,8 @@ class Api:
         flag = _stream_flag(body)  # checked everywhere; /generate and /generate_stream decide by their route
         if stream is not None and body.get("stream") is not None and flag != stream:  # (a route's own: as asked)
             route, other = ("/generate", "/generate_stream") if flag else ("/generate_stream", "/generate")
-            raise RequestError(f"stream {json.dumps(flag)} does not go with {route}: POST {other} (or / with "
-                               f"stream {json.dumps(flag)})", param="stream")
+            raise RequestError(f"stream {shown(flag)} does not go with {route}: POST {other} (or / with "
+                               f"stream {shown(flag)})", param="stream")
         stream = flag if stream is None else stream
         inputs = body.get("inputs")
         if not isinstance(inputs, str) or not inputs:
@@ -558,7 +558,7 @@ class Api:
         top_n = params.get("top_n_tokens") or 0  # (TGI's: each token's n likeliest, with the logprobs)
         if type(top_n) is not int or not 0 <= top_n <= TOP_LOGPROBS or top_n and native:
             raise RequestError(f"parameters.top_n_tokens must be an integer from 0 to {TOP_LOGPROBS}"
-                               f"{' (0 on /infer)' if native else ''}, got {json.dumps(top_n)}", param="top_n_tokens")
+                               f"{' (0 on /infer)' if native else ''}, got {shown(top_n)}", param="top_n_tokens")
         if top_n:
             flat["logprobs"] = top_n
         kw = self._parse(flat, self.app.defaults)

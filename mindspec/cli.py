@@ -257,33 +257,37 @@ def _check_model_paths(a):
     from .checkpoint import Checkpoint
     from .tokenizer import Tokenizer
     from mindspec.export.manifest import check_file, read_pair_manifest
+    cfg = m = None
     if a.target is not None:
         cfg, tokenizer = Checkpoint(a.target).config, Tokenizer(a.target)
     if a.draft is not None and not a.no_speculate:
         check_file(a.draft)
         if a.target is not None:
-            read_pair_manifest(a.draft, cfg, tokenizer, sha=False)  # (the load reads it whole)
+            m = read_pair_manifest(a.draft, cfg, tokenizer, sha=False)  # (the load reads it whole)
     if a.cmd == "serve":
-        _check_size(a)
+        _check_size(a, cfg, m)
 
 
-def _check_size(a):
+def _check_size(a, cfg, m):
     """A server's cache that the pair or the host cannot hold, refused before its port is bound (the load checks
-    it again: pipeline.check_size). The embedded model is checked once converted, without its draft (which its
-    load may export again); a draft given is checked by _check_model_paths first."""
-    from .checkpoint import Checkpoint
+    it again: pipeline.check_size). cfg, m: the target's config and the given draft's manifest, as
+    _check_model_paths read them (None: not read there). The embedded model is checked once converted, without
+    its draft (which its load may export again)."""
+    from .config import load_config
     from .default import default_target
     from .pipeline import check_size
     from .spec import resolve_dtype
     from mindspec.export.manifest import read_manifest
-    target = a.target or default_target()
-    if not os.path.exists(os.path.join(target, "config.json")):
-        return
+    if cfg is None:
+        target = a.target or default_target()
+        if not os.path.exists(os.path.join(target, "config.json")):
+            return
+        cfg = load_config(target)
     draft = a.draft if a.draft is not None and not a.no_speculate else None
-    m = read_manifest(draft, sha=False) if draft else None
+    m = m or (read_manifest(draft, sha=False) if draft else None)
     device = detect_device(a.device)
-    check_size(Checkpoint(target).config, draft, m, a.max_seq, a.max_batch, dtype=resolve_dtype(a.dtype, device),
-               device=device, device_mem=_device_mem(a), tp=a.tp)
+    check_size(cfg, draft, m, a.max_seq, a.max_batch, dtype=resolve_dtype(a.dtype, device), device=device,
+               device_mem=_device_mem(a), tp=a.tp)
     if m and a.max_seq > m["max_seq"]:
         raise MindspecError(f"--max-seq {a.max_seq} is more than the {m['max_seq']} positions the draft was "
                             "exported for")

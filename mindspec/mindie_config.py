@@ -10,7 +10,7 @@ import stat
 import sys
 
 from .device import narrowed, visible_list
-from .errors import MindspecError, is_int
+from .errors import MindspecError, is_int, shown
 
 MAX_BYTES = 1 << 20  # a MindIE config.json is a few kB
 QUEUE_DELAY_US = 5000  # MindIE's maxQueueDelayMicroseconds default, serve's --max-queue-delay-us (serve.wait_s)
@@ -20,36 +20,29 @@ def _int(lo=None, hi=None):
     def check(v):
         if isinstance(v, bool) or not isinstance(v, int) or (lo is not None and v < lo) or (hi is not None and v > hi):
             raise ValueError(f"must be an integer{f' >= {lo}' if lo is not None else ''}"
-                             f"{f' and <= {hi}' if hi is not None else ''}, got {json.dumps(v)}")
+                             f"{f' and <= {hi}' if hi is not None else ''}, got {shown(v)}")
         return v
     return check
 
 
 def _str(v):
     if not isinstance(v, str) or not v:
-        raise ValueError(f"must be a non-empty string, got {json.dumps(v)}")
+        raise ValueError(f"must be a non-empty string, got {shown(v)}")
     return v
 
 
-def _false(why):
+def _false(why, zero=False):
+    """A key whose only value here is false (or, with zero, MindIE's 0 for it too)."""
     def check(v):
-        if v is not False:
-            raise ValueError(f"must be false: {why}, got {json.dumps(v)}")
-        return v
-    return check
-
-
-def _no_truncation(v):
-    """truncation: MindIE's 0 or false (its default) is what mindspec does; -1, 1 or true cut the prompt."""
-    if v is False or (is_int(v) and v == 0):
+        if not (v is False or zero and is_int(v) and v == 0):
+            raise ValueError(f"must be false{' or 0' if zero else ''}: {why}, got {shown(v)}")
         return False
-    raise ValueError(f"must be false or 0: a prompt longer than --max-input-tokens is refused, never cut, "
-                     f"got {json.dumps(v)}")
+    return check
 
 
 def _bool(v):
     if not isinstance(v, bool):
-        raise ValueError(f"must be true or false, got {json.dumps(v)}")
+        raise ValueError(f"must be true or false, got {shown(v)}")
     return v
 
 
@@ -59,7 +52,7 @@ def _device_ids(v):
     if not (isinstance(first, list) and first and all(is_int(i) and i >= 0 for i in first)
             and len(set(first)) == len(first)):
         raise ValueError(f"must be a list of lists of distinct device ids (one list a model instance), "
-                         f"got {json.dumps(v)}")
+                         f"got {shown(v)}")
     return first
 
 
@@ -69,13 +62,13 @@ def _gamma(v):
     try:
         return _int(1, 8)(v)
     except ValueError:  # (the docs prober's: it never said "auto" was one)
-        raise ValueError(f"must be \"auto\" or an integer >= 1 and <= 8, got {json.dumps(v)}") from None
+        raise ValueError(f"must be \"auto\" or an integer >= 1 and <= 8, got {shown(v)}") from None
 
 
 def _number(lo, hi):
     def check(v):
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
-            raise ValueError(f"must be a number in [{lo}, {hi}], got {json.dumps(v)}")
+            raise ValueError(f"must be a number in [{lo}, {hi}], got {shown(v)}")
         return float(v)
     return check
 
@@ -93,7 +86,8 @@ KEYS = {
     "BackendConfig.npuDeviceIds": ("npu_devices", _device_ids),  # (the first instance's: one a rank, apply)
     "BackendConfig.ModelDeployConfig.maxSeqLen": ("max_seq", _int(2)),
     "BackendConfig.ModelDeployConfig.maxInputTokenLen": ("max_input_tokens", _int(1)),
-    "BackendConfig.ModelDeployConfig.truncation": (None, _no_truncation),
+    "BackendConfig.ModelDeployConfig.truncation": (None, _false("a prompt longer than --max-input-tokens is "
+                                                                "refused, never cut", zero=True)),  # (-1, 1: cut)
     "BackendConfig.ModelDeployConfig.ModelConfig[0].modelName": ("model_name", _str),
     "BackendConfig.ModelDeployConfig.ModelConfig[0].modelWeightPath": ("target", _str),
     "BackendConfig.ModelDeployConfig.ModelConfig[0].worldSize": ("tp", _int(1)),

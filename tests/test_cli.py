@@ -461,9 +461,9 @@ def test_the_embedded_drafts_state_is_left_to_its_load(pair, tmp_path, monkeypat
     shutil.copytree(pair[0], home)
     (home / "draft-q8.onnx").write_bytes(b"half an export")
     monkeypatch.setattr(default, "default_target", lambda: str(home))
-    cli._check_size(cli.parse(["serve", "--max-seq", "64"]))
+    cli._check_size(cli.parse(["serve", "--max-seq", "64"]), None, None)
     with pytest.raises(MindspecError, match="100000 positions exceed the model's"):
-        cli._check_size(cli.parse(["serve", "--max-seq", "100000"]))
+        cli._check_size(cli.parse(["serve", "--max-seq", "100000"]), None, None)
 
 
 def test_dynamic_k_flag():
