@@ -234,7 +234,7 @@ def cmd_serve(a):
             app = App(serve_defaults(a), tp=True, max_batch=a.max_batch)
             app.pipe = prepare(load_pipeline(a), a.max_batch, serve_defaults(a))
             return follow(app)
-    _check_model_paths(a)
+    _check_size(a, *_check_model_paths(a))
     serve(lambda: load_pipeline(a), serve_defaults(a), host=a.host, port=a.port, model_name=a.model_name,
           tp=a.tp > 1, max_batch=a.max_batch, max_queue=a.max_queue, max_connections=a.max_connections,
           api_key=a.api_key, strict_model_name=a.strict_model_name, read_timeout=a.read_timeout,
@@ -253,7 +253,8 @@ def _check_model_paths(a):
     """A model that is not there or broken (what can be seen without reading every weight: the config, the
     weights' headers, the tokenizer, the draft's manifest and that it pairs with the target), refused before
     a server binds its port (health answers 503 while it loads: not after a "listening" line) or a
-    data-parallel launcher starts its replicas."""
+    data-parallel launcher starts its replicas. Returns what it read: (the target's config, the draft's manifest),
+    None for what it did not."""
     from .checkpoint import Checkpoint
     from .tokenizer import Tokenizer
     from mindspec.export.manifest import check_file, read_pair_manifest
@@ -264,15 +265,14 @@ def _check_model_paths(a):
         check_file(a.draft)
         if a.target is not None:
             m = read_pair_manifest(a.draft, cfg, tokenizer, sha=False)  # (the load reads it whole)
-    if a.cmd == "serve":
-        _check_size(a, cfg, m)
+    return cfg, m
 
 
-def _check_size(a, cfg, m):
-    """A server's cache that the pair or the host cannot hold, refused before its port is bound (the load checks
-    it again: pipeline.check_size). cfg, m: the target's config and the given draft's manifest, as
-    _check_model_paths read them (None: not read there). The embedded model is checked once converted, without
-    its draft (which its load may export again)."""
+def _check_size(a, cfg, m, replicas=1):
+    """A cache that the pair or the host cannot hold, refused before a server binds its port or a data-parallel
+    launcher starts its `replicas` (the load checks it again: pipeline.check_size). cfg, m: the target's config
+    and the given draft's manifest, as _check_model_paths read them (None: not read there). The embedded model is
+    checked once converted, without its draft (which its load may export again)."""
     from .config import load_config
     from .default import default_target
     from .pipeline import check_size
@@ -287,7 +287,7 @@ def _check_size(a, cfg, m):
     m = m or (read_manifest(draft, sha=False) if draft else None)
     device = detect_device(a.device)
     check_size(cfg, draft, m, a.max_seq, a.max_batch, dtype=resolve_dtype(a.dtype, device), device=device,
-               device_mem=_device_mem(a), tp=a.tp)
+               device_mem=_device_mem(a), tp=a.tp, replicas=replicas)
     if m and a.max_seq > m["max_seq"]:
         raise MindspecError(f"--max-seq {a.max_seq} is more than the {m['max_seq']} positions the draft was "
                             "exported for")
@@ -344,8 +344,10 @@ def cmd_batch(a):
 
 def launch_dp(argv, a):
     """`batch --dp N` in the user's process: N replicas, then the merge (mindspec.dp)."""
-    from .dp import launch
-    _check_model_paths(a)  # (else each replica says it)
+    from .dp import launch, replicas_here
+    cfg, m = _check_model_paths(a)  # (else each replica says it)
+    if a.max_seq:  # (else each replica sizes its cache to its lines)
+        _check_size(a, cfg, m, replicas=len(replicas_here(a.dp, a.nodes, a.node_rank)))
     return launch(argv, a.input, a.output, batch_job(a), a.dp, a.tp, a.nodes, a.node_rank)
 
 

@@ -491,11 +491,13 @@ def _check_call(who, reqs, max_batch):
         raise MindspecError(f"{who} take{'' if ' and ' in who else 's'} a list of Requests (made by Pipeline.request)")
 
 
-def check_size(cfg, draft_path, manifest, max_seq, max_batch, *, dtype, device, device_mem, tp, k_buckets=K_BUCKETS):
+def check_size(cfg, draft_path, manifest, max_seq, max_batch, *, dtype, device, device_mem, tp, k_buckets=K_BUCKETS,
+               replicas=1):
     """Refuse a cache of max_batch slots of max_seq positions that the pair or the device cannot hold, before any
     weight loads (also before a server binds its port): more positions than the model's; on a device of
     `device_mem` bytes, the planner's figure; on a CPU, rows that need more than all of the host's memory (swap
-    and the weights aside: a coarse bound). manifest: the draft's (draft_path), read already."""
+    and the weights aside: a coarse bound), which `replicas` engines share. manifest: the draft's (draft_path),
+    read already."""
     if max_seq > cfg.max_position_embeddings:
         raise MindspecError(f"{max_seq} positions exceed the model's {cfg.max_position_embeddings} (its "
                             + ("sliding window: mindspec attends to every position" if cfg.sliding_window
@@ -509,12 +511,13 @@ def check_size(cfg, draft_path, manifest, max_seq, max_batch, *, dtype, device, 
                    tp=tp, device_mem=device_mem, seq_len=positions * max_batch)
     elif device == "CPU":
         from .plan import DTYPE_BYTES, GB, host_bytes_per_row, host_memory
-        need = host_bytes_per_row(cfg, DTYPE_BYTES[PLAN_DTYPE[dtype]], positions, manifest) * max_batch
+        need = host_bytes_per_row(cfg, DTYPE_BYTES[PLAN_DTYPE[dtype]], positions, manifest) * max_batch * replicas
         have = host_memory()
         if need > have:
-            raise MindspecError(f"{max_batch} rows of {max_seq} positions need about {need / GB:.1f} GB (KV "
+            many = f"{replicas} replicas of " if replicas > 1 else ""
+            raise MindspecError(f"{many}{max_batch} rows of {max_seq} positions need about {need / GB:.1f} GB (KV "
                                 f"caches and graph workspace), more than this machine's {have / GB:.1f} GB: "
-                                "lower --max-batch (bench: --batch-sizes) or --max-seq")
+                                f"lower --max-batch (bench: --batch-sizes){', --dp' if many else ''} or --max-seq")
 
 
 def load(target=None, draft=None, k="auto", **kw):

@@ -452,6 +452,27 @@ def test_generate_refuses_what_cannot_fit_before_loading(pair):
     assert code == 0, err
 
 
+def test_data_parallel_replicas_share_the_hosts_memory(pair, monkeypatch):
+    """`batch --dp N` on one host: N replicas, each with its own cache. Its launcher checked no size (each replica
+    said it, after loading), and each replica's bound was the whole host: N that fit alone were let through."""
+    from mindspec import cli, plan
+    from mindspec.config import load_config
+    from mindspec.errors import MindspecError
+    from mindspec.export.manifest import read_manifest
+    from mindspec.spec import K_BUCKETS, cache_positions
+    target, draft, d = pair
+    row = plan.host_bytes_per_row(load_config(target), 4, cache_positions(128, K_BUCKETS), read_manifest(draft))
+    monkeypatch.setattr(plan, "host_memory", lambda: int(row * 8 * 1.5))  # 8 rows fit, 16 do not
+    argv = ["batch", "--input", str(d / "in.jsonl"), "--output", str(d / "dp.out.jsonl"), "--target", target,
+            "--draft", draft, "--max-seq", "128", "--max-batch", "8"]
+    (d / "in.jsonl").write_text('{"prompt_ids": [5, 6]}\n')
+    cli._check_size(cli.parse(argv), None, None)  # one replica: fits
+    with pytest.raises(MindspecError, match=r"^2 replicas of 8 rows of 128 positions need about .* more than this "
+                                            r"machine's"):
+        cli.launch_dp(argv + ["--dp", "2"], cli.parse(argv + ["--dp", "2"]))
+    assert not (d / "dp.out.jsonl").exists() and not list(d.glob("dp.out.jsonl.part*"))
+
+
 def test_the_embedded_drafts_state_is_left_to_its_load(pair, tmp_path, monkeypatch):
     """A review's: the size check before a server binds its port read the embedded draft, which the load exports
     again when it is of an older format or half written: `serve` exited 2 where `generate` went on."""
