@@ -46,6 +46,7 @@ On a shared CPU the N drafts compete for cores, which the benchmark (tools/bench
 Library use: start your script under msrun (or `launch(args, n, script=path)`), call `init_worker()`
 before `mindspec.load(...)`, and print only where `is_rank0()`.
 """
+import codecs
 import contextlib
 import errno
 import os
@@ -210,6 +211,7 @@ class _Tail:
 
     def __init__(self, path, stream):
         self.path, self.stream, self.f, self.error = path, stream, None, None
+        self.text = codecs.getincrementaldecoder("utf-8")("replace")  # (a text stream: a read may split a character)
 
     def pump(self):
         if self.error is not None:
@@ -227,13 +229,17 @@ class _Tail:
                     out.write(data)
                     out.flush()
                 else:
-                    self.stream.write(data.decode("utf-8", "replace"))
+                    self.stream.write(self.text.decode(data))
                     self.stream.flush()
             except OSError as e:
                 self.error = e
 
     def close(self):
         self.pump()
+        rest = self.text.decode(b"", final=True)  # (a character its rank never finished)
+        if rest and self.error is None:
+            with contextlib.suppress(OSError):
+                self.stream.write(rest)
         if self.f:
             self.f.close()
 

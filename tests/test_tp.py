@@ -490,3 +490,18 @@ def test_a_tp_job_whose_stdout_fails_says_so_as_at_tp1(pair, tmp_path):
     assert p.returncode == 2 and p.stderr == "mindspec: error: cannot write to stdout: No space left on device\n", \
         p.stderr[-3000:]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_rank0s_output_copied_to_a_text_stream_keeps_a_character_split_between_reads(tmp_path):
+    """A launcher called in-process with a text stream for stdout (a notebook's has no .buffer) decoded each read on
+    its own: a character whose bytes two reads split came out as two U+FFFD."""
+    from mindspec.tp import _Tail
+    path, out = tmp_path / "rank0.out", io.StringIO()
+    tail = _Tail(str(path), out)
+    with open(path, "wb") as f:
+        for piece in (b"caf", "é".encode()[:1], "é".encode()[1:] + b" ok"):
+            f.write(piece)
+            f.flush()
+            tail.pump()
+    tail.close()
+    assert out.getvalue() == "café ok"
