@@ -130,15 +130,16 @@ class Engine:
             self.parked.clear()  # (cost measurement also resets the draft's rows)
         while self.waiting and self.free_slots and len(self.rows) < self.target.ready_rows():
             r = self.waiting.popleft()
+            r.row, r.state = len(self.rows), PREFILL
+            self.rows.append(r)  # (first: a failure below ends it with the others, _restart)
             r.slot, r.pos = self._slot_for(r.prompt_ids)
-            r.row, r.state, r.stats.cached_tokens = len(self.rows), PREFILL, r.pos
+            r.stats.cached_tokens = r.pos
             if self.proposer is not None:
                 self._draft_row_for(r)
             r.stats.queue_s = time.perf_counter() - r.added
             r.started = time.perf_counter()
             if r.k == "auto" and self.dynamic is not None:
                 r.policy = self.dynamic.start()
-            self.rows.append(r)
 
     def _slot_for(self, prompt):
         """(a free slot, prompt tokens its cache already holds): the slot sharing the longest prefix

@@ -698,3 +698,37 @@ def test_a_failed_rows_slot_is_not_offered_as_a_cached_prefix(pipe, alone, monke
         eng.add(again)
         _run_out(eng)
         assert again.stats.cached_tokens == cached and again.output == alone[3]
+
+
+def test_a_failure_while_admitting_ends_that_request_too(pipe, alone, monkeypatch):
+    """A review's: admitting took a request off the queue before it was a row, so a failure then (the draft
+    row's swap) ended every request but that one, and generate_many waited for it for ever."""
+    real = pipe.engine.proposer.adopt
+
+    def broken(*a, **kw):
+        raise RuntimeError("simulated adopt failure")
+
+    monkeypatch.setattr(pipe.engine.proposer, "adopt", broken)
+    res = pipe.generate_many([dict(prompt_ids=p, max_new_tokens=n, k=2) for p, n in zip(PROMPTS[:3], MAX_NEW[:3])])
+    assert [r.finish_reason for r in res] == ["error"] * 3
+    assert all("simulated adopt failure" in r.error for r in res)
+    eng = pipe.engine
+    assert not eng.rows and not eng.waiting and sorted(eng.free_slots) == list(range(4))
+    monkeypatch.setattr(pipe.engine.proposer, "adopt", real)
+    assert [r.token_ids for r in pipe.generate_many([dict(prompt_ids=p, max_new_tokens=n, k=2) for p, n in
+                                                      zip(PROMPTS[:3], MAX_NEW[:3])])] == alone[:3]
+
+
+def test_a_greedy_rows_confidence_cut_does_not_follow_its_neighbours(pipe, alone):
+    """A review's: with q built for the step (a sampled row beside it, or its own logprobs), a greedy row's q is
+    one-hot, and the cut read its top probability 1.0 from it: the row drafted as without a cut."""
+    ids, n = PROMPTS[5], MAX_NEW[5]
+    kw = dict(prompt_ids=ids, max_new_tokens=n, k=4)
+    uncut = pipe.generate(**kw).stats["drafted"]
+    cut = pipe.generate(**kw, draft_min_conf=0.5)
+    assert cut.token_ids == alone[5] and cut.stats["drafted"] < uncut, (cut.stats, uncut)
+    with_lp = pipe.generate(**kw, draft_min_conf=0.5, logprobs=1)
+    assert with_lp.stats["drafted"] == cut.stats["drafted"]
+    beside = pipe.generate_many([dict(kw, draft_min_conf=0.5),
+                                 dict(prompt_ids=PROMPTS[1], max_new_tokens=4, temperature=1.0, seed=1)])[0]
+    assert beside.token_ids == alone[5] and beside.stats["drafted"] == cut.stats["drafted"], beside.stats
