@@ -56,8 +56,8 @@ class DraftProposer:
                     continue
                 r = rows[row]
                 tok, q_i = self._one(r, logits[j], i, drafts[j, :i], need_q)
-                if r.draft_min_conf is not None and stop_early(
-                        float(q_i.max()) if q_i is not None else _top_prob(logits[j]), r.draft_min_conf):
+                if r.draft_min_conf is not None and stop_early(_confidence(r.params, logits[j], q_i),
+                                                               r.draft_min_conf):
                     made[j] = i  # the row drafts no further
                     continue
                 drafts[j, i] = tok
@@ -121,6 +121,14 @@ class DraftProposer:
         if src != row:
             self.session.swap(src, row)
         self.session.rollback(row, n)
+
+
+def _confidence(params, logits, q):
+    """The draft's top probability for the confidence cut: q's (as sampled), or, where the draft takes its argmax
+    (q one-hot, or not built), its own softmax's, whether or not the step built q for its neighbours."""
+    if q is None or params.plain_greedy or params.for_draft().temperature == 0:
+        return _top_prob(logits)
+    return float(q.max())
 
 
 def _top_prob(logits):
