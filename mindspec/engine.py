@@ -168,6 +168,7 @@ class Engine:
                 if n > hit:
                     best, hit = j, n
         self.proposer.adopt(r.row, best, hit)
+        r.draft_read = hit  # (a sampled row's hit: draft_cut's pieces)
         self.parked.pop(best, None)
         if r.row in self.parked:  # what row r.row held moved to `best`
             self.parked[best] = self.parked.pop(r.row)
@@ -182,7 +183,7 @@ class Engine:
                 keep = self.prefix_cache and r.finish_reason != "error" and self.proposer.keeps_rows
                 self.proposer.release(r.row, last, keep)
                 if keep:
-                    self.parked[last] = r.seq[:self.proposer.cached(last)], 0 if r.params.greedy else len(r.prompt_ids)
+                    self.parked[last] = r.seq[:self.proposer.cached(last)], 0 if r.params.greedy else r.draft_read
             moved = self.rows.pop()
             if moved is not r:
                 self.rows[r.row], moved.row = moved, r.row
@@ -236,6 +237,8 @@ class Engine:
                     catch[r.row] = r.prompt_ids[d:stop]
             if catch:  # (a guard over no row would swallow an error unsaid)
                 self._guard([r for r in pre if r.row in catch], events, lambda: self.proposer.prefill(catch, aligned))
+            for r in (r for r in pre if r.row in aligned):  # (a prompt its draft skips is read later, in other pieces)
+                r.draft_read = self.proposer.cached(r.row)
         for r in pre:
             r.stats.prefill_s += time.perf_counter() - t0
             drafted_up = not r.speculate or self.proposer is None or self.proposer.cached(r.row) >= r.pos \

@@ -85,6 +85,7 @@ class Request:
         self.state, self.finish_reason, self.cancelled, self.error = WAITING, None, False, None
         self.pos = 0
         self.slot = self.row = None  # the engine's: target cache slot, draft row
+        self.draft_read = 0  # the engine's: prompt tokens its draft row holds as read in draft_cut's pieces
         self.policy = None  # the engine's per-request acceptance estimate (dynamic K)
         self.stats = Stats()
         self.added = self.started = time.perf_counter()

@@ -732,3 +732,39 @@ def test_a_greedy_rows_confidence_cut_does_not_follow_its_neighbours(pipe, alone
     beside = pipe.generate_many([dict(kw, draft_min_conf=0.5),
                                  dict(prompt_ids=PROMPTS[1], max_new_tokens=4, temperature=1.0, seed=1)])[0]
     assert beside.token_ids == alone[5] and beside.stats["drafted"] == cut.stats["drafted"], beside.stats
+
+
+def test_a_parked_row_whose_draft_read_its_prompt_in_other_pieces_is_not_reused_by_a_sampled_request(
+        pipe, monkeypatch):
+    """A review's: a dynamic-K sampled row whose prompt the draft skipped at admission caught it up later in
+    one call, yet was parked as read in draft_cut's pieces; a seeded fixed-K request sharing its prefix took it,
+    and its draft read its prompt in other pieces than fresh (the q8 draft's logits, so the seeded text, follow
+    them)."""
+    from mindspec.export import DraftSession
+    from mindspec.policy import DynamicK
+    pieces, real = [], DraftSession._run
+
+    def spy(self, tokens, start):  # (first position, tokens) of each one-row call
+        if len(tokens) == 1:
+            pieces.append((int(self.pos[start]), len(tokens[0])))
+        return real(self, tokens, start)
+    monkeypatch.setattr(DraftSession, "_run", spy)
+    pipe.costs = {B: (calls(0.05), {0: 1.0, 1: 1.05, 2: 1.1, 4: 1.2, 8: 1.4}) for B in (1, 2, 4)}
+    pipe.engine.dynamic = DynamicK((1, 2, 4, 8), pipe.costs, alpha0=0.9, probe_every=0)
+    monkeypatch.setattr(pipe, "_dynamic_for", lambda sizes: None)  # keep these costs
+    eng, base = pipe.engine, list(range(60, 130))  # 70 tokens
+    kw = dict(prompt_ids=base + [5], max_new_tokens=6, temperature=1.0, seed=7, k=4)
+    eng.cached.clear()
+    eng.parked.clear()
+    pieces.clear()
+    fresh = pipe.generate(**kw)
+    fresh_pieces = [p for p in pieces if p[0] < 71]
+    assert fresh_pieces == [(0, 32), (32, 32), (64, 7)]
+    monkeypatch.setattr(eng.dynamic, "feeds_new_row", lambda *a: False)  # its prompt skipped at admission
+    eng.cached.clear()
+    eng.parked.clear()
+    first = pipe.generate(prompt_ids=base, max_new_tokens=4, temperature=1.0, seed=3, k="auto")
+    assert first.stats["drafted"]  # it caught up and drafted
+    pieces.clear()
+    got = pipe.generate(**kw)
+    assert [p for p in pieces if p[0] < 71] == fresh_pieces and got.token_ids == fresh.token_ids
