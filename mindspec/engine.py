@@ -84,7 +84,8 @@ class Engine:
             fed = [r for r in pre if r.pos < len(r.prompt_ids)]  # rows whose target still has prompt to read
             if fed:
                 self._guard(fed, events, lambda: self._prefill_chunk(fed, pre, events))
-            self._ended_early = any(r in events for r in pre) and not self._ended_early
+            first = any(r in events and r.error is None for r in pre)  # (a failed prompt call gave none)
+            self._ended_early = first and not self._ended_early
             if not self._ended_early:
                 pre = [r for r in self.rows if r.state == PREFILL]
                 if pre:

@@ -396,6 +396,24 @@ def test_a_failing_prompt_chunk_ends_only_the_rows_it_carried(pipe, alone, monke
     assert a.finish_reason == "length" and a.output == alone[0]
 
 
+def test_a_failing_prompt_chunk_does_not_cost_the_running_rows_their_decode(pipe, alone, monkeypatch):
+    """A review's: a step whose prompt call failed ended before its decode, as one whose prompts gave first
+    tokens does (so that they stream at once): the running rows waited a step for another request's error."""
+    eng = pipe.engine
+    a = pipe.request(prompt_ids=PROMPTS[0], max_new_tokens=MAX_NEW[0], k=2)
+    b = pipe.request(prompt_ids=PROMPTS[1], max_new_tokens=MAX_NEW[1], k=2)
+    eng.add(a)
+    for _ in range(3):
+        eng.step()  # its first token, then decodes
+    _fail_for(monkeypatch, pipe.target, "prefill", lambda slots: b.slot in slots, "simulated prompt failure")
+    eng.add(b)
+    had = len(a.output)
+    eng.step()
+    assert b.finish_reason == "error" and len(a.output) > had
+    _run_out(eng)
+    assert a.output == alone[0]
+
+
 def test_a_failing_draft_catch_up_ends_only_the_rows_it_fed(pipe, alone, monkeypatch):
     """The reviewer's: a failing feed of the draft ended a target-only row still reading its prompt."""
     eng = pipe.engine
