@@ -13,7 +13,7 @@ import re
 import sys
 from dataclasses import dataclass, field
 
-from .errors import MindspecError
+from .errors import MindspecError, shown
 
 ASCEND_ROOT = "/usr/local/Ascend"
 DEVICE_ENV = "MINDSPEC_DEVICE"  # --device, handed to msrun's ranks (they detect the same way)
@@ -139,8 +139,8 @@ def asked_device(device=None):
     value = str(device or env or "auto").lower()
     label = f"{DEVICE_ENV}={env}" if not device and env else f"--device {value}"
     if value not in ("auto", "cpu", "ascend", "npu"):
-        source = "--device" if device or not env else DEVICE_ENV
-        raise MindspecError(f"{source} must be one of {', '.join(CHOICES)}, got {value!r}")
+        source = "device" if device or not env else DEVICE_ENV
+        raise MindspecError(f"{source} must be one of {', '.join(CHOICES)}, got {shown(device or env)}")
     return label, value
 
 

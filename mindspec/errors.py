@@ -28,9 +28,16 @@ def summary(e):
 def shown(v, limit=80):
     """A user's value quoted in JSON's notation (true, null, "text"): the values a message quotes come from
     JSON (request bodies, batch lines, config files), and Python's True, None and 'text' read as another
-    language there. Cut at limit characters; numpy's numbers as numbers, anything else JSON lacks as its repr."""
-    text = json.dumps(v, ensure_ascii=False,
-                      default=lambda o: o.item() if getattr(o, "ndim", None) == 0 else repr(o))
+    language there. Cut at limit characters; numpy's numbers as numbers, anything else JSON lacks (a set, 1j,
+    an object) as its repr, unquoted: quoted, it read as a string given."""
+    def scalar(o):
+        if getattr(o, "ndim", None) == 0:
+            return o.item()
+        raise TypeError
+    try:
+        text = json.dumps(v, ensure_ascii=False, default=scalar)
+    except (TypeError, ValueError):
+        text = repr(v)
     return text if len(text) <= limit else text[:limit - 1] + "\u2026"
 
 
@@ -60,7 +67,7 @@ def env_number(name, default, ok, what):
     except ValueError:
         v = float("nan")  # (fails every ok)
     if not ok(v):
-        raise MindspecError(f"${name} must be {what}, got {raw!r}")
+        raise MindspecError(f"${name} must be {what}, got {shown(raw)}")
     return v
 
 

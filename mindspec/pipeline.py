@@ -14,7 +14,7 @@ import numpy as np
 
 from .checkpoint import Checkpoint
 from .engine import Engine
-from .errors import MindspecError, is_int, is_number
+from .errors import MindspecError, is_int, is_number, shown
 from .request import checked_text, stop_strings
 from .sampling import SamplingParams
 from .sequence import WAITING, Request, Result
@@ -81,17 +81,17 @@ class Pipeline:
                  device_mem=None, tp=1, max_batch=1, batch_buckets=BATCH_BUCKETS, dtype=None, prefix_cache=True):
         target = _path("target", target)
         if max_seq is not None and not (is_int(max_seq) and max_seq >= 1):
-            raise MindspecError(f"max_seq must be an integer >= 1 or None (sized for each call), got {max_seq!r}")
+            raise MindspecError(f"max_seq must be an integer >= 1 or None (sized for each call), got {shown(max_seq)}")
         if not (is_int(tp) and tp >= 1):
-            raise MindspecError(f"tp must be an integer >= 1, got {tp!r}")
+            raise MindspecError(f"tp must be an integer >= 1, got {shown(tp)}")
         if tp > 1 and not in_msrun():  # (it loaded and ran on one device)
             raise MindspecError(f"tp={tp} needs one process per rank, started by msrun: run `mindspec generate`, "
                                 f"`serve` or `batch` with --tp {tp}")
         if not isinstance(prefix_cache, (bool, np.bool_)):
-            raise MindspecError(f"prefix_cache must be True or False, got {prefix_cache!r}")
+            raise MindspecError(f"prefix_cache must be True or False, got {shown(prefix_cache)}")
         max_seq = None if max_seq is None else int(max_seq)
         if device_mem is not None and not (is_number(device_mem) and 0 < device_mem < float("inf")):
-            raise MindspecError(f"device_mem must be a number of bytes, got {device_mem!r}")
+            raise MindspecError(f"device_mem must be a number of bytes, got {shown(device_mem)}")
         check_device_env()  # (before MindSpore's import, which aborts on a bad one)
         budget()  # (a bad $MINDSPEC_COMPILE_CACHE_GB: refused before anything loads)
         self.device = detect_device(device)  # target and draft: "CPU" or "Ascend"
@@ -267,9 +267,11 @@ class Pipeline:
         likely alternatives (0..TOP_LOGPROBS), in Result.logprobs."""
         for flag, v in (("speculate", speculate), ("chat", chat)):
             if not isinstance(v, (bool, np.bool_)):
-                raise MindspecError(f"{flag} must be True or False, got {v!r}")
+                raise MindspecError(f"{flag} must be True or False, got {shown(v)}")
         if not speculate and k is not None and k != "auto":  # (was ignored; the CLI refuses it too)
             raise MindspecError(f"k={k} sets the draft tokens of a step: it does not apply with speculate=False")
+        if not (request_id is None or isinstance(request_id, str) or is_int(request_id)):
+            raise MindspecError(f"request_id must be a string or an integer, got {shown(request_id)}")
         self._check_k(k)
         k = self.spec.k_for_request(k)
         stop = stop_strings(stop)
@@ -278,12 +280,12 @@ class Pipeline:
         params = SamplingParams(temperature, top_k, top_p, repetition_penalty, draft_temperature, seed,
                                 presence_penalty, frequency_penalty)
         if draft_min_conf is not None and not (is_number(draft_min_conf) and 0 < draft_min_conf < 1):
-            raise MindspecError(f"draft_min_conf must be between 0 and 1, got {draft_min_conf!r}")
+            raise MindspecError(f"draft_min_conf must be between 0 and 1, got {shown(draft_min_conf)}")
         if not is_int(max_new_tokens) or max_new_tokens < 1:
-            raise MindspecError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+            raise MindspecError(f"max_new_tokens must be an integer >= 1, got {shown(max_new_tokens)}")
         if logprobs is not None and not (is_int(logprobs) and 0 <= logprobs <= TOP_LOGPROBS):
             raise MindspecError(f"logprobs must be an integer in [0, {TOP_LOGPROBS}] (alternatives per token), "
-                                f"got {logprobs!r}")
+                                f"got {shown(logprobs)}")
         max_new_tokens, logprobs = int(max_new_tokens), None if logprobs is None else int(logprobs)
         limit = self.max_positions
         ids = self.encode(prompt, prompt_ids, chat, limit)
@@ -306,7 +308,7 @@ class Pipeline:
         them asks for them itself). Returns the seconds spent compiling (or loading from the compile cache)."""
         _check_call("prepare", reqs, max_batch)  # (0 rows returned as if done)
         if rows_now is not None and not (is_int(rows_now) and rows_now >= 1):
-            raise MindspecError(f"rows_now must be an integer >= 1 or None, got {rows_now!r}")
+            raise MindspecError(f"rows_now must be an integer >= 1 or None, got {shown(rows_now)}")
         before = self.target
         compiled = before.compile_s if before else 0.0
         need = max(len(r.prompt_ids) + r.max_new_tokens for r in reqs) if reqs else 1
@@ -356,7 +358,7 @@ class Pipeline:
         """Run requests to the end through the engine, up to max_batch at once (the rest join as rows
         finish). on_event(request, text) gets each step's new text per request, and its end."""
         if on_event is not None and not callable(on_event):  # (raised after the first step)
-            raise MindspecError(f"on_event must be a callable (it gets each request's new text), got {on_event!r}")
+            raise MindspecError(f"on_event must be a callable (it gets each request's new text), got {shown(on_event)}")
         for r, text in self.stream(reqs, max_batch):
             if on_event is not None:
                 on_event(r, text)
@@ -369,7 +371,12 @@ class Pipeline:
         several threads take turns (the graphs and caches are one: a stream holds them until it ends or is
         closed); one left by an exception (Ctrl-C, a consumer that raised) or closed half-way leaves the
         engine empty. A Ctrl-C is held back only while MindSpore runs (each warm-up and step, see _held):
-        the consumer's own code between steps gets it as usual. The loop every caller shares."""
+        the consumer's own code between steps gets it as usual. The loop every caller shares. Its arguments
+        are checked here (a generator's body runs at its first next(): the error came where it was read)."""
+        self._check_stream(reqs, max_batch)
+        return self._stream(reqs, max_batch, ready)
+
+    def _check_stream(self, reqs, max_batch):
         self._check_process()
         if self._holder == threading.get_ident():
             raise MindspecError("generate was called from inside its own callback, or while a stream of this "
@@ -379,6 +386,9 @@ class Pipeline:
             raise MindspecError("the same request is given twice: make one per generation")
         if any(r.state != WAITING or r.output or r.pos for r in reqs):  # (it went on after its old output)
             raise MindspecError("a request runs once: make one per generation (this one has run)")
+
+    def _stream(self, reqs, max_batch, ready):
+        self._check_stream(reqs, max_batch)  # (again: what was true when it was made may not be when it starts)
         with self._turn:
             self._holder = threading.get_ident()
             try:
@@ -430,7 +440,7 @@ class Pipeline:
         drafting before a token the draft itself gives less than that probability (off by default: it
         measured slower for the default self-draft, see README)."""
         if on_text is not None and not callable(on_text):
-            raise MindspecError(f"on_text must be a callable (it gets each new piece of text), got {on_text!r}")
+            raise MindspecError(f"on_text must be a callable (it gets each new piece of text), got {shown(on_text)}")
         return self.run_one(self._request(kw, prompt=prompt, prompt_ids=prompt_ids, max_new_tokens=max_new_tokens),
                             on_text)
 
@@ -470,13 +480,13 @@ def _known(kw, fn):
     """Refuse a keyword fn does not take, by name (not as a TypeError from inside)."""
     unknown = sorted(set(kw) - set(inspect.signature(fn).parameters), key=str)
     if unknown:
-        raise MindspecError(f"unknown keyword {unknown[0]!r}")
+        raise MindspecError(f"unknown keyword {shown(unknown[0])}")
 
 
 def _path(what, p):
     """A path given as a str or a path-like object, as a str."""
     if not isinstance(p, (str, os.PathLike)):
-        raise MindspecError(f"{what} must be a path (a str or os.PathLike), got {p!r}")
+        raise MindspecError(f"{what} must be a path (a str or os.PathLike), got {shown(p)}")
     if not os.fspath(p):  # (an unset "$DRAFT" ran target-only: no draft is None, or False in load)
         raise MindspecError(f"the {what} path is empty")
     return os.fspath(p)
@@ -486,7 +496,7 @@ def _check_call(who, reqs, max_batch):
     """reqs a list or tuple of Requests (a generator was read by the check, a lone Request was "not iterable"),
     max_batch an integer >= 1."""
     if not (is_int(max_batch) and max_batch >= 1):
-        raise MindspecError(f"max_batch must be an integer >= 1, got {max_batch!r}")
+        raise MindspecError(f"max_batch must be an integer >= 1, got {shown(max_batch)}")
     if not isinstance(reqs, (list, tuple)) or not all(isinstance(r, Request) for r in reqs):
         raise MindspecError(f"{who} take{'' if ' and ' in who else 's'} a list of Requests (made by Pipeline.request)")
 

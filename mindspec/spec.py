@@ -3,7 +3,7 @@ buckets, fixed or dynamic K, the cache sizing rule, quantization modes, the dtyp
 Importing it loads no framework, so bad input is refused before MindSpore or onnxruntime start."""
 from dataclasses import dataclass
 
-from .errors import MindspecError, is_int
+from .errors import MindspecError, is_int, shown
 
 K_BUCKETS = (1, 2, 4, 8)  # draft lengths with their own compiled verify graph
 BATCH_BUCKETS = (1, 2, 4, 8)  # rows per compiled call; a step pads its rows up to the next bucket
@@ -54,7 +54,7 @@ def resolve_dtype(dtype, device):
     if dtype is None:
         return runs[0]
     if dtype not in DTYPES:
-        raise MindspecError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        raise MindspecError(f"dtype must be one of {', '.join(DTYPES)}, got {shown(dtype)}")
     if dtype not in runs:
         raise MindspecError(f"{dtype} does not run on {device}: this device runs {', '.join(runs)}")
     return dtype
@@ -63,10 +63,10 @@ def resolve_dtype(dtype, device):
 def _ints(what, values):
     """values (an iterable of integers >= 1, as compiled shapes are given) as a tuple of ints."""
     if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
-        raise MindspecError(f"{what} must be integers >= 1, got {values!r}")
+        raise MindspecError(f"{what} must be integers >= 1, got {shown(values)}")
     values = tuple(values)
     if not all(is_int(b) and b >= 1 for b in values):
-        raise MindspecError(f"{what} must be integers >= 1, got {values!r}")
+        raise MindspecError(f"{what} must be integers >= 1, got {shown(values)}")
     return tuple(int(b) for b in values)
 
 
@@ -82,9 +82,9 @@ class SpecConfig:
     def __post_init__(self):
         ks = tuple(sorted(set(_ints("K buckets", self.k_buckets))))
         if not ks:
-            raise MindspecError(f"K buckets must be integers >= 1, got {self.k_buckets!r}")
+            raise MindspecError(f"K buckets must be integers >= 1, got {shown(self.k_buckets)}")
         if not (is_int(self.max_batch) and self.max_batch >= 1):
-            raise MindspecError(f"max_batch must be an integer >= 1, got {self.max_batch!r}")
+            raise MindspecError(f"max_batch must be an integer >= 1, got {shown(self.max_batch)}")
         object.__setattr__(self, "max_batch", int(self.max_batch))
         object.__setattr__(self, "k", self.check_k(self.k, ks))
         bs = sorted({b for b in _ints("batch buckets", self.batch_buckets) if b < self.max_batch} | {self.max_batch})
@@ -93,18 +93,19 @@ class SpecConfig:
 
     @staticmethod
     def check_k(k, buckets):
-        """k must be "auto" or a compiled bucket."""
+        """The pipeline's k: "auto", or 1..the largest bucket (a K that is no bucket is compiled as one; a
+        request's own k must be a compiled bucket: k_for_request)."""
         if k == "auto":
             return k
         if not is_int(k) or not 1 <= k <= max(buckets):
-            raise MindspecError(f"-k must be between 1 and the largest K bucket {max(buckets)} (or auto), got {k!r}")
+            raise MindspecError(f"k must be between 1 and the largest K bucket {max(buckets)} (or \"auto\"), got {shown(k)}")
         return int(k)
 
     def k_for_request(self, k):
         """A request's own k (None: the pipeline's) checked against the compiled buckets."""
         k = self.k if k is None else k
         if k != "auto" and (not is_int(k) or k not in self.k_buckets):
-            raise MindspecError(f"k={k!r} is not a compiled bucket {list(self.k_buckets)} (or \"auto\")")
+            raise MindspecError(f"k={shown(k)} is not a compiled bucket {list(self.k_buckets)} (or \"auto\")")
         return k if k == "auto" else int(k)
 
     def batch_bucket(self, n):

@@ -341,8 +341,8 @@ def test_bad_requests(pair):
     _expect_error(gen + ["--prompt-ids", "5,6,320"], "outside the vocabulary")
     _expect_error(gen + ["--prompt-ids", "5,-1"], "outside the vocabulary")
     _expect_error(gen + ["--prompt-ids", ",".join(["5"] * 80), "--max-seq", "64"], "does not fit")
-    _expect_error(gen + ["--prompt-ids", "5", "-k", "0"], "-k must be between")
-    _expect_error(gen + ["--prompt-ids", "5", "-k", "9"], "-k must be between")
+    _expect_error(gen + ["--prompt-ids", "5", "-k", "0"], "k must be between")
+    _expect_error(gen + ["--prompt-ids", "5", "-k", "9"], "k must be between")
     code, _, err = run(*gen, "--prompt-ids", "5", "--max-new-tokens", "0")  # refused while parsing
     assert code == 2 and "--max-new-tokens: must be an integer >= 1, got '0'" in err
     code, _, err = run(*gen, "--prompt-ids", "5,x")

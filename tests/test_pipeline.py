@@ -227,7 +227,7 @@ def test_library_calls_refuse_bad_input_naming_it(pipe):
     good = dict(prompt_ids=[5, 6], max_new_tokens=3)
     for reqs, max_batch, words in [
             ([good, dict(prompt_ids=[5], temperature=-1)], None, r"^requests\[1\]: temperature must be a number"),
-            ([good, dict(prompt_ids=[5], bogus=1)], None, r"^requests\[1\]: unknown keyword 'bogus'$"),
+            ([good, dict(prompt_ids=[5], bogus=1)], None, r'^requests\[1\]: unknown keyword "bogus"$'),
             ([good, [("prompt", "x")]], None, r"^requests\[1\] must be a dict of generate's keywords, got list$"),
             ([good], -1, r"^max_batch must be an integer >= 1, got -1$"), ([good], 0, "max_batch must be"),
             ([good], "2", "max_batch must be")]:
@@ -236,7 +236,7 @@ def test_library_calls_refuse_bad_input_naming_it(pipe):
     # a second careless pass: TypeErrors from deep inside, or values taken that fail every later call
     with pytest.raises(MindspecError, match="requests must be a list of dicts"):
         pipe.generate_many(None)
-    with pytest.raises(MindspecError, match="draft_min_conf must be between 0 and 1, got '0.5'"):
+    with pytest.raises(MindspecError, match="draft_min_conf must be between 0 and 1, got \"0.5\""):
         pipe.generate(prompt_ids=[5], draft_min_conf="0.5")
     with pytest.raises(MindspecError, match="prompt_ids must be a list"):
         pipe.generate(prompt_ids={1: 2})
@@ -246,8 +246,21 @@ def test_library_calls_refuse_bad_input_naming_it(pipe):
     assert [r.token_ids for r in pipe.generate_many(dict(prompt_ids=range(5, 8), max_new_tokens=3)
                                                     for _ in range(2))] == [three, three]
     for flag in ("speculate", "chat"):  # "no" counted as true
-        with pytest.raises(MindspecError, match=f"{flag} must be True or False, got 'no'"):
+        with pytest.raises(MindspecError, match=f"{flag} must be True or False, got \"no\""):
             pipe.generate(prompt="hi", **{flag: "no"})
+    # the library prober's: one notation for every keyword's value, and the keywords' own names (not the CLI's)
+    for kw, words in [(dict(max_new_tokens=True), "max_new_tokens must be an integer >= 1, got true"),
+                      (dict(logprobs="2"), r'logprobs must be an integer in \[0, \d+\] .*got "2"'),
+                      (dict(temperature=1j), "temperature must be a number .*, got 1j$"),
+                      (dict(k=3), r'k=3 is not a compiled bucket \[1, 2, 4, 8\] \(or "auto"\)'),
+                      (dict(request_id=[1]), r"request_id must be a string or an integer, got \[1\]")]:
+        with pytest.raises(MindspecError, match=words):
+            pipe.generate(prompt_ids=[5], **kw)
+    # a stream's arguments are checked when it is made, not where it is first read
+    with pytest.raises(MindspecError, match="run and stream take a list of Requests"):
+        pipe.stream(pipe.request(prompt_ids=[5], max_new_tokens=2), 1)
+    with pytest.raises(MindspecError, match="max_batch must be an integer >= 1, got 0"):
+        pipe.stream([pipe.request(prompt_ids=[5], max_new_tokens=2)], 0)
 
 
 def test_load_refuses_bad_arguments_before_loading(tiny_target, noisy_draft):
@@ -257,6 +270,10 @@ def test_load_refuses_bad_arguments_before_loading(tiny_target, noisy_draft):
                       (dict(max_seq=0), "max_seq must be an integer >= 1 or None"),
                       (dict(max_seq=-5), "max_seq must be an integer >= 1 or None"),
                       (dict(tp=0), "tp must be an integer >= 1"), (dict(draft=True), "draft must be a path"),
+                      (dict(k=0), r'^k must be between 1 and the largest K bucket 8 \(or "auto"\), got 0$'),
+                      (dict(device="gpu"), r'^device must be one of auto, cpu, ascend, got "gpu"$'),
+                      (dict(device=5), r"^device must be one of auto, cpu, ascend, got 5$"),
+                      (dict(dtype="x"), r'^dtype must be one of float32, float16, bfloat16, got "x"$'),
                       (dict(draft=123), "draft must be a path"), (dict(device_mem="64GB"), "device_mem must be")]:
         with pytest.raises(MindspecError, match=words):
             mindspec.load(tiny_target[0], **dict(dict(draft=noisy_draft), **kw))
@@ -736,7 +753,7 @@ def test_careless_library_calls_are_one_line_errors_and_change_nothing(pipe, tin
     # a callback that is not callable failed after the prompt ran; an unknown keyword named request()
     with pytest.raises(MindspecError, match="on_text must be a callable"):
         pipe.generate(prompt_ids=[5], on_text=5)
-    with pytest.raises(MindspecError, match="unknown keyword 'foo'"):
+    with pytest.raises(MindspecError, match='unknown keyword "foo"'):
         pipe.generate(prompt_ids=[5], foo=1)
     # numpy integers: refused with messages that read "must be an integer ..., got 3"
     got = pipe.generate(prompt_ids=[5, 6, 7], max_new_tokens=np.int64(12), k=np.int64(4))
@@ -747,10 +764,10 @@ def test_careless_library_calls_are_one_line_errors_and_change_nothing(pipe, tin
                                                     max_batch=np.int64(1))] == [want.token_ids]
     # load: tp=2 ran on one device; prefix_cache="no" kept caching; buckets=4 was a TypeError
     for kw, words in ((dict(tp=2), "tp=2 needs one process per rank"),
-                      (dict(prefix_cache="no"), "prefix_cache must be True or False, got 'no'"),
+                      (dict(prefix_cache="no"), "prefix_cache must be True or False, got \"no\""),
                       (dict(buckets=4), "K buckets must be integers >= 1, got 4"),
                       (dict(batch_buckets=4), "batch buckets must be integers >= 1, got 4"),
-                      (dict(foo=1), "unknown keyword 'foo'")):
+                      (dict(foo=1), 'unknown keyword "foo"')):
         with pytest.raises(MindspecError, match=words):
             mindspec.load(target=tiny_target[0], draft=noisy_draft, **kw)
 

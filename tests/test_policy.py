@@ -471,5 +471,5 @@ def test_costs_measured_while_other_processes_load_the_cpu_are_measured_again_at
     assert measure_costs(pipe, (2,), reps=1)[2][0] == {1: 123.0, 2: 123.0, 4: 123.0}
     monkeypatch.setenv("MINDSPEC_COSTS_NOISY", "lots")
     with pytest.raises(mindspec.MindspecError, match=r"\$MINDSPEC_COSTS_NOISY must be a share of the CPUs' time between 0 "
-                                            r"and 1, got 'lots'"):
+                                            r'and 1, got "lots"'):
         measure_costs(pipe, (2,), reps=1)
