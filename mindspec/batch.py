@@ -285,6 +285,26 @@ def _scan(data, path, job):
     return done, errors, asked, len(data) - len(tail) - zeros
 
 
+def _in_use(path, fd):
+    pid = _lock_holder(fd)
+    return MindspecError(f"output {path} is in use by another job{f' (pid {pid})' if pid else ''}; wait for it to "
+                         "end or give another --output")
+
+
+def check_free(path):
+    """Refuse an output a running job holds (its lock, as Output takes it), before what the file's state says."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return  # (not there, or not readable: Output says what)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise _in_use(path, fd) from None
+    finally:
+        os.close(fd)
+
+
 def _lock_holder(fd):
     """The pid holding an flock on fd's file (from Linux's /proc/locks), or None."""
     st = os.fstat(fd)
@@ -361,9 +381,7 @@ class Output:
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | (0 if self.wait else fcntl.LOCK_NB))
         except BlockingIOError:
-            pid = _lock_holder(self.fd)
-            raise MindspecError(f"output {self.path} is in use by another job{f' (pid {pid})' if pid else ''}; "
-                                f"wait for it to end or give another --output") from None
+            raise _in_use(self.path, self.fd) from None
 
     def _read(self):
         try:

@@ -25,7 +25,7 @@ import subprocess
 import sys
 import time
 
-from .batch import (Output, Tally, _key, _read_lines, _rows, check_asked, check_shared_input, part_path,
+from .batch import (Output, Tally, _key, _read_lines, _rows, check_asked, check_free, check_shared_input, part_path,
                     read_records)
 from .device import check_tp, detect_device, narrowed, visible_list
 from .errors import MindspecError
@@ -81,6 +81,7 @@ def check_parts(output_path, dp):
     """Parts of a run with another --dp would hold lines this run also gives out: refuse."""
     other = sorted(d for d in parts_found(output_path) if d != dp)
     if other:
+        check_free(output_path)  # (a --dp job still writing them: in use, not to be finished or merged)
         raise MindspecError(f"{output_path} has unmerged parts of a --dp {other[0]} run: finish it with "
                             f"--dp {other[0]}, or merge them with --merge")
 

@@ -248,6 +248,11 @@ def test_a_second_job_on_the_same_output_is_refused(setup, tmp_path):
     with open(out, "rb") as f:
         fcntl.flock(f, fcntl.LOCK_EX)  # as a running job holds it
         _expect_usage_error(setup, out, f"o.jsonl is in use by another job (pid {os.getpid()})")
+        # the batch prober's: beside a running --dp 2 job's parts, a job without --dp (or with another N) was
+        # told to finish that run or --merge it, while it ran
+        (tmp_path / "o.jsonl.part0of2").write_bytes(b"")
+        for extra in ((), ("--dp", "3")):
+            _expect_usage_error(setup, out, f"o.jsonl is in use by another job (pid {os.getpid()})", extra=extra)
 
 
 def _read_all(fd, buf):
