@@ -637,3 +637,18 @@ def test_values_are_quoted_in_jsons_notation_cut_and_numpy_too():
         SamplingParams(top_k=np.array([1, 2]))
     # the library prober's: what JSON lacks read as a string given ("1j", "{'a'}")
     assert [shown(v) for v in (1j, {"a"}, [1, {2}])] == ["1j", "{'a'}", "[1, {2}]"]
+
+
+def test_min_tokens_names_the_limit_the_request_set():
+    """The batch prober's: a line with max_new_tokens 2 and min_tokens 3 was told "[0, max_tokens]", a field it
+    did not set."""
+    from mindspec.request import RequestError, parse
+    for req, words in [({"prompt": "Hi", "min_tokens": 3, "max_new_tokens": 2}, r"in \[0, 2\] \(max_new_tokens\), got 3$"),
+                       ({"prompt": "Hi", "min_tokens": 3, "max_tokens": 2}, r"in \[0, 2\] \(max_tokens\), got 3$"),
+                       ({"prompt": "Hi", "min_tokens": 9}, r"in \[0, 8\] \(the default max tokens\), got 9$"),
+                       ({"prompt": "Hi", "min_tokens": -1}, r"in \[0, 8\] \(the default max tokens\), got -1$")]:
+        with pytest.raises(RequestError, match="^min_tokens must be an integer " + words):
+            parse(req, {"max_new_tokens": 8})
+    with pytest.raises(RequestError, match=r"^min_tokens must be an integer >= 0, got -1$"):
+        parse({"prompt": "Hi", "min_tokens": -1})
+    assert parse({"prompt": "Hi", "min_tokens": 2, "max_tokens": 2})["min_tokens"] == 2

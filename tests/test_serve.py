@@ -771,7 +771,7 @@ BAD = [  # (path, body or raw bytes, status, words in the message)
     ("/v1/chat/completions", {"messages": HI, "prompt": "hi"}, 400,
      "either \"prompt\" or \"messages\", not both"),
     ("/v1/completions", {"prompt": ["one", "two"]}, 400, "prompt is a list of 2 prompts: send one prompt per request"),
-    ("/v1/completions", {"prompt": "hi", "min_tokens": -1}, 400, "min_tokens must be an integer in [0, max_tokens]"),
+    ("/v1/completions", {"prompt": "hi", "min_tokens": -1}, 400, "min_tokens must be an integer in [0, "),
     ("/v1/completions", {"prompt": "hi", "stop_token_ids": [2, "x"]}, 400, "stop_token_ids must be a list"),
     ("/v1/completions", {"prompt": "hi", "stop_token_ids": [10 ** 6]}, 400, "stop_token_ids: 1000000 is outside"),
     ("/v1/completions", {"prompt": "hi", "ignore_eos": "yes"}, 400, "ignore_eos must be true or false"),
