@@ -110,16 +110,18 @@ def _body(rec):
     return {k: v for k, v in rec.items() if k not in ("mindspec_batch", "job", "id")}
 
 
-def merge(output, rows, d):
-    """Append to the (open, locked) output, in input order, each id's record from the d parts unless the
-    output has it, then remove the parts; returns the number of input ids with no record anywhere (then
-    nothing is written). A line edited since its result was written is refused first. Running again after
-    a cut-short merge writes nothing twice."""
+def unmerged(output, rows, d):
+    """(the d parts' records by id, the number of input ids with no record in the output or a part). A line
+    edited since its result was written is refused here."""
     got = _collect(output, rows, d)
-    left = [r for r in rows if _key(r.rid) not in got and _key(r.rid) not in output.done
-            and _key(r.rid) not in output.errors]
-    if left:
-        return len(left)
+    return got, sum(_key(r.rid) not in got and _key(r.rid) not in output.done and _key(r.rid) not in output.errors
+                    for r in rows)
+
+
+def merge(output, rows, d, got):
+    """Append to the (open, locked) output, in input order, each id's record from the d parts (got: unmerged's)
+    unless the output has it, then remove the parts. Running again after a cut-short merge writes nothing
+    twice."""
     for row in rows:
         k = _key(row.rid)
         res, errs = got.get(k, (None, []))
@@ -135,7 +137,6 @@ def merge(output, rows, d):
         os.fsync(output.fd)
     for path in parts_found(output.path).get(d, []):
         os.unlink(path)
-    return 0
 
 
 def merge_command(input_path, output_path, job):
@@ -176,7 +177,7 @@ def _finish(out, rows, d, node=False):
     busy = _running(parts_found(out.path).get(d, []))
     if busy and not node:
         raise MindspecError(f"{busy} is being written by a running replica; merge once it has ended")
-    left = len(rows) if busy else merge(out, rows, d)
+    got, left = ({}, len(rows)) if busy else unmerged(out, rows, d)
     if left and node:
         print(f"mindspec batch: this node's replicas are done; {left} of {len(rows)} lines are left to other nodes: "
               f"the last to finish merges (or run the job with --merge)", file=sys.stderr, flush=True)
@@ -184,10 +185,16 @@ def _finish(out, rows, d, node=False):
     if left:
         raise MindspecError(f"{left} of {len(rows)} lines have no record in {out.path} or its --dp {d} parts yet: "
                             f"run the job to finish them")
-    tally = Tally(rows, out.done, out.errors)
-    n, done, failed = len(rows), tally.count("done"), tally.count("failed")
-    print(f"mindspec batch: {n} lines: {done} done, {failed} failed, {n - done - failed} left -> {out.path} "
-          f"(merged from {d} parts)", file=sys.stderr, flush=True)
+    merged = False
+    try:
+        merge(out, rows, d, got)
+        merged = True
+    finally:  # (a write that failed, a full disk: what the output holds, then the error, as without --dp)
+        tally = Tally(rows, out.done, out.errors)
+        n, done, failed = len(rows), tally.count("done"), tally.count("failed")
+        print(f"mindspec batch: {n} lines: {done} done, {failed} failed, {n - done - failed} left -> {out.path} "
+              + (f"(merged from {d} parts)" if merged else f"(a merge of {d} parts cut short; they are kept)"),
+              file=sys.stderr, flush=True)
     return tally.exit_code()
 
 

@@ -696,6 +696,34 @@ def test_a_write_cut_short_leaves_whole_records_only(tmp_path, capsys, monkeypat
     assert sorted(r["id"] for r in records(out)) == [1, 2, 3, 4, 5]
 
 
+def test_a_merge_cut_short_by_a_full_disk_says_what_the_output_holds_first(tmp_path, capsys, monkeypatch):
+    """The batch prober's: a --dp merge that hit a full disk printed only the error, where a job without --dp
+    prints the summary of what the file holds first (docs/batch.md); the parts are kept and merge again."""
+    from mindspec import dp
+    inp, out, job = _input(tmp_path / "in.jsonl", 5), tmp_path / "o.jsonl", B.job_id(DEFAULTS)
+    driver(monkeypatch)
+    assert _batch(inp, out, part=(0, 2)) == 0 and _batch(inp, out, part=(1, 2)) == 0
+    capsys.readouterr()
+    one = len(B._dump({"mindspec_batch": 1, "job": job, "id": 1, **OK}))
+    real, room = os.write, [one * 5 // 2]  # two records and half of a third fit
+
+    def full_disk(fd, data):
+        if room[0] <= 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        n = real(fd, bytes(data[:room[0]]))
+        room[0] -= n
+        return n
+    monkeypatch.setattr(B.os, "write", full_disk)
+    with pytest.raises(MindspecError, match="cannot write output .*: No space left on device"):
+        dp.merge_command(inp, str(out), job)
+    monkeypatch.setattr(B.os, "write", real)
+    assert last(capsys.readouterr().err) == f"mindspec batch: 5 lines: 2 done, 0 failed, 3 left -> {out} " \
+                                            "(a merge of 2 parts cut short; they are kept)"
+    assert len(list(tmp_path.glob("o.jsonl.part*"))) == 2
+    assert dp.merge_command(inp, str(out), job) == 0
+    assert [r["id"] for r in records(out)] == [1, 2, 3, 4, 5]
+
+
 def test_a_torn_last_line_is_cut_only_when_the_file_is_ours(tmp_path, monkeypatch):
     inp, out, job = _input(tmp_path / "in.jsonl", 2), tmp_path / "o.jsonl", B.job_id(DEFAULTS)
     driver(monkeypatch)
