@@ -615,6 +615,8 @@ def parse(argv):
             args.max_seq = SERVE_MAX_SEQ  # a server cannot resize its cache while requests run
         if args.max_input_tokens is not None:  # (MindIE's min(maxInputTokenLen, maxSeqLen - 1): a position to generate)
             args.max_input_tokens = min(args.max_input_tokens, max(args.max_seq - 1, 1))
+    if args.cmd == "batch" and args.input == "-":
+        args.input = "/dev/stdin"  # (as `generate -` reads its prompt)
     if args.cmd == "generate":
         if args.prompt_flag is not None:
             if args.prompt is not None:

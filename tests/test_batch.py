@@ -183,6 +183,16 @@ def _expect_usage_error(setup, out, needle, inp=None, extra=()):
         assert out.read_bytes() == before  # not appended to, not truncated
 
 
+def test_input_dash_is_standard_input(setup, first_run, tmp_path):
+    """The batch prober's: `--input -` (as `generate -` reads its prompt) was a file named "-"."""
+    out = tmp_path / "dash.jsonl"
+    with open(setup[2], "rb") as f:
+        p = subprocess.run(command(setup, out, "-"), stdin=f, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 1, p.stderr  # (the input's bad lines)
+    strip = lambda recs: sorted((json.dumps(r["id"]), r.get("token_ids"), r.get("error")) for r in recs)  # noqa: E731
+    assert strip(records(out)) == strip(records(first_run[2]))
+
+
 def test_unusable_input_or_output_exits_2_with_one_line_and_touches_nothing(setup, first_run, tmp_path):
     _expect_usage_error(setup, tmp_path / "o.jsonl", "cannot read input", inp=tmp_path / "missing.jsonl")
     _expect_usage_error(setup, tmp_path / "o.jsonl", "cannot read input", inp=tmp_path)  # a directory
