@@ -683,10 +683,10 @@ def test_records_finishing_out_of_input_order_resume_by_id(tmp_path, capsys, mon
     assert "6 lines: 6 done, 0 failed, 0 left" in last(capsys.readouterr().err)
 
 
-def test_a_write_cut_short_leaves_whole_records_only(tmp_path, capsys, monkeypatch):
-    inp, out = _input(tmp_path / "in.jsonl", 5), tmp_path / "o.jsonl"
-    one = len(B._dump({"mindspec_batch": 1, "job": B.job_id(DEFAULTS), "id": 1, **OK}))
-    real, room = os.write, [one * 5 // 2]  # two records and half of a third fit
+def _disk_with_room(job, records):
+    """An os.write whose disk fills up after `records` (a float: half of one fits) of these records."""
+    one = len(B._dump({"mindspec_batch": 1, "job": job, "id": 1, **OK}))
+    real, room = os.write, [int(one * records)]
 
     def full_disk(fd, data):
         if room[0] <= 0:
@@ -694,9 +694,14 @@ def test_a_write_cut_short_leaves_whole_records_only(tmp_path, capsys, monkeypat
         n = real(fd, bytes(data[:room[0]]))
         room[0] -= n
         return n
+    return full_disk
 
+
+def test_a_write_cut_short_leaves_whole_records_only(tmp_path, capsys, monkeypatch):
+    inp, out = _input(tmp_path / "in.jsonl", 5), tmp_path / "o.jsonl"
+    real = os.write
     driver(monkeypatch)
-    monkeypatch.setattr(B.os, "write", full_disk)
+    monkeypatch.setattr(B.os, "write", _disk_with_room(B.job_id(DEFAULTS), 2.5))  # two records and half a third
     with pytest.raises(MindspecError, match="cannot write output .*: No space left on device"):
         _batch(inp, out)
     monkeypatch.setattr(B.os, "write", real)
@@ -714,16 +719,8 @@ def test_a_merge_cut_short_by_a_full_disk_says_what_the_output_holds_first(tmp_p
     driver(monkeypatch)
     assert _batch(inp, out, part=(0, 2)) == 0 and _batch(inp, out, part=(1, 2)) == 0
     capsys.readouterr()
-    one = len(B._dump({"mindspec_batch": 1, "job": job, "id": 1, **OK}))
-    real, room = os.write, [one * 5 // 2]  # two records and half of a third fit
-
-    def full_disk(fd, data):
-        if room[0] <= 0:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        n = real(fd, bytes(data[:room[0]]))
-        room[0] -= n
-        return n
-    monkeypatch.setattr(B.os, "write", full_disk)
+    real = os.write
+    monkeypatch.setattr(B.os, "write", _disk_with_room(job, 2.5))
     with pytest.raises(MindspecError, match="cannot write output .*: No space left on device"):
         dp.merge_command(inp, str(out), job)
     monkeypatch.setattr(B.os, "write", real)

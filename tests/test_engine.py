@@ -575,6 +575,19 @@ def test_a_new_row_starts_from_the_parked_draft_row_sharing_its_prefix(pipe, mon
         assert (a.stats["drafted"], a.stats["accepted"]) == (b.stats["drafted"], b.stats["accepted"])
 
 
+def _one_row_calls(monkeypatch):
+    """[(first position, tokens)] of the draft's one-row calls from here on."""
+    from mindspec.export import DraftSession
+    pieces, real = [], DraftSession._run
+
+    def spy(self, tokens, start):
+        if len(tokens) == 1:
+            pieces.append((int(self.pos[start]), len(tokens[0])))
+        return real(self, tokens, start)
+    monkeypatch.setattr(DraftSession, "_run", spy)
+    return pieces
+
+
 @pytest.mark.parametrize("parked", ["greedy", "sampled"])
 def test_a_sampled_prompt_is_read_in_the_same_pieces_whatever_was_cached(pipe, monkeypatch, parked):
     """Found trying seeded sampling with the default (q8) draft, whose logits depend on how a row's tokens
@@ -582,14 +595,7 @@ def test_a_sampled_prompt_is_read_in_the_same_pieces_whatever_was_cached(pipe, m
     target's cache ended) than fresh, so a seeded text changed with what had run before. A sampled prompt
     is read in pieces cut at multiples of the prefill chunk and at its end, fresh or from a parked row
     (a greedy one read its prompt in other pieces: nothing of it is reused)."""
-    from mindspec.export import DraftSession
-    pieces, real = [], DraftSession._run
-
-    def spy(self, tokens, start):  # (first position, tokens) of each one-row call
-        if len(tokens) == 1:
-            pieces.append((int(self.pos[start]), len(tokens[0])))
-        return real(self, tokens, start)
-    monkeypatch.setattr(DraftSession, "_run", spy)
+    pieces = _one_row_calls(monkeypatch)
     eng, base = pipe.engine, list(range(60, 105))  # 45 tokens
     kw = dict(prompt_ids=base[:40] + list(range(7, 14)), max_new_tokens=8, temperature=0.9, seed=5, k=1)
     runs = []
@@ -758,15 +764,8 @@ def test_a_parked_row_whose_draft_read_its_prompt_in_other_pieces_is_not_reused_
     one call, yet was parked as read in draft_cut's pieces; a seeded fixed-K request sharing its prefix took it,
     and its draft read its prompt in other pieces than fresh (the q8 draft's logits, so the seeded text, follow
     them)."""
-    from mindspec.export import DraftSession
     from mindspec.policy import DynamicK
-    pieces, real = [], DraftSession._run
-
-    def spy(self, tokens, start):  # (first position, tokens) of each one-row call
-        if len(tokens) == 1:
-            pieces.append((int(self.pos[start]), len(tokens[0])))
-        return real(self, tokens, start)
-    monkeypatch.setattr(DraftSession, "_run", spy)
+    pieces = _one_row_calls(monkeypatch)
     pipe.costs = {B: (calls(0.05), {0: 1.0, 1: 1.05, 2: 1.1, 4: 1.2, 8: 1.4}) for B in (1, 2, 4)}
     pipe.engine.dynamic = DynamicK((1, 2, 4, 8), pipe.costs, alpha0=0.9, probe_every=0)
     monkeypatch.setattr(pipe, "_dynamic_for", lambda sizes: None)  # keep these costs
