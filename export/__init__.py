@@ -8,9 +8,9 @@ from mindspec.errors import MindspecError
 from mindspec.spec import QUANTIZE_MODES
 
 from .manifest import PROFILES, read_manifest, read_pair_manifest, write_manifest
-from .runtime import DraftSession, providers
+from .runtime import DraftSession, check_profile, providers
 
-__all__ = ["export_draft", "DraftSession", "read_manifest", "read_pair_manifest", "providers"]
+__all__ = ["export_draft", "DraftSession", "check_profile", "read_manifest", "read_pair_manifest", "providers"]
 DTYPES = ("float32", "float16")
 
 

@@ -26,20 +26,35 @@ def providers(device=None, graph=False):
     return [("CANNExecutionProvider", dict(opts, dump_om_model=False) if graph else opts)]
 
 
+def check_profile(m, onnx_path, device=None):
+    """Refuse a cpu-profile draft (manifest m) on Ascend: CANN runs neither its com.microsoft ops
+    (GroupQueryAttention, MatMulNBits) nor its quantized MatMuls, so most of it would run on the host."""
+    if m["profile"] != "ascend" and (device or detect_device()) == "Ascend":
+        raise MindspecError(f"draft {onnx_path} is exported with the cpu profile, whose ops CANN does not run: export "
+                            "it for the NPU with `mindspec export --profile ascend`")
+
+
 def start_session(onnx_path, options, provider_list, model=None):
     """An InferenceSession on exactly the providers asked for (of `model` bytes when given, named
     onnx_path in messages). onnxruntime prints its "Falling back to CPU" notice on stdout (it would
-    corrupt --json): it goes to stderr, and the fall back is an error."""
+    corrupt --json): it goes to stderr, and the fall back is an error: of the whole session (the provider
+    did not start), or of a node (onnxruntime's own error, with the session's disable_cpu_ep_fallback)."""
     import onnxruntime as ort
+    want = [p[0] if isinstance(p, tuple) else p for p in provider_list]
+    if want[0] != "CPUExecutionProvider":
+        options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+    not_started = f"draft {onnx_path}: onnxruntime could not start {want[0]} (it chose {{}}): install " \
+                  "onnxruntime-cann and source CANN's set_env.sh"
     try:
         with contextlib.redirect_stdout(sys.stderr):
             session = ort.InferenceSession(model or onnx_path, options, providers=provider_list)
     except Exception as e:  # noqa: BLE001 - ORT raises its own exception types
-        raise MindspecError(f"cannot load draft {onnx_path}: {str(e).splitlines()[0]}") from None
-    want = [p[0] if isinstance(p, tuple) else p for p in provider_list]
+        first = str(e).splitlines()[0]
+        if "disabled fallback to the CPU EP" in first:  # (the provider failed; its retry on the CPU was refused)
+            raise MindspecError(not_started.format("CPUExecutionProvider")) from None
+        raise MindspecError(f"cannot load draft {onnx_path}: {first}") from None
     if session.get_providers()[0] != want[0]:
-        raise MindspecError(f"draft {onnx_path}: onnxruntime could not start {want[0]} (it chose "
-                            f"{session.get_providers()[0]}): install onnxruntime-cann and source CANN's set_env.sh")
+        raise MindspecError(not_started.format(session.get_providers()[0]))
     if want[0] != "CPUExecutionProvider":
         print(f"mindspec: draft on {want[0]} (device {device_id()})", file=sys.stderr)
     return session
@@ -131,6 +146,7 @@ class DraftSession:
         if isinstance(max_batch, bool) or not isinstance(max_batch, (int, np.integer)) or max_batch < 1:
             raise ValueError(f"max_batch must be a positive integer, got {max_batch!r}")
         self.max_batch = int(max_batch)
+        check_profile(m, onnx_path, device)
         bound = m["profile"] == "ascend"  # the cache on the session's device, written by the graph
         S = self.max_seq if bound else self.max_seq + 1  # + 1: see the host buffers below
         self.session = start_session(onnx_path, make_session_options(threads, {"S": S}), providers(device, graph=bound))
@@ -336,11 +352,12 @@ class BoundCache:
         self.where = ("cann", device_id()) if session.get_providers()[0] == "CANNExecutionProvider" else ("cpu", 0)
         self.names = [f"{n}_{i}" for i in range(m["num_layers"]) for n in ("key", "value")]
         self.shape = (rows, m["num_key_value_heads"], seq, m["head_dim"])               # [R, KV, S, D]
-        zeros = np.zeros(self.shape, self.dtype)  # stale slots are masked, but must be finite (no NaN scores)
-        self.bufs = [[ort.OrtValue.ortvalue_from_shape_and_type(self.shape, self.dtype, *self.where)
+        # zeroed (stale slots are masked, but must be finite: no NaN scores), from numpy: onnxruntime's python
+        # binding copies an array to CANN (ortvalue_from_numpy), but neither allocates nor updates an OrtValue
+        # there (ortvalue_from_shape_and_type, update_inplace: CPU and GPU only); on the CPU it wraps the
+        # array, one per buffer (the OrtValue keeps it)
+        self.bufs = [[ort.OrtValue.ortvalue_from_numpy(np.zeros(self.shape, self.dtype), *self.where)
                       for _ in self.names] for _ in range(2)]
-        for buf in self.bufs[0] + self.bufs[1]:
-            buf.update_inplace(zeros)
         self.cur, self.hosts, self.bindings, self.seen = 0, {}, {}, set()  # seen: (B, T, S) fed
         self.threads, self._mover = threads, None
 

@@ -119,7 +119,9 @@ def valid_prefix(flags, n_valid):
     """flags [B, K] int32 (1: accepted), n_valid [B] -> accepted prefix length [B], at most n_valid."""
     K = flags.shape[1]
     within = (iota(K).reshape(1, K) < n_valid.reshape(-1, 1)).astype(ms.int32)
-    return ops.cumprod(flags * within, 1).sum(1).astype(ms.int32)
+    # in float32, exact for 0s and 1s: MindSpore runs an integer cumprod as int64, which Ascend's CumProd is not
+    # documented to take
+    return ops.cumprod((flags * within).astype(ms.float32), 1).sum(1).astype(ms.int32)
 
 
 def greedy_accept(g, ids, n_valid):

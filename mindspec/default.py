@@ -30,22 +30,28 @@ def default_target():
     return os.path.join(home(), "models", DEFAULT_NAME)
 
 
-def default_pair(quantize=DEFAULT_QUANT):
-    """(target_dir, draft_onnx), made on first use."""
+def default_pair(quantize=DEFAULT_QUANT, device=None):
+    """(target_dir, draft_onnx), made on first use. On Ascend (`device` as load's: auto, cpu or ascend) the draft
+    is the ascend profile's (float16, unquantized: CANN runs no quantized matmul, nor the cpu profile's
+    com.microsoft ops), draft-ascend.onnx beside the 8-bit one."""
     from .convert import convert_gguf, find_default_gguf
+    from .device import check_device_env, detect_device
     from mindspec.export import export_draft
     from mindspec.export.manifest import VERSION
+    check_device_env()
+    ascend = detect_device(device) == "Ascend"
     target = default_target()
     if not os.path.exists(os.path.join(target, "tokenizer_config.json")):
         print(f"mindspec: converting the embedded {DEFAULT_NAME} into {target} (once)", file=sys.stderr)
         shutil.rmtree(target, ignore_errors=True)  # an incomplete one (no tokenizer_config.json)
         convert_gguf(find_default_gguf(), target)  # written whole or not at all
-    draft = os.path.join(target, f"draft-{quantize}.onnx")
+    kind, how = ("ascend", dict(profile="ascend")) if ascend else (quantize, dict(quantize=quantize))
+    draft = os.path.join(target, f"draft-{kind}.onnx")
     version = _draft_version(draft)
     if version != VERSION:
         why = "once" if version is None else f"draft format {version} -> {VERSION}"
-        print(f"mindspec: exporting the default {quantize} draft to {draft} ({why})", file=sys.stderr)
-        export_draft(target, draft, quantize=quantize)
+        print(f"mindspec: exporting the default {kind} draft to {draft} ({why})", file=sys.stderr)
+        export_draft(target, draft, **how)
     return target, draft
 
 

@@ -51,11 +51,20 @@ class AscendEnv:
         return out
 
 
-def visible_list(env):
-    """The devices ASCEND_RT_VISIBLE_DEVICES lists, as the system names them (None when unset or empty; [] when
-    it lists none, such as ",")."""
+def visible_list(env, present=None):
+    """The devices ASCEND_RT_VISIBLE_DEVICES lists (None when unset or empty), read as CANN reads it: logical ids
+    (indices among the devices present: a container's /dev/davinci4..7 are 0..3), up to the first item that is not
+    one — another character (a space), or with `present` devices an id past them ("1, 2,3" is 1; "1,3,8" of 4
+    is 1, 3)."""
     spec = env.get("ASCEND_RT_VISIBLE_DEVICES")
-    return [x.strip() for x in spec.split(",") if x.strip()] if spec else None
+    if not spec:
+        return None
+    ids = []
+    for x in spec.split(","):
+        if not (x.isascii() and x.isdigit()) or (present is not None and int(x) >= present):
+            break
+        ids.append(x)
+    return ids
 
 
 def narrowed(ids, tp):
@@ -67,12 +76,11 @@ def narrowed(ids, tp):
 
 
 def _visible(npus, env):
-    """ASCEND_RT_VISIBLE_DEVICES narrows the NPUs a process sees (as CUDA_VISIBLE_DEVICES)."""
-    spec = env.get("ASCEND_RT_VISIBLE_DEVICES")
-    if spec is None:
+    """The NPUs (/dev/davinciN numbers, physical) ASCEND_RT_VISIBLE_DEVICES leaves a process (its logical ids:
+    indices among them)."""
+    if env.get("ASCEND_RT_VISIBLE_DEVICES") is None:
         return npus
-    want = {int(x) for x in spec.split(",") if x.strip().isdigit()}
-    return [n for n in npus if n in want]
+    return [npus[int(i)] for i in visible_list(env, len(npus)) or []]
 
 
 def elf_arch(path):

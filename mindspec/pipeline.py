@@ -154,8 +154,10 @@ class Pipeline:
     # ---- model setup
 
     def _check_draft(self, path):
-        from mindspec.export import read_pair_manifest
-        return read_pair_manifest(path, self.cfg, self.tokenizer)
+        from mindspec.export import check_profile, read_pair_manifest
+        m = read_pair_manifest(path, self.cfg, self.tokenizer)
+        check_profile(m, path, self.device)  # (before the target loads)
+        return m
 
     def _check_k(self, k):
         """A fixed k needs a draft (found: without one it ran target-only silently; the CLI refuses it too)."""
@@ -537,6 +539,6 @@ def load(target=None, draft=None, k="auto", **kw):
     _known(kw, Pipeline)  # (before the default pair is made)
     if target is None:
         from .default import default_pair
-        target, default_draft = default_pair()
+        target, default_draft = default_pair(device=kw.get("device"))
         draft = default_draft if draft is None else draft
     return Pipeline(target, draft, k=k, **kw)

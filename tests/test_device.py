@@ -99,8 +99,14 @@ def test_device_numbers_npu_lists_and_device_names_as_written(tmp_path, monkeypa
             check_device_env({"ASCEND_DEVICE_ID": bad})
     root, dev = fake(tmp_path, npus=(0, 1, 2, 3))
     lists = {spec: ascend_env({"ASCEND_RT_VISIBLE_DEVICES": spec}, root, dev, ms_arch="x86_64",
-                              host_arch="x86_64").npus for spec in ("", "1,,3", " 2 ,x")}
-    assert lists == {"": [], "1,,3": [1, 3], " 2 ,x": [2]}
+                              host_arch="x86_64").npus for spec in ("", "1,,3", " 2 ,x", "2,x", "1, 2,3", "1,3,8")}
+    # as CANN reads it: up to the first item that is not an id of a device present
+    assert lists == {"": [], "1,,3": [1], " 2 ,x": [], "2,x": [2], "1, 2,3": [1], "1,3,8": [1, 3]}
+    # an Ascend review's: the ids are logical, indices among the devices present (a container given davinci4..7
+    # with ASCEND_RT_VISIBLE_DEVICES=0,1 saw no NPU, and --device auto ran on the host)
+    (tmp_path / "container").mkdir()
+    root, dev = fake(tmp_path / "container", npus=(4, 5, 6, 7))
+    assert ascend_env({"ASCEND_RT_VISIBLE_DEVICES": "0,1"}, root, dev, ms_arch="x86_64", host_arch="x86_64").npus == [4, 5]
     (tmp_path / "ready").mkdir()
     a = probe(tmp_path / "ready", {"ASCEND_HOME_PATH": str(tmp_path / "ready" / "Ascend" / "ascend-toolkit" / "latest")})
     assert detect_device("npu", a) == detect_device("ASCEND", a) == "Ascend"
@@ -120,13 +126,29 @@ def test_device_flag_and_env(monkeypatch):
     assert device_id({"ASCEND_DEVICE_ID": "2"}) == 2 and device_id({}) == 0
 
 
-def test_draft_refuses_a_silent_cpu_fallback_and_keeps_stdout_clean(noisy_draft, capfd):
+def test_draft_refuses_a_silent_cpu_fallback_and_keeps_stdout_clean(tiny_target, noisy_draft, tmp_path, capfd):
     """onnxruntime-cann here has the CANN provider compiled in but no CANN libraries: asked for it, it
-    prints a fall-back notice on stdout and runs on the CPU. That must be an error, on stderr only."""
-    with pytest.raises(MindspecError, match="could not start CANNExecutionProvider .it chose CPUExecutionProvider"):
+    prints a fall-back notice on stdout and runs on the CPU. That must be an error, on stderr only. A cpu-profile
+    draft is refused on Ascend before any session (an Ascend review's: CANN left its com.microsoft ops to the
+    host, and the draft said it ran on CANN); the session itself forbids onnxruntime a node on the host."""
+    from mindspec.export import export_draft
+    from mindspec.export.runtime import make_session_options, start_session
+    with pytest.raises(MindspecError, match=r"^draft .* is exported with the cpu profile, whose ops CANN does not run: "
+                                            r"export it for the NPU with `mindspec export --profile ascend`$"):
         DraftSession(noisy_draft, device="Ascend")
+    ascend = str(tmp_path / "ascend.onnx")
+    export_draft(tiny_target[0], ascend, max_seq=64, profile="ascend")
+    capfd.readouterr()
+    with pytest.raises(MindspecError, match=r"^draft .*ascend.onnx: onnxruntime could not start CANNExecutionProvider "
+                                            r"\(it chose CPUExecutionProvider\): install onnxruntime-cann and source "
+                                            r"CANN's set_env.sh$"):
+        DraftSession(ascend, device="Ascend")
     out = capfd.readouterr()
     assert out.out == "" and "Falling back" in out.err
+    so = make_session_options()
+    with pytest.raises(MindspecError):
+        start_session(ascend, so, [("CANNExecutionProvider", {"device_id": 0})])
+    assert so.get_session_config_entry("session.disable_cpu_ep_fallback") == "1"
 
 
 def test_cli_device_ascend_is_one_line(tiny_target):

@@ -109,8 +109,16 @@ def test_cli_profile_and_quantize_refused(tiny_target, tmp_path):
     assert read_manifest(str(tmp_path / "d.onnx"))["profile"] == "ascend"
 
 
-def test_matches_reference_through_steps_rollback_and_move(tiny_target, ascend_draft):
+def test_matches_reference_through_steps_rollback_and_move(tiny_target, ascend_draft, monkeypatch):
+    import onnxruntime as ort
+
+    def no_cann_branch(*a, **kw):  # (a review's: onnxruntime's binding allocates and updates on CPU and GPU only)
+        raise AssertionError("onnxruntime cannot do this on CANN")
+    for name in ("ortvalue_from_shape_and_type", "update_inplace"):
+        monkeypatch.setattr(ort.OrtValue, name, no_cann_branch)
     sess = DraftSession(ascend_draft, max_batch=ROWS)
+    bufs = sess.device_kv.bufs[0] + sess.device_kv.bufs[1]
+    assert len({b.data_ptr() for b in bufs}) == len(bufs)  # (one array each: none shares another's memory)
     sess.session.run = None  # the plain run (host feeds) is never used: only run_with_iobinding
     assert sess.keys is None and sess.device_kv.bufs[0][0].device_name() == "cpu"
     a, b = _ids(40, 1), _ids(30, 2)
@@ -155,3 +163,19 @@ def test_llama3_rope_scaling_matches_reference(tmp_path):
     export_draft(d, path, max_seq=SEQ, profile="ascend")
     ids = _ids(40, 3)
     _close(DraftSession(path).forward([ids])[0], ids, d)
+
+
+def test_the_default_pair_on_ascend_exports_the_ascend_profile(tiny_target, tmp_path, monkeypatch):
+    """An Ascend review's: the default pair's draft was the 8-bit cpu profile on every device, which CANN runs
+    mostly on the host. On Ascend it is the ascend profile's, beside the 8-bit one (NPUs faked: none here)."""
+    import shutil
+    from mindspec import default, device
+    home = tmp_path / "model"
+    shutil.copytree(tiny_target[0], home)
+    monkeypatch.setattr(default, "default_target", lambda: str(home))
+    monkeypatch.setattr(device, "detect_device", lambda asked=None, probe=None: "Ascend")
+    target, draft = default.default_pair()
+    assert (target, draft) == (str(home), str(home / "draft-ascend.onnx"))
+    assert read_manifest(draft)["profile"] == "ascend" and read_manifest(draft)["quantize"] is None
+    monkeypatch.setattr(device, "detect_device", lambda asked=None, probe=None: "CPU")
+    assert default.default_pair()[1] == str(home / "draft-q8.onnx")
