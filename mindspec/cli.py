@@ -257,6 +257,7 @@ def _check_model_paths(a):
     None for what it did not."""
     from .checkpoint import Checkpoint
     from .tokenizer import Tokenizer
+    from mindspec.export import check_profile
     from mindspec.export.manifest import check_file, read_pair_manifest
     cfg = m = None
     if a.target is not None:
@@ -265,6 +266,7 @@ def _check_model_paths(a):
         check_file(a.draft)
         if a.target is not None:
             m = read_pair_manifest(a.draft, cfg, tokenizer, sha=False)  # (the load reads it whole)
+            check_profile(m, a.draft, detect_device(a.device))
     return cfg, m
 
 
