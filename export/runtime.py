@@ -29,32 +29,32 @@ def providers(device=None, graph=False):
 def check_profile(m, onnx_path, device=None):
     """Refuse a cpu-profile draft (manifest m) on Ascend: CANN runs neither its com.microsoft ops
     (GroupQueryAttention, MatMulNBits) nor its quantized MatMuls, so most of it would run on the host."""
-    if m["profile"] != "ascend" and (device or detect_device()) == "Ascend":
+    if m["profile"] != "ascend" and str(device or detect_device()).lower() == "ascend":
         raise MindspecError(f"draft {onnx_path} is exported with the cpu profile, whose ops CANN does not run: export "
                             "it for the NPU with `mindspec export --profile ascend`")
 
 
 def start_session(onnx_path, options, provider_list, model=None):
     """An InferenceSession on exactly the providers asked for (of `model` bytes when given, named
-    onnx_path in messages). onnxruntime prints its "Falling back to CPU" notice on stdout (it would
-    corrupt --json): it goes to stderr, and the fall back is an error: of the whole session (the provider
-    did not start), or of a node (onnxruntime's own error, with the session's disable_cpu_ep_fallback)."""
+    onnx_path in messages). A fall back to the CPU is an error: of the whole session (the provider did not
+    start), or of a node (onnxruntime's own error, with the session's disable_cpu_ep_fallback). What
+    onnxruntime prints on stdout goes to stderr (it would corrupt --json)."""
     import onnxruntime as ort
     want = [p[0] if isinstance(p, tuple) else p for p in provider_list]
     if want[0] != "CPUExecutionProvider":
         options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
-    not_started = f"draft {onnx_path}: onnxruntime could not start {want[0]} (it chose {{}}): install " \
-                  "onnxruntime-cann and source CANN's set_env.sh"
+    not_started = f"draft {onnx_path}: onnxruntime could not start {want[0]}{{}}: install onnxruntime-cann and " \
+                  "source CANN's set_env.sh"
     try:
-        with contextlib.redirect_stdout(sys.stderr):
-            session = ort.InferenceSession(model or onnx_path, options, providers=provider_list)
+        with contextlib.redirect_stdout(sys.stderr):  # (no retry on the CPU: that hid why the first try failed)
+            session = ort.InferenceSession(model or onnx_path, options, providers=provider_list, enable_fallback=0)
     except Exception as e:  # noqa: BLE001 - ORT raises its own exception types
         first = str(e).splitlines()[0]
-        if "disabled fallback to the CPU EP" in first:  # (the provider failed; its retry on the CPU was refused)
-            raise MindspecError(not_started.format("CPUExecutionProvider")) from None
+        if "ExecutionProvider fail" in first:  # (its log line above says why: a library missing, a bad device)
+            raise MindspecError(not_started.format("")) from None
         raise MindspecError(f"cannot load draft {onnx_path}: {first}") from None
     if session.get_providers()[0] != want[0]:
-        raise MindspecError(not_started.format(session.get_providers()[0]))
+        raise MindspecError(not_started.format(f" (it chose {session.get_providers()[0]})"))
     if want[0] != "CPUExecutionProvider":
         print(f"mindspec: draft on {want[0]} (device {device_id()})", file=sys.stderr)
     return session

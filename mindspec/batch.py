@@ -285,24 +285,33 @@ def _scan(data, path, job):
     return done, errors, asked, len(data) - len(tail) - zeros
 
 
-def _in_use(path, fd):
-    pid = _lock_holder(fd)
+def _in_use(path, pid):
     return MindspecError(f"output {path} is in use by another job{f' (pid {pid})' if pid else ''}; wait for it to "
                          "end or give another --output")
 
 
-def check_free(path):
-    """Refuse an output a running job holds (its lock, as Output takes it), before what the file's state says."""
+def held(path, mode=fcntl.LOCK_EX):
+    """(whether another process holds the flock of file `path` that `mode` would wait for, its pid or None);
+    (False, None) for a file not there or not readable."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
-        return  # (not there, or not readable: Output says what)
+        return False, None
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, mode | fcntl.LOCK_NB)
+        return False, None
     except BlockingIOError:
-        raise _in_use(path, fd) from None
+        return True, _lock_holder(fd)
     finally:
         os.close(fd)
+
+
+def check_free(path):
+    """Refuse an output a running job holds (its lock, as Output takes it), before what the file's state says
+    (a job of several machines locks it only to check it and to merge)."""
+    taken, pid = held(path)
+    if taken:
+        raise _in_use(path, pid)
 
 
 def _lock_holder(fd):
@@ -381,7 +390,7 @@ class Output:
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | (0 if self.wait else fcntl.LOCK_NB))
         except BlockingIOError:
-            raise _in_use(self.path, self.fd) from None
+            raise _in_use(self.path, _lock_holder(self.fd)) from None
 
     def _read(self):
         try:

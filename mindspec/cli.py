@@ -258,15 +258,15 @@ def _check_model_paths(a):
     from .checkpoint import Checkpoint
     from .tokenizer import Tokenizer
     from mindspec.export import check_profile
-    from mindspec.export.manifest import check_file, read_pair_manifest
+    from mindspec.export.manifest import check_file, read_manifest, read_pair_manifest
     cfg = m = None
     if a.target is not None:
         cfg, tokenizer = Checkpoint(a.target).config, Tokenizer(a.target)
     if a.draft is not None and not a.no_speculate:
         check_file(a.draft)
-        if a.target is not None:
-            m = read_pair_manifest(a.draft, cfg, tokenizer, sha=False)  # (the load reads it whole)
-            check_profile(m, a.draft, detect_device(a.device))
+        m = read_pair_manifest(a.draft, cfg, tokenizer, sha=False) if a.target is not None else \
+            read_manifest(a.draft, sha=False)  # (the load reads it whole; the embedded target's pairing too)
+        check_profile(m, a.draft, detect_device(a.device))
     return cfg, m
 
 

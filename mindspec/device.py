@@ -54,14 +54,15 @@ class AscendEnv:
 def visible_list(env, present=None):
     """The devices ASCEND_RT_VISIBLE_DEVICES lists (None when unset or empty), read as CANN reads it: logical ids
     (indices among the devices present: a container's /dev/davinci4..7 are 0..3), up to the first item that is not
-    one — another character (a space), or with `present` devices an id past them ("1, 2,3" is 1; "1,3,8" of 4
-    is 1, 3)."""
+    one — another character (a space), an id not above the one before, or with `present` devices an id past them
+    ("1, 2,3" is 1; "1,3,8" of 4 is 1, 3)."""
     spec = env.get("ASCEND_RT_VISIBLE_DEVICES")
     if not spec:
         return None
     ids = []
     for x in spec.split(","):
-        if not (x.isascii() and x.isdigit()) or (present is not None and int(x) >= present):
+        if not (x.isascii() and x.isdigit()) or (present is not None and int(x) >= present) \
+                or (ids and int(x) <= int(ids[-1])):  # (CANN takes them in ascending order only: "0,0" is one)
             break
         ids.append(x)
     return ids

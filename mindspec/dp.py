@@ -25,8 +25,8 @@ import subprocess
 import sys
 import time
 
-from .batch import (Output, Tally, _key, _read_lines, _rows, check_asked, check_free, check_shared_input, part_path,
-                    read_records)
+from .batch import (Output, Tally, _key, _read_lines, _rows, check_asked, check_free, check_shared_input, held,
+                    part_path, read_records)
 from .device import check_tp, detect_device, narrowed, visible_list
 from .errors import MindspecError
 from .request import SEED_ENV
@@ -157,18 +157,7 @@ def merge_command(input_path, output_path, job):
 
 def _running(paths):
     """The first part whose lock a running replica holds (on another machine, or a job started by hand)."""
-    for path in paths:
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return path
-        finally:
-            os.close(fd)
-    return None
+    return next((path for path in paths if held(path, fcntl.LOCK_SH)[0]), None)
 
 
 def _finish(out, rows, d, node=False):

@@ -172,7 +172,8 @@ def parse(req, defaults=None):
             kw["limit_field"] = name  # asked for explicitly: more than the cache holds is an error, not a cut
     least, most = kw.get("min_tokens", 0), kw.get("max_new_tokens")
     if not is_int(least) or not 0 <= least <= (2 ** 31 if most is None else most):
-        span = ">= 0" if most is None else f"in [0, {most}] ({name if named else 'the default max tokens'})"
+        span = f"in [0, {2 ** 31}]" if most is None else \
+            f"in [0, {most}] ({name if named else 'the default max tokens'})"
         raise RequestError(f"min_tokens must be an integer {span}, got {shown(least)}")
     prompt_cut("truncate_prompt_tokens", kw.get("truncate_prompt_tokens"))
     ids = kw.get("stop_token_ids")

@@ -98,7 +98,8 @@ class SpecConfig:
         if k == "auto":
             return k
         if not is_int(k) or not 1 <= k <= max(buckets):
-            raise MindspecError(f"k must be between 1 and the largest K bucket {max(buckets)} (or \"auto\"), got {shown(k)}")
+            raise MindspecError(f"k must be between 1 and the largest K bucket {max(buckets)} (or \"auto\"), "
+                                f"got {shown(k)}")
         return int(k)
 
     def k_for_request(self, k):

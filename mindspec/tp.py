@@ -238,8 +238,11 @@ class _Tail:
         self.pump()
         rest = self.text.decode(b"", final=True)  # (a character its rank never finished)
         if rest and self.error is None:
-            with contextlib.suppress(OSError):
+            try:
                 self.stream.write(rest)
+                self.stream.flush()
+            except OSError as e:
+                self.error = e
         if self.f:
             self.f.close()
 

@@ -487,6 +487,20 @@ def test_the_embedded_drafts_state_is_left_to_its_load(pair, tmp_path, monkeypat
         cli._check_size(cli.parse(["serve", "--max-seq", "100000"]), None, None)
 
 
+def test_a_cpu_profile_draft_is_refused_on_ascend_before_a_port_or_a_replica(pair, monkeypatch):
+    """An Ascend review's: CANN runs the cpu profile's draft mostly on the host. serve and batch --dp refuse it
+    before binding their port or starting replicas, with the embedded target too (NPUs faked: none here)."""
+    from mindspec import cli
+    from mindspec.errors import MindspecError
+    target, draft, d = pair
+    monkeypatch.setattr(cli, "detect_device", lambda asked=None, probe=None: "Ascend")
+    for argv in (["serve", "--target", target, "--draft", draft], ["serve", "--draft", draft],
+                 ["batch", "--input", str(d / "in.jsonl"), "--output", str(d / "o.jsonl"), "--draft", draft,
+                  "--dp", "2"]):
+        with pytest.raises(MindspecError, match=r"is exported with the cpu profile, whose ops CANN does not run"):
+            cli._check_model_paths(cli.parse(argv))
+
+
 def test_dynamic_k_flag():
     from mindspec.cli import parser
     for cmd in (["generate"], ["serve"], ["batch", "--input", "in.jsonl", "--output", "out.jsonl"]):
@@ -551,7 +565,7 @@ def test_compile_cache_is_written_then_used(pair, tmp_path):
     assert code == 0 and key not in entries and new in entries and len(entries) == 7, (err, entries)
     code, _, err = run(*args, env=dict(env, MINDSPEC_COMPILE_CACHE_GB="lots"))
     assert (code, err) == (2, "mindspec: error: $MINDSPEC_COMPILE_CACHE_GB must be a number of gigabytes >= 0, got "
-                              "'lots'\n"), err
+                              '"lots"\n'), err
 
 
 def test_plan_with_tp_runs_in_this_process():

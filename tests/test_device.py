@@ -99,9 +99,10 @@ def test_device_numbers_npu_lists_and_device_names_as_written(tmp_path, monkeypa
             check_device_env({"ASCEND_DEVICE_ID": bad})
     root, dev = fake(tmp_path, npus=(0, 1, 2, 3))
     lists = {spec: ascend_env({"ASCEND_RT_VISIBLE_DEVICES": spec}, root, dev, ms_arch="x86_64",
-                              host_arch="x86_64").npus for spec in ("", "1,,3", " 2 ,x", "2,x", "1, 2,3", "1,3,8")}
-    # as CANN reads it: up to the first item that is not an id of a device present
-    assert lists == {"": [], "1,,3": [1], " 2 ,x": [], "2,x": [2], "1, 2,3": [1], "1,3,8": [1, 3]}
+                              host_arch="x86_64").npus for spec in ("", "1,,3", " 2 ,x", "2,x", "1, 2,3", "1,3,8", "0,0", "2,1")}
+    # as CANN reads it: up to the first item that is not an id of a device present, in ascending order
+    assert lists == {"": [], "1,,3": [1], " 2 ,x": [], "2,x": [2], "1, 2,3": [1], "1,3,8": [1, 3], "0,0": [0],
+                     "2,1": [2]}
     # an Ascend review's: the ids are logical, indices among the devices present (a container given davinci4..7
     # with ASCEND_RT_VISIBLE_DEVICES=0,1 saw no NPU, and --device auto ran on the host)
     (tmp_path / "container").mkdir()
@@ -139,12 +140,12 @@ def test_draft_refuses_a_silent_cpu_fallback_and_keeps_stdout_clean(tiny_target,
     ascend = str(tmp_path / "ascend.onnx")
     export_draft(tiny_target[0], ascend, max_seq=64, profile="ascend")
     capfd.readouterr()
-    with pytest.raises(MindspecError, match=r"^draft .*ascend.onnx: onnxruntime could not start CANNExecutionProvider "
-                                            r"\(it chose CPUExecutionProvider\): install onnxruntime-cann and source "
-                                            r"CANN's set_env.sh$"):
+    with pytest.raises(MindspecError, match=r"^draft .*ascend.onnx: onnxruntime could not start CANNExecutionProvider: "
+                                            r"install onnxruntime-cann and source CANN's set_env.sh$"):
         DraftSession(ascend, device="Ascend")
-    out = capfd.readouterr()
-    assert out.out == "" and "Falling back" in out.err
+    out = capfd.readouterr()  # (onnxruntime's own log says why: no libascendcl.so here)
+    assert out.out == "" and "libascendcl.so" in out.err and "Falling back" not in out.err
+    # (a node CANN leaves to the host is onnxruntime's error then; without CANN here, only the setting is seen)
     so = make_session_options()
     with pytest.raises(MindspecError):
         start_session(ascend, so, [("CANNExecutionProvider", {"device_id": 0})])

@@ -733,10 +733,14 @@ def test_a_failure_while_admitting_ends_that_request_too(pipe, alone, monkeypatc
         raise RuntimeError("simulated adopt failure")
 
     monkeypatch.setattr(pipe.engine.proposer, "adopt", broken)
-    res = pipe.generate_many([dict(prompt_ids=p, max_new_tokens=n, k=2) for p, n in zip(PROMPTS[:3], MAX_NEW[:3])])
-    assert [r.finish_reason for r in res] == ["error"] * 3
-    assert all("simulated adopt failure" in r.error for r in res)
     eng = pipe.engine
+    reqs = [pipe.request(prompt_ids=p, max_new_tokens=n, k=2) for p, n in zip(PROMPTS[:3], MAX_NEW[:3])]
+    for r in reqs:
+        eng.add(r)
+    for _ in range(3):  # (a few steps: the lost request never ended, and generate_many spun for ever)
+        eng.step()
+    assert [r.finish_reason for r in reqs] == ["error"] * 3
+    assert all("simulated adopt failure" in str(r.error) for r in reqs)
     assert not eng.rows and not eng.waiting and sorted(eng.free_slots) == list(range(4))
     monkeypatch.setattr(pipe.engine.proposer, "adopt", real)
     assert [r.token_ids for r in pipe.generate_many([dict(prompt_ids=p, max_new_tokens=n, k=2) for p, n in

@@ -649,6 +649,6 @@ def test_min_tokens_names_the_limit_the_request_set():
                        ({"prompt": "Hi", "min_tokens": -1}, r"in \[0, 8\] \(the default max tokens\), got -1$")]:
         with pytest.raises(RequestError, match="^min_tokens must be an integer " + words):
             parse(req, {"max_new_tokens": 8})
-    with pytest.raises(RequestError, match=r"^min_tokens must be an integer >= 0, got -1$"):
+    with pytest.raises(RequestError, match=r"^min_tokens must be an integer in \[0, 2147483648\], got -1$"):
         parse({"prompt": "Hi", "min_tokens": -1})
     assert parse({"prompt": "Hi", "min_tokens": 2, "max_tokens": 2})["min_tokens"] == 2
