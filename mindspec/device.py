@@ -178,7 +178,7 @@ def check_device_env(env=None):
     for name in ("DEVICE_ID", "ASCEND_DEVICE_ID"):
         v = env.get(name)
         if v not in (None, "") and not (re.fullmatch(r"\s*[0-9]+\s*", v) and int(v) < 2 ** 31):
-            raise MindspecError(f"{name}={v!r} is not a device number (an integer >= 0)")
+            raise MindspecError(f"{name}={shown(v)} is not a device number (an integer >= 0)")
 
 
 def device_id(env=None):

@@ -679,7 +679,7 @@ def test_a_negative_device_id_is_one_line_not_an_abort():
     """Found: DEVICE_ID=-1 aborted the process inside MindSpore's import (exit 134, a C++ terminate)."""
     for cmd, v in ((["doctor"], "-1"), (["generate", "--target", "nowhere", "Hi"], "-1"), (["doctor"], "4294967296")):
         code, out, err = run(*cmd, env={"DEVICE_ID": v})
-        assert code == 2 and err == f"mindspec: error: DEVICE_ID='{v}' is not a device number (an integer >= 0)\n", err
+        assert code == 2 and err == f'mindspec: error: DEVICE_ID="{v}" is not a device number (an integer >= 0)\n', err
 
 
 def test_an_unwritable_or_closed_stdout_is_one_line_and_exit_2(tiny_target, tmp_path):
