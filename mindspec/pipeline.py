@@ -520,7 +520,8 @@ def check_size(cfg, draft_path, manifest, max_seq, max_batch, *, dtype, device, 
         from mindspec.graphs.fuse import rot_rows_for
         check_fits(shape_from_config(cfg, PLAN_DTYPE[dtype], rot_rows=rot_rows_for(device)),
                    shape_from_draft(draft_path, sha=False) if draft_path else None,
-                   tp=tp, device_mem=device_mem, seq_len=positions * max_batch)
+                   tp=tp, device_mem=device_mem, seq_len=positions, rows=max_batch, flag="--max-seq",
+                   tail=cache_positions(1, k_buckets) - 1)  # (what a slot adds to any --max-seq, at most)
     elif device == "CPU":
         from .plan import DTYPE_BYTES, GB, host_bytes_per_row, host_memory
         need = host_bytes_per_row(cfg, DTYPE_BYTES[PLAN_DTYPE[dtype]], positions, manifest) * max_batch * replicas

@@ -28,13 +28,12 @@ import re
 from dataclasses import dataclass
 
 from .errors import MindspecError
-from .spec import PLAN_DTYPE, PREFILL_CHUNK
+from .spec import K_BUCKETS, PLAN_DTYPE, PREFILL_CHUNK, cache_positions
 
 GB = 1e9
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1, "q8": 1, "q4": 0.5}
 _ONNX_WEIGHT_BYTES = {"int8": 1, "q8": 1, "q4": 0.5}  # a quantized export's weights (else: its dtype's)
 ALPHAS = (0.6, 0.7, 0.8, 0.9)
-K_BUCKETS = (1, 2, 4, 8)
 SEQ_LEN = 4096  # plan's default sequence
 _PREFIX = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 2 ** 10, "mi": 2 ** 20, "gi": 2 ** 30, "ti": 2 ** 40}
 
@@ -48,6 +47,7 @@ class ModelShape:
     weight_bytes: float     # bytes of weights as loaded on the device(s)
     kv_dtype_bytes: float   # bytes per KV-cache element
     cfg: object = None      # the LlamaConfig when known: per-device figures follow the graphs' layout
+    kv_copies: int = 1      # KV caches held (the ascend draft's is double-buffered); a step reads one
     rot_rows: bool = False  # the target's fused QKV holds rotate-half rows (the CPU graphs)
 
 
@@ -104,9 +104,8 @@ def shape_from_draft(path, dtype="fp16", sha=True):
     except MindspecError:  # source checkpoint moved away: estimate from the file size
         params = weight_bytes / (_ONNX_WEIGHT_BYTES[m["quantize"]] if m["quantize"] else
                                  DTYPE_BYTES[PLAN_DTYPE[m["dtype"]]])
-    copies = 2 if m.get("profile") == "ascend" else 1
     return ModelShape(float(params), m["num_layers"], m["num_key_value_heads"], m["head_dim"], weight_bytes,
-                      copies * DTYPE_BYTES[PLAN_DTYPE[m["dtype"]]])
+                      DTYPE_BYTES[PLAN_DTYPE[m["dtype"]]], kv_copies=2 if m.get("profile") == "ascend" else 1)
 
 
 def kv_bytes_per_token(m, dtype_bytes=None):
@@ -162,19 +161,27 @@ def target_per_device(target, tp):
 
 
 def _per_device(target, draft, tp):
-    """(target weights, target KV bytes/token, draft weights, draft KV bytes/token) on each device."""
+    """(target weights, target KV bytes/token, draft weights, draft KV bytes/token held) on each device."""
     shard, t_kv = target_per_device(target, tp)
     if draft is None:
         return shard, t_kv, 0.0, 0.0
-    return shard, t_kv, draft.weight_bytes, kv_bytes_per_token(draft)
+    return shard, t_kv, draft.weight_bytes, kv_bytes_per_token(draft) * draft.kv_copies
 
 
-def _misfit(target, draft, tp, device_mem, seq_len, reserve):
+def _gb(a, b):
+    """a and b in GB, with as many decimals as tell them apart (found: "0.4 GB > 0.4 GB usable")."""
+    digits = next((d for d in range(1, 10) if f"{a / GB:.{d}f}" != f"{b / GB:.{d}f}"), 9)
+    return f"{a / GB:.{digits}f}", f"{b / GB:.{digits}f}"
+
+
+def _misfit(target, draft, tp, device_mem, seq_len, reserve, rows=1, flag="--seq-len", tail=0):
+    """Why `rows` cache rows of seq_len positions (a sequence's flag-given length + `tail` each) do not fit a
+    device, and what to change; None when they fit."""
     usable = device_mem * (1 - reserve)
 
     def need(tp_):
         shard, t_kv, d_w, d_kv = _per_device(target, draft, tp_)
-        return shard + d_w + seq_len * (t_kv + d_kv)
+        return shard + d_w + rows * seq_len * (t_kv + d_kv)
 
     if need(tp) <= usable:
         return None
@@ -182,17 +189,18 @@ def _misfit(target, draft, tp, device_mem, seq_len, reserve):
     heads = target.cfg.num_attention_heads if target.cfg else 64  # more ranks than heads is refused
     fixes = [f"--tp {t} (on as many devices)" for t in (2, 4, 8, 16, 32, 64)
              if tp < t <= heads and need(t) <= usable][:1]
-    max_len = int((usable - shard - d_w) // (t_kv + d_kv))
+    max_len = int((usable - shard - d_w) // (t_kv + d_kv) // rows) - tail
     if max_len >= 1:
-        fixes.append(f"--seq-len {max_len} or less")
+        fixes.append(f"{flag} {max_len} or less" + (" (or fewer rows: --max-batch)" if rows > 1 else ""))
     if draft is not None:
-        fixes.append("a smaller or quantized draft")
+        fixes.append("a smaller draft")
     fixes.append("devices with more memory")
-    where = "each device"
     draft_part = f"{d_w / GB:.1f} GB draft + " if draft is not None else ""
-    return (f"does not fit: {where} needs {shard / GB:.1f} GB target shard + {draft_part}"
-            f"{seq_len * (t_kv + d_kv) / GB:.2f} GB KV cache for one {seq_len}-token sequence = "
-            f"{need(tp) / GB:.1f} GB > {usable / GB:.1f} GB usable; try " + ", or ".join(fixes))
+    cache = f"{rows} rows of {seq_len} positions" if rows > 1 else f"one {seq_len}-token sequence"
+    needs, has = _gb(need(tp), usable)
+    return (f"does not fit: each device needs {shard / GB:.1f} GB target shard + {draft_part}"
+            f"{rows * seq_len * (t_kv + d_kv) / GB:.2f} GB KV cache for {cache} = {needs} GB > {has} GB usable; "
+            "try " + ", or ".join(fixes))
 
 
 def fits(target, draft=None, *, tp=1, device_mem, seq_len, reserve=0.0):
@@ -200,9 +208,11 @@ def fits(target, draft=None, *, tp=1, device_mem, seq_len, reserve=0.0):
     return _misfit(target, draft, tp, device_mem, seq_len, reserve) is None
 
 
-def check_fits(target, draft=None, *, tp=1, device_mem, seq_len, reserve=0.0):
-    """Raise MindspecError (one line, saying what to change) unless `fits(...)`; call before loading weights."""
-    problem = _misfit(target, draft, tp, device_mem, seq_len, reserve)
+def check_fits(target, draft=None, *, tp=1, device_mem, seq_len, reserve=0.0, rows=1, flag="--seq-len", tail=0):
+    """Raise MindspecError (one line, saying what to change) unless `fits(...)`; call before loading weights.
+    rows, flag, tail: a cache of `rows` slots of seq_len positions each, of which `tail` past the length that
+    `flag` gives (the engine's, from pipeline.check_size)."""
+    problem = _misfit(target, draft, tp, device_mem, seq_len, reserve, rows, flag, tail)
     if problem:
         raise MindspecError(problem)
 
@@ -242,6 +252,7 @@ def memory_plan(target, draft, *, tp, devices, device_mem, reserve=0.0, seq_len=
     # a token needs t_kv + d_kv on every device of its group (each holds a draft)
     tokens = free_draft_dev // (t_kv + d_kv)
     tokens_nd = free_other // t_kv
+    slot = cache_positions(seq_len, K_BUCKETS)
     return {
         "total_gb": devices * device_mem / GB, "usable_gb": devices * usable / GB,
         "target_gb": target.weight_bytes / GB, "target_shard_gb": shard / GB, "draft_gb": d_w / GB,
@@ -252,8 +263,9 @@ def memory_plan(target, draft, *, tp, devices, device_mem, reserve=0.0, seq_len=
         "kv_bytes_per_token": {"target": t_kv * tp, "target_per_device": t_kv,
                                "draft": d_kv},
         "kv_tokens": int(groups * tokens), "kv_tokens_without_draft": int(groups * tokens_nd),
-        "max_sequences": int(groups * (tokens // seq_len)),
-        "max_sequences_without_draft": int(groups * (tokens_nd // seq_len)),
+        # a sequence takes a slot of cache_positions (its length rounded up, and the verify's tail)
+        "slot_positions": slot, "max_sequences": int(groups * (tokens // slot)),
+        "max_sequences_without_draft": int(groups * (tokens_nd // slot)),
     }
 
 
@@ -283,6 +295,7 @@ def speed_estimate(target, draft, *, tp, seq_len=4096, device_bw=1.6e12, allredu
            "draft_ms": None, "draft_gb_read": None, "c": None, "speedup": None, "best": None}
     if draft is None:
         return out
+    d_kv = kv_bytes_per_token(draft)  # (read: one of the caches it holds)
     d_ms = pass_ms(d_w + ctx * d_kv, draft.params, 1, device_bw, device_tflops)
     c = d_ms / t1
     speedup = {f"{a:g}": {str(k): expected_tokens(a, k) / (k * c + target_ms(k + 1) / t1) for k in ks}
@@ -299,7 +312,7 @@ def _warnings(mem, speed):
         losing = [a for a, b in speed["best"].items() if b["speedup"] < 1]
         if losing:
             w.append(f"speculation is slower than the target alone at acceptance {', '.join(losing)} for every K "
-                     f"(draft/target cost c = {speed['c']:.2f}): use a smaller or quantized draft")
+                     f"(draft/target cost c = {speed['c']:.2f}): use a smaller draft")
         b = speed["best"].get("0.8")
         if b and 1 <= b["speedup"] < 1.2:
             w.append(f"speculation barely pays: at most {b['speedup']:.2f}x at acceptance 0.8 (K={b['k']}, "
@@ -331,7 +344,7 @@ def make_plan(target, draft=None, *, tp=1, devices=None, device_mem, reserve=0.0
 
 def parse_size(text, what, rate=False):
     """'64GB' -> 64e9, '64GiB' -> 64 * 2**30 (bytes); rate: '1.6TB/s' -> 1.6e12 (bytes per second)."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?(?:e[+-]?\d+)?)\s*([kmgt]i?)?(b)?(/s)?\s*", str(text), re.I)
+    m = re.fullmatch(r"\s*((?:\d+(?:\.\d*)?|\.\d+)(?:e[+-]?\d+)?)\s*([kmgt]i?)?(b)?(/s)?\s*", str(text), re.I)
     if not m or not (m.group(2) or m.group(3)) or float(m.group(1)) <= 0:
         raise MindspecError(f"bad size {text!r} for {what}: give a positive number with a unit, e.g. 64GB, "
                             "64GiB or 1.6TB/s")
@@ -366,14 +379,36 @@ def _model_from_args(a, prefix, path):
     if path:
         if any(v is not None for v in nums):
             raise MindspecError(f"give either --{prefix.rstrip('_') or 'target'} PATH or {flags}, not both")
-        return shape_from_draft(path, dtype) if prefix else shape_from_checkpoint(path, dtype)
+        if not prefix:
+            return shape_from_checkpoint(path, dtype)
+        if not os.path.isdir(path):  # an export: its manifest says its profile
+            if a.draft_profile:
+                raise MindspecError(f"--draft-profile is for a draft given by its numbers or checkpoint: {path}'s "
+                                    "manifest says its profile")
+            return shape_from_draft(path, dtype)
+        return _as_profile(shape_from_draft(path, dtype), a)
     if all(v is None for v in nums):
+        if prefix and (a.draft_dtype or a.draft_profile):
+            raise MindspecError("--draft-dtype and --draft-profile describe a draft: give one (--draft, or "
+                                f"{flags})")
         return None
     if any(v is None for v in nums):
         raise MindspecError(f"{flags} go together")
     flag = f"--{prefix.replace('_', '-')}"
-    return shape(parse_count(nums[0], f"{flag}params"), *nums[1:], dtype,
-                 names=(f"{flag}layers", f"{flag}kv-heads", f"{flag}head-dim"))
+    m = shape(parse_count(nums[0], f"{flag}params"), *nums[1:], dtype,
+              names=(f"{flag}layers", f"{flag}kv-heads", f"{flag}head-dim"))
+    return _as_profile(m, a) if prefix else m
+
+
+def _as_profile(draft, a):
+    """A draft described by numbers or a checkpoint, as its export would run: the ascend profile's (the default;
+    an NPU runs no other) keeps its KV cache on the device twice (double-buffered, export/runtime.py) and takes
+    no quantized weights; the cpu profile's, once."""
+    profile = a.draft_profile or "ascend"
+    if profile == "ascend" and (a.draft_dtype or a.dtype) in _ONNX_WEIGHT_BYTES:
+        raise MindspecError(f"--draft-dtype {a.draft_dtype or a.dtype}: the ascend profile takes no quantized draft "
+                            "(CANN runs no quantized MatMul); give fp16, or --draft-profile cpu")
+    return dataclasses.replace(draft, kv_copies=2) if profile == "ascend" else draft
 
 
 def cmd_plan(a):
@@ -415,7 +450,7 @@ def format_plan(p):
 
     kv = p["kv_bytes_per_token"]
     L = [f"{p['devices']} device(s) x {p['device_mem_gb']:.1f} GB, reserve {p['reserve']:.0%}, TP={p['tp']} "
-         f"({groups} group(s), the draft on every device); decimal GB",
+         f"({groups} group(s){', the draft on every device' if has_draft else ''}); decimal GB",
          "",
          f"{'memory':<44}{'with draft':>13}{'without draft':>15}{'cut':>7}",
          row("total", p["total_gb"]),
@@ -444,6 +479,24 @@ def format_plan(p):
     return "\n".join(L).rstrip()
 
 
+TARGET_DTYPES = ("fp16", "bf16", "fp32")  # what the target graphs run
+DRAFT_DTYPES = ("fp16", "fp32", "q8", "q4", "int8")  # what an export writes
+
+
+def _dtype(names):
+    """An argparse type: one of `names`, or its long name (float16, ...), as the other commands spell it."""
+    long = {v: k for k, v in PLAN_DTYPE.items()}
+
+    def parse(text):
+        v = PLAN_DTYPE.get(text.lower(), text.lower())
+        if v not in names:
+            import argparse
+            raise argparse.ArgumentTypeError(f"must be one of {', '.join(names)} (or "
+                                             f"{', '.join(long[n] for n in names if n in long)}), got {text!r}")
+        return v
+    return parse
+
+
 def add_parser(subparsers):
     """Register `plan` on an argparse subparsers object."""
     p = subparsers.add_parser("plan", help="will a target + draft fit on N devices, and will speculation pay?",
@@ -460,9 +513,14 @@ def add_parser(subparsers):
     p.add_argument("--draft-layers", type=int, help="draft layers")
     p.add_argument("--draft-kv-heads", type=int, help="draft key/value heads")
     p.add_argument("--draft-head-dim", type=int, help="draft head dimension")
-    p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="fp16", help="target weights (default fp16)")
-    p.add_argument("--draft-dtype", choices=sorted(DTYPE_BYTES), default=None,
-                   help="draft weights (default: --dtype; an .onnx draft is measured from its files)")
+    p.add_argument("--dtype", type=_dtype(TARGET_DTYPES), default="fp16",
+                   help="target weights: fp16 (default), bf16 or fp32 (float16, ... too)")
+    p.add_argument("--draft-dtype", type=_dtype(DRAFT_DTYPES), default=None,
+                   help="draft weights: fp16, fp32, or for the cpu profile q8, q4, int8 (default: --dtype; an .onnx "
+                        "draft is measured from its files)")
+    p.add_argument("--draft-profile", choices=("ascend", "cpu"), default=None,
+                   help="how a draft given by numbers or a checkpoint runs: ascend (default: its KV cache "
+                        "double-buffered on every device) or cpu")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the target")
     p.add_argument("--devices", type=int, default=None, help="devices in total (default: --tp)")
     p.add_argument("--device-mem", required=True, help="memory per device, e.g. 64GB or 64GiB")

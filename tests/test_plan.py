@@ -3,6 +3,7 @@ A2), both KV caches, refusals, the speed estimate, checkpoints."""
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -50,40 +51,55 @@ def test_weight_dtypes_and_an_fp16_kv_cache(capsys):
     weights, whose KV cache stays fp16 (sized at the weights' 1 byte, a token read 163,840 bytes)."""
     _, bf16 = run_plan(["plan", *TARGET_70B, "--dtype", "bf16", "--tp", "8", "--device-mem", "64GB", "--json"], capsys)
     assert bf16["target_gb"] == 140
-    _, int8 = run_plan(["plan", *TARGET_70B, "--dtype", "int8", "--tp", "8", "--device-mem", "64GB", "--json"], capsys)
-    assert int8["target_gb"] == 70 and int8["kv_bytes_per_token"]["target"] == 327_680
+    _, long = run_plan(["plan", *TARGET_70B, "--dtype", "bfloat16", "--tp", "8", "--device-mem", "64GB", "--json"],
+                       capsys)  # (the other commands' spelling)
+    assert long == bf16
+    # a draft's quantized weights keep an fp16 KV cache (the cpu profile's: the ascend profile takes none)
+    _, q8 = run_plan(SEED + ["--draft-dtype", "q8", "--draft-profile", "cpu", "--json"], capsys)
+    assert q8["draft_gb"] == 7 and q8["kv_bytes_per_token"]["draft"] == 524_288
+    # the planner's prober's: a quantized target (no command runs one), or a quantized draft on the NPU, was planned
+    for bad in (["--dtype", "int8"], ["--dtype", "q4"], ["--draft-dtype", "bf16"]):
+        with pytest.raises(SystemExit):
+            run_plan(SEED + bad, capsys)
+    with pytest.raises(MindspecError, match=r"^--draft-dtype q8: the ascend profile takes no quantized draft"):
+        run_plan(SEED + ["--draft-dtype", "q8"], capsys)
 
 
 def test_both_kv_caches_are_counted(capsys):
     _, p = run_plan(SEED + ["--json", "--seq-len", "4096"], capsys)
     kv = p["kv_bytes_per_token"]
     assert kv["target"] == 2 * 80 * 8 * 128 * 2 == 327_680
-    assert kv["draft"] == 2 * 32 * 32 * 128 * 2 == 524_288    # the MHA 7B costs more per token than the 70B
+    # the MHA 7B costs more per token than the 70B; the planner's prober's: the NPU's (ascend profile) draft holds
+    # its cache twice (double-buffered), and the plan counted it once: 14 sequences where 7 fit
+    assert kv["draft"] == 2 * (2 * 32 * 32 * 128 * 2) == 1_048_576
     assert kv["target_per_device"] == kv["target"] / 8
     # every device holds its shard of the target cache and the whole draft cache
-    assert p["kv_tokens"] == int(32.5e9 // (327_680 / 8 + 524_288))
+    assert p["kv_tokens"] == int(32.5e9 // (327_680 / 8 + 1_048_576)) == 29_829
     assert p["kv_tokens_without_draft"] == int(46.5e9 // (327_680 / 8))
-    assert p["max_sequences"] == p["kv_tokens"] // 4096 == 14
-    assert p["max_sequences_without_draft"] == 277
+    # ... and a sequence takes a slot of its length rounded up to 32 and a verify's tail (4128: 14 were 13)
+    assert p["slot_positions"] == 4128 and p["max_sequences"] == 29_829 // 4128 == 7
+    assert p["max_sequences_without_draft"] == 1_135_253 // 4128 == 275
     assert any("cut the KV tokens" in w for w in p["warnings"])
+    _, cpu = run_plan(SEED + ["--json", "--draft-profile", "cpu"], capsys)
+    assert cpu["kv_bytes_per_token"]["draft"] == 524_288 and cpu["max_sequences"] == 57_496 // 4128 == 13
 
 
 def test_groups_and_reserve(capsys):
     _, p = run_plan(SEED + ["--tp", "4", "--reserve", "0.1", "--json"], capsys)
     assert p["total_gb"] == pytest.approx(512) and p["usable_gb"] == pytest.approx(460.8)
     assert p["kv_gb"] == pytest.approx(460.8 - 2 * 140 - 8 * 14)    # two TP=4 groups, a draft on every device
-    assert p["max_sequences"] == 2 * (p["kv_tokens"] // 2 // 4096)
+    assert p["max_sequences"] == 2 * (p["kv_tokens"] // 2 // 4128)
     # whole sequences per group (found by mutation testing: 2 * 24,743 // 5000 counted 9, a sequence split
     # over the two groups)
-    _, p = run_plan(SEED + ["--tp", "4", "--seq-len", "5000", "--json"], capsys)
+    _, p = run_plan(SEED + ["--tp", "4", "--seq-len", "5000", "--draft-profile", "cpu", "--json"], capsys)
     assert p["kv_tokens"] == 2 * 24_743 and p["max_sequences"] == 8
     # the fit check holds the reserve back too (found by mutation testing: it was ignored there, and half of
     # 64 GB accepted with 0 sequences)
     with pytest.raises(MindspecError) as e:
-        run_plan(SEED + ["--reserve", "0.5"], capsys)
+        run_plan(SEED + ["--reserve", "0.5", "--draft-profile", "cpu"], capsys)
     assert str(e.value) == ("does not fit: each device needs 17.5 GB target shard + 14.0 GB draft + 2.32 GB KV cache "
                             "for one 4096-token sequence = 33.8 GB > 32.0 GB usable; try --tp 16 (on as many devices), "
-                            "or --seq-len 884 or less, or a smaller or quantized draft, or devices with more memory")
+                            "or --seq-len 884 or less, or a smaller draft, or devices with more memory")
 
 
 def test_refusal_says_what_to_change(capsys):
@@ -171,9 +187,9 @@ def test_worked_speed_example(capsys):
     _, small = run_plan(["plan", *TARGET_70B, *DRAFT_1B, *CARDS, "--json"], capsys)
     assert small["draft_params"] == 1e9 and 0.08 <= small["c"] <= 0.13
     assert small["speedup"]["0.8"]["4"] == pytest.approx(2.2, abs=0.3)         # ~2x at a = 0.8, K = 4
-    # the draft's cut warns from 25% (found by mutation testing: only past 50%)
+    # the draft's cut warns from 25% (found by mutation testing: only past 50%; 44.5 GB free / (40,960 + 2 x 32,768))
     assert small["warnings"] == ["the draft's weights and KV cache on every device cut the KV tokens that fit by "
-                                 "47% (603,569 vs 1,135,253): a smaller draft, or one with fewer KV heads, leaves "
+                                 "63% (417,856 vs 1,135,253): a smaller draft, or one with fewer KV heads, leaves "
                                  "more room"]
     # the estimate's formula: E(a,K) / (K*c + v(K)), E = (1 - a^(K+1)) / (1 - a)
     e = (1 - 0.8 ** 5) / 0.2
@@ -195,7 +211,7 @@ def test_verify_roofline():
 
 def test_table(capsys):
     out, _ = run_plan(SEED, capsys)
-    for text in ("512.0", "140.0", "112.0", "260.0", "372.0", "57,496", "c = 0.75", "a=0.8", "K=4", "warning:"):
+    for text in ("512.0", "140.0", "112.0", "260.0", "372.0", "29,829", "c = 0.75", "a=0.8", "K=4", "warning:"):
         assert text in out
     # the cut column is the share lost (found by mutation testing: the share kept, 70%, passed)
     free = next(line for line in out.splitlines() if line.startswith("  free per device"))
@@ -374,3 +390,33 @@ def test_host_memory_is_the_machines_or_its_containers_limit():
         if os.path.exists(path) and open(path).read().strip().isdigit():
             limits.append(int(open(path).read()))
     assert plan.host_memory() == min([physical] + limits)
+
+
+def test_the_engines_refusal_names_its_own_flags_and_rows(tmp_path):
+    """The planner's prober's: generate and serve refused with plan's `--seq-len` (not theirs), called 8 rows "one
+    33024-token sequence", and said "0.4 GB > 0.4 GB usable"; following the advice was refused again."""
+    from mindspec.pipeline import check_size
+    from mindspec.spec import cache_positions, K_BUCKETS
+    cfg = Checkpoint(make_tiny_checkpoint(tmp_path)[0]).config
+    t = plan.shape_from_config(cfg, "fp16")
+    per_token = plan.kv_bytes_per_token(t)
+    mem = t.weight_bytes + 8 * cache_positions(100, K_BUCKETS) * per_token  # 8 rows of --max-seq 100 fit exactly
+    check_size(cfg, None, None, 100, 8, dtype="float16", device="Ascend", device_mem=mem, tp=1)
+    with pytest.raises(MindspecError) as e:
+        check_size(cfg, None, None, 200, 8, dtype="float16", device="Ascend", device_mem=mem, tp=1)
+    msg = str(e.value)
+    assert "KV cache for 8 rows of 256 positions" in msg and "--seq-len" not in msg, msg  # (200 rounded, and a tail)
+    n = int(re.search(r"--max-seq (\d+) or less \(or fewer rows: --max-batch\)", msg)[1])
+    check_size(cfg, None, None, n, 8, dtype="float16", device="Ascend", device_mem=mem, tp=1)  # the advice fits
+    need, usable = re.search(r"= ([\d.]+) GB > ([\d.]+) GB usable", msg).groups()
+    assert need != usable
+
+
+def test_sizes_and_the_header_say_what_was_given(capsys):
+    """The planner's prober's: ".5GB" was refused where "64.GB" was taken; a plan without a draft said "the draft
+    on every device"."""
+    assert plan.parse_size(".5GB", "--device-mem") == 0.5e9 and plan.parse_size("64.GB", "--device-mem") == 64e9
+    out, _ = run_plan(["plan", *TARGET_70B, *CARDS], capsys)
+    assert out.splitlines()[0] == "8 device(s) x 64.0 GB, reserve 0%, TP=8 (1 group(s)); decimal GB"
+    with pytest.raises(MindspecError, match="--draft-dtype and --draft-profile describe a draft"):
+        run_plan(["plan", *TARGET_70B, *CARDS, "--draft-dtype", "q4"], capsys)
