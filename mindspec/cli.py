@@ -212,7 +212,8 @@ def cmd_generate(a):
                             logprobs=a.logprobs, limit_field=a.limit_field), stream)
     s = res.stats
     if a.json:
-        out = {"text": res.text, "token_ids": res.token_ids, "finish_reason": res.finish_reason, "stats": s}
+        out = {"text": res.text, "token_ids": res.token_ids, "finish_reason": res.finish_reason, "stats": s,
+               "device": pipe.device, "dtype": pipe.dtype}  # (what ran: the default depends on the device)
         if res.logprobs is not None:  # as a batch record's
             out["logprobs"] = [[lp, [list(t) for t in top]] for lp, top in res.logprobs]
         print(json.dumps(out))
@@ -223,7 +224,8 @@ def cmd_generate(a):
     acc = f"acceptance {s['acceptance_rate']:.2f}, " if s["acceptance_rate"] is not None else ""
     print(f"[{s['new_tokens']} tokens in {s['wall_s']:.2f} s = {s['tokens_per_s']:.1f} tok/s; {acc}"
           f"{s['tokens_per_target_call']:.2f} tokens per target call; "
-          f"{f'K={pipe.k}' if pipe.draft_path else 'target only'}; K used {s['k_used']}]", file=sys.stderr)
+          f"{f'K={pipe.k}' if pipe.draft_path else 'target only'}; K used {s['k_used']}; {pipe.dtype} on "
+          f"{pipe.device}]", file=sys.stderr)
 
 
 def cmd_serve(a):

@@ -31,6 +31,14 @@ def _str(v):
     return v
 
 
+def _one_of(*names):
+    def check(v):
+        if v not in names or not isinstance(v, str):
+            raise ValueError(f"must be one of {', '.join(names)}, got {shown(v)}")
+        return v
+    return check
+
+
 def _false(why, zero=False):
     """A key whose only value here is false (or, with zero, MindIE's 0 for it too)."""
     def check(v):
@@ -100,6 +108,8 @@ KEYS = {
     "mindspec.maxQueue": ("max_queue", _int(0)),
     "mindspec.readTimeout": ("read_timeout", _int(1)),
     "mindspec.apiKey": ("api_key", _str),
+    "mindspec.dtype": ("dtype", _one_of("float32", "float16", "bfloat16")),  # (the target's: --dtype)
+    "mindspec.device": ("device", _one_of("auto", "cpu", "ascend")),
 }
 # MindIE's keys with no meaning for mindspec: accepted without a warning
 QUIET = {"Version", "LogConfig", "EnableDynamicAdjustTimeoutConfig"} | {f"ServerConfig.{k}" for k in (

@@ -290,7 +290,8 @@ def others_share(before, after, procs=1):
 def _cost_key(pipe, B):
     st = os.stat(pipe.draft_path)
     return (f"{pipe.target.fingerprint}|{os.path.abspath(pipe.draft_path)}|{st.st_size}|{st.st_mtime_ns}|"
-            f"s{pipe.target.max_seq}|w{pipe.target.windows[0]}|b{pipe.target.max_batch}|B{B}|{pipe.device}|tp{tp_size()}")
+            f"s{pipe.target.max_seq}|w{pipe.target.windows[0]}|b{pipe.target.max_batch}|B{B}|{pipe.device}|"
+            f"{pipe.dtype}|tp{tp_size()}")  # (a float16 decode costs ~2.8x a float32 one on a CPU: not the same ratios)
 
 
 def _costs_path():

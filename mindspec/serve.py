@@ -373,7 +373,8 @@ def serve(load, defaults, host="127.0.0.1", port=1025, model_name=None, tp=False
             sig.check()
             app.model_name = app.model_name or os.path.basename(os.path.normpath(app.pipe.model_dir))
             app.ready.set()
-            _say(f"mindspec: serving {app.model_name} on {_url(host, port)} (up to {max_batch} requests at once)")
+            _say(f"mindspec: serving {app.model_name} on {_url(host, port)} (up to {max_batch} requests at once; "
+                 f"{app.pipe.dtype} on {app.pipe.device})")
             app.work()
         except KeyboardInterrupt:
             pass

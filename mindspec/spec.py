@@ -53,7 +53,9 @@ def resolve_dtype(dtype, device):
     runs = DEVICE_DTYPES.get(device, ("float32",))
     if dtype is None:
         return runs[0]
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str):  # numpy's dtype('float16') by its name (it equals the string, hashes apart)
+        dtype = getattr(dtype, "name", dtype)
+    if not isinstance(dtype, str) or dtype not in DTYPES:
         raise MindspecError(f"dtype must be one of {', '.join(DTYPES)}, got {shown(dtype)}")
     if dtype not in runs:
         raise MindspecError(f"{dtype} does not run on {device}: this device runs {', '.join(runs)}")

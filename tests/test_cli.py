@@ -35,6 +35,7 @@ def test_generate_json_speculative_equals_no_speculate(pair):
     code, out, err = run(*args, "--draft", draft, "-k", "2")
     assert code == 0, err
     spec = json.loads(out)
+    assert (spec["device"], spec["dtype"]) == ("CPU", "float32")  # (a float16 prober's: nothing said what ran)
     assert set(spec["stats"]) >= {"new_tokens", "target_calls", "drafted", "accepted", "acceptance_rate",
                                   "tokens_per_target_call", "accepted_at", "k_used", "prefill_s", "draft_s",
                                   "verify_s", "other_s", "wall_s", "tokens_per_s"}

@@ -64,6 +64,15 @@ def test_bfloat16_is_refused_on_cpu_before_any_weight_loads(tiny_target, tmp_pat
         "mindspec: error: bfloat16 does not run on CPU: this device runs float32, float16"], p.stderr
 
 
+def test_a_numpy_dtype_is_taken_by_its_name():
+    """A float16 prober's: np.dtype("float16") equals "float16" but hashes apart, and ended in a KeyError."""
+    from mindspec.errors import MindspecError
+    from mindspec.spec import resolve_dtype
+    assert resolve_dtype(np.dtype("float16"), "CPU") == resolve_dtype("float16", "CPU") == "float16"
+    with pytest.raises(MindspecError, match="^dtype must be one of float32, float16, bfloat16, got "):
+        resolve_dtype(np.float16, "CPU")  # (the type, not a dtype)
+
+
 def test_float16_draft_manifest_and_cache(drafts):
     a, b = DraftSession(drafts["float32"], max_seq=64), DraftSession(drafts["float16"], max_seq=64)
     assert a.manifest["dtype"] == "float32" and b.manifest["dtype"] == "float16"

@@ -322,6 +322,8 @@ def test_measure_costs_and_cache(pipe, tmp_path, monkeypatch):
     assert list(pipe.proposer.session.pos) == [0, 0]
     saved = json.loads((tmp_path / "costs.json").read_text())
     assert len(saved) == 2  # one entry per batch size; the entry of a draft file that is gone was dropped
+    # a float16 prober's: the key had no dtype, and a float16 target took a float32 one's costs (ratios ~3x off)
+    assert all(f"|{pipe.dtype}|" in key for key in saved) and pipe.dtype == "float32"
     for entry in saved.values():
         entry["c"] = {k: 123.0 for k in entry["c"]}  # a cached value is returned without measuring again
         entry["feed"] = 0.5

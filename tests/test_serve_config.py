@@ -97,7 +97,8 @@ def server(config):
                             call(base, "/v1/completions", {"prompt": "hi"})))  # a balancer would
         while not (line := next_of(lines)).startswith("mindspec: serving "):
             pass
-        assert line == f"mindspec: serving tiny2 on {base} (up to 2 requests at once)\n"  # (another name: fail now)
+        # (another name: fail now; a float16 prober's: nothing said which precision ran)
+        assert line == f"mindspec: serving tiny2 on {base} (up to 2 requests at once; float32 on CPU)\n"
         yield base, err, loading
     finally:
         p.terminate()
@@ -223,6 +224,7 @@ BAD_CONFIGS = [  # (file content, the one line expected)
     ({"ServerConfig": {"httpsEnabled": 0}},
      "ServerConfig.httpsEnabled: must be false: mindspec serves plain HTTP (put TLS in a proxy), got 0"),
     ({"mindspec": {"apiKey": ""}}, 'mindspec.apiKey: must be a non-empty string, got ""'),
+    ({"mindspec": {"dtype": "fp16"}}, 'mindspec.dtype: must be one of float32, float16, bfloat16, got "fp16"'),
     # an operator's probe, moving a MindIE deployment over: each started, where MindIE refuses to
     ({"ServerConfig": {"managementIpAddress": "127.0.0.2"}}, "ServerConfig.managementIpAddress 127.0.0.2 differs "
      "from the main address 127.0.0.1: give ServerConfig.managementPort a port other than the main port"),
@@ -597,3 +599,14 @@ def test_a_container_address_that_listens_everywhere_is_named_by_its_variable(tm
     monkeypatch.setenv("MIES_CONTAINER_IP", "0.0.0.0")
     with pytest.raises(MindspecError, match=r"^\$MIES_CONTAINER_IP: 0.0.0.0 listens on every interface"):
         parse(["serve", "--config", str(path)])
+
+
+def test_the_precision_and_device_come_from_the_config_unless_a_flag_says(tmp_path):
+    """A float16 prober's: a deployment's config could not set the precision (`mindspec.dtype` was an unknown key,
+    ignored: the server ran float32)."""
+    from mindspec import cli
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"mindspec": {"dtype": "float16", "device": "cpu"}}))
+    a = cli.parse(["serve", "--config", str(path)])
+    assert (a.dtype, a.device) == ("float16", "cpu")
+    assert cli.parse(["serve", "--config", str(path), "--dtype", "float32"]).dtype == "float32"
