@@ -76,7 +76,8 @@ def test_profile_in_manifest_and_refusals(tiny_target, ascend_draft, tmp_path):
     m = read_manifest(ascend_draft)
     assert (m["profile"], m["dtype"], m["quantize"]) == ("ascend", "float16", None)
     from mindspec.plan import shape_from_draft
-    assert shape_from_draft(ascend_draft).kv_dtype_bytes == 2 * 2  # float16, double-buffered on the device
+    d = shape_from_draft(ascend_draft)
+    assert (d.kv_dtype_bytes, d.kv_copies) == (2, 2)  # float16, double-buffered on the device
     assert export_draft(tiny_target[0], str(tmp_path / "c.onnx"), max_seq=SEQ)["profile"] == "cpu"
     for kw, words in [(dict(quantize="q8"), "--quantize q8 does not go with --profile ascend"),
                       (dict(dtype="float32"), "--profile ascend is float16"), (dict(profile="gpu"), "--profile")]:
