@@ -766,8 +766,8 @@ def test_a_parked_row_whose_draft_read_its_prompt_in_other_pieces_is_not_reused_
         pipe, monkeypatch):
     """A review's: a dynamic-K sampled row whose prompt the draft skipped at admission caught it up later in
     one call, yet was parked as read in draft_cut's pieces; a seeded fixed-K request sharing its prefix took it,
-    and its draft read its prompt in other pieces than fresh (the q8 draft's logits, so the seeded text, follow
-    them)."""
+    and its draft read its prompt in other pieces than fresh (the q8 draft's logits follow them, and so does a
+    seeded request's text)."""
     from mindspec.policy import DynamicK
     pieces = _one_row_calls(monkeypatch)
     pipe.costs = {B: (calls(0.05), {0: 1.0, 1: 1.05, 2: 1.1, 4: 1.2, 8: 1.4}) for B in (1, 2, 4)}
