@@ -158,8 +158,7 @@ def load_pipeline(a):
     from .pipeline import load
     pipe = load(target=a.target, draft=False if a.no_speculate else a.draft, k=a.k, max_seq=a.max_seq,
                 device_mem=_device_mem(a), tp=getattr(a, "tp", 1), max_batch=getattr(a, "max_batch", 1),
-                dtype=a.dtype,
-                device=a.device, prefix_cache=getattr(a, "prefix_cache", True))
+                dtype=a.dtype, device=a.device, prefix_cache=getattr(a, "prefix_cache", True))
     _LOADED.append(pipe)
     return pipe
 
@@ -274,21 +273,19 @@ def _check_model_paths(a):
 
 def _check_size(a, cfg, m, replicas=1):
     """A cache that the pair or the host cannot hold, refused before a server binds its port or a data-parallel
-    launcher starts its `replicas` (the load checks it again: pipeline.check_size). cfg, m: the target's config
-    and the given draft's manifest, as _check_model_paths read them (None: not read there). The embedded model is
-    checked once converted, without its draft (which its load may export again)."""
+    launcher starts its `replicas` (the load checks it again: pipeline.check_size). cfg, m: what
+    _check_model_paths read (cfg None: the embedded target, checked once converted, without its draft, which its
+    load may export again; m None: no draft given)."""
     from .config import load_config
     from .default import default_target
     from .pipeline import check_size
     from .spec import resolve_dtype
-    from mindspec.export.manifest import read_manifest
     if cfg is None:
         target = a.target or default_target()
         if not os.path.exists(os.path.join(target, "config.json")):
             return
         cfg = load_config(target)
-    draft = a.draft if a.draft is not None and not a.no_speculate else None
-    m = m or (read_manifest(draft, sha=False) if draft else None)
+    draft = a.draft if m else None
     device = detect_device(a.device)
     check_size(cfg, draft, m, a.max_seq, a.max_batch, dtype=resolve_dtype(a.dtype, device), device=device,
                device_mem=_device_mem(a), tp=a.tp, replicas=replicas)

@@ -9,8 +9,9 @@ import os
 import stat
 import sys
 
-from .device import narrowed, visible_list
+from .device import CHOICES, narrowed, visible_list
 from .errors import MindspecError, is_int, shown
+from .spec import DTYPES
 
 MAX_BYTES = 1 << 20  # a MindIE config.json is a few kB
 QUEUE_DELAY_US = 5000  # MindIE's maxQueueDelayMicroseconds default, serve's --max-queue-delay-us (serve.wait_s)
@@ -108,8 +109,8 @@ KEYS = {
     "mindspec.maxQueue": ("max_queue", _int(0)),
     "mindspec.readTimeout": ("read_timeout", _int(1)),
     "mindspec.apiKey": ("api_key", _str),
-    "mindspec.dtype": ("dtype", _one_of("float32", "float16", "bfloat16")),  # (the target's: --dtype)
-    "mindspec.device": ("device", _one_of("auto", "cpu", "ascend")),
+    "mindspec.dtype": ("dtype", _one_of(*DTYPES)),  # (the target's: --dtype)
+    "mindspec.device": ("device", _one_of(*CHOICES)),
 }
 # MindIE's keys with no meaning for mindspec: accepted without a warning
 QUIET = {"Version", "LogConfig", "EnableDynamicAdjustTimeoutConfig"} | {f"ServerConfig.{k}" for k in (

@@ -28,7 +28,7 @@ import re
 from dataclasses import dataclass
 
 from .errors import MindspecError
-from .spec import K_BUCKETS, PLAN_DTYPE, PREFILL_CHUNK, cache_positions
+from .spec import DTYPES, K_BUCKETS, PLAN_DTYPE, PREFILL_CHUNK, QUANTIZE_MODES, cache_positions
 
 GB = 1e9
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1, "q8": 1, "q4": 0.5}
@@ -479,8 +479,8 @@ def format_plan(p):
     return "\n".join(L).rstrip()
 
 
-TARGET_DTYPES = ("fp16", "bf16", "fp32")  # what the target graphs run
-DRAFT_DTYPES = ("fp16", "fp32", "q8", "q4", "int8")  # what an export writes
+TARGET_DTYPES = tuple(PLAN_DTYPE[d] for d in DTYPES)  # what the target graphs run
+DRAFT_DTYPES = ("fp16", "fp32") + tuple(q for q in QUANTIZE_MODES if q)  # what an export writes
 
 
 def _dtype(names):

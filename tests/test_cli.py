@@ -467,7 +467,8 @@ def test_data_parallel_replicas_share_the_hosts_memory(pair, monkeypatch):
     argv = ["batch", "--input", str(d / "in.jsonl"), "--output", str(d / "dp.out.jsonl"), "--target", target,
             "--draft", draft, "--max-seq", "128", "--max-batch", "8"]
     (d / "in.jsonl").write_text('{"prompt_ids": [5, 6]}\n')
-    cli._check_size(cli.parse(argv), None, None)  # one replica: fits
+    a = cli.parse(argv)
+    cli._check_size(a, *cli._check_model_paths(a))  # one replica: fits
     with pytest.raises(MindspecError, match=r"^2 replicas of 8 rows of 128 positions need about .* more than this "
                                             r"machine's"):
         cli.launch_dp(argv + ["--dp", "2"], cli.parse(argv + ["--dp", "2"]))
