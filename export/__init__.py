@@ -4,7 +4,7 @@ import shutil
 
 from mindspec import scratch
 from mindspec.checkpoint import Checkpoint
-from mindspec.errors import MindspecError
+from mindspec.errors import MindspecError, shown
 from mindspec.spec import QUANTIZE_MODES
 
 from .manifest import PROFILES, read_manifest, read_pair_manifest, write_manifest
@@ -22,11 +22,11 @@ def export_draft(model_dir, out_path, quantize=None, layers=None, max_seq=None, 
     _check_profile(profile, quantize, dtype)
     dtype = dtype or ("float16" if profile == "ascend" else "float32")
     if quantize not in QUANTIZE_MODES:
-        raise MindspecError(f"--quantize must be one of int8, q8, q4 (or none), got {quantize!r}")
+        raise MindspecError(f"quantize must be one of int8, q8, q4 (or None), got {shown(quantize)}")
     if dtype not in DTYPES:
-        raise MindspecError(f"--dtype must be one of {', '.join(DTYPES)} for a draft, got {dtype!r}")
+        raise MindspecError(f"dtype must be one of {', '.join(DTYPES)} for a draft, got {shown(dtype)}")
     if quantize == "int8" and dtype == "float16":  # (its every load failed: INVALID_GRAPH)
-        raise MindspecError("--quantize int8 does not go with --dtype float16 (onnxruntime's DynamicQuantizeLinear "
+        raise MindspecError("quantize int8 does not go with dtype float16 (onnxruntime's DynamicQuantizeLinear "
                             "reads float32 only): use q8 or q4")
     ckpt = Checkpoint(model_dir)
     cfg = ckpt.config
@@ -35,29 +35,29 @@ def export_draft(model_dir, out_path, quantize=None, layers=None, max_seq=None, 
                             "checked against its target's when loaded")
     n = cfg.num_hidden_layers
     if profile == "cpu" and cfg.head_dim % 16:
-        raise MindspecError(f"--profile cpu needs a head_dim that is a multiple of 16 (onnxruntime's GroupQueryAttention "
-                            f"kernel), this checkpoint's is {cfg.head_dim}: export it with --profile ascend")
+        raise MindspecError(f"profile cpu needs a head_dim that is a multiple of 16 (onnxruntime's GroupQueryAttention "
+                            f"kernel), this checkpoint's is {cfg.head_dim}: export it with profile ascend")
     if layers is not None and (isinstance(layers, bool) or not isinstance(layers, int) or not 1 <= layers <= n):
-        raise MindspecError(f"--layers must be between 1 and {n} (the checkpoint's layers), got {layers!r}")
+        raise MindspecError(f"layers must be between 1 and {n} (the checkpoint's layers), got {shown(layers)}")
     max_seq = cfg.max_position_embeddings if max_seq is None else max_seq
     if isinstance(max_seq, bool) or not isinstance(max_seq, int) or not 1 <= max_seq <= cfg.max_position_embeddings:
-        raise MindspecError(f"--max-seq must be an integer from 1 to {cfg.max_position_embeddings} (the model's "
-                            f"positions), got {max_seq!r}")
+        raise MindspecError(f"max_seq must be an integer from 1 to {cfg.max_position_embeddings} (the model's "
+                            f"positions), got {shown(max_seq)}")
     _check_memory(cfg, max_seq, profile)
     out_path = os.path.abspath(out_path)
     out_dir = os.path.dirname(out_path)
     if out_path.endswith((".onnx.json", ".onnx.data")):  # would replace a draft's manifest (or data) with a model
-        raise MindspecError(f"--out {out_path} is the {out_path[-4:]} file of {os.path.basename(out_path[:-5])}: "
+        raise MindspecError(f"{out_path} is the {out_path[-4:]} file of {os.path.basename(out_path[:-5])}: "
                             f"give the .onnx path")
     for path in (out_path, out_path + ".json", out_path + ".data"):
         if os.path.isdir(path):
-            raise MindspecError(f"--out {path} is a directory: give the draft's file name, e.g. {path}/draft.onnx")
+            raise MindspecError(f"{path} is a directory: give the draft's file name, e.g. {path}/draft.onnx")
         # only an earlier export's files are replaced (--out model.safetensors once replaced the weights)
         if os.path.exists(path) and not path.endswith((".onnx", ".onnx.json", ".onnx.data")):
-            raise MindspecError(f"--out would replace {path}, which is not an exported draft's file: "
+            raise MindspecError(f"the draft would replace {path}, which is not an exported draft's file: "
                                 f"give a path ending in .onnx")
     if not out_path.endswith(".onnx"):  # (written once, it was then refused as "not an exported draft's file")
-        raise MindspecError(f"--out {out_path} does not end in .onnx: give the draft's file name, e.g. "
+        raise MindspecError(f"{out_path} does not end in .onnx: give the draft's file name, e.g. "
                             f"{out_path}.onnx")
     made = []
     try:  # (before the model is built: an --out where nothing can be written is found at once)
@@ -82,7 +82,7 @@ def export_draft(model_dir, out_path, quantize=None, layers=None, max_seq=None, 
         scratch.unmake(made)  # (a failed export's new directories go)
 
 
-_TOO_BIG = "not enough memory to build the draft for {} positions: give a smaller --max-seq"
+_TOO_BIG = "not enough memory to build the draft for {} positions: give a smaller max_seq"
 
 
 def _check_memory(cfg, max_seq, profile):
@@ -130,9 +130,9 @@ def _swap_in(made, out_path):
 def _check_profile(profile, quantize, dtype):
     """One-line refusals of what the ascend profile cannot be."""
     if profile not in PROFILES:
-        raise MindspecError(f"--profile must be one of {', '.join(PROFILES)}, got {profile!r}")
+        raise MindspecError(f"profile must be one of {', '.join(PROFILES)}, got {shown(profile)}")
     if profile == "ascend" and quantize:
-        raise MindspecError(f"--quantize {quantize} does not go with --profile ascend: its MatMulNBits/MatMulInteger "
+        raise MindspecError(f"quantize {quantize} does not go with profile ascend: its MatMulNBits/MatMulInteger "
                             "are com.microsoft ops CANN cannot run (export the ascend draft in float16)")
     if profile == "ascend" and dtype not in (None, "float16"):
-        raise MindspecError(f"--profile ascend is float16 (CANN's MatMul takes float16 only), got --dtype {dtype}")
+        raise MindspecError(f"profile ascend is float16 (CANN's MatMul takes float16 only), got dtype {shown(dtype)}")

@@ -295,7 +295,7 @@ def test_a_config_is_checked_against_the_weights_before_anything_is_sized_by_it(
     (d / "config.json").write_text(json.dumps(dict(json.loads((d / "config.json").read_text()),
                                                    hidden_size=64, head_dim=16, max_position_embeddings=10 ** 15)))
     with pytest.raises(MindspecError, match="not enough memory to build the draft for 1000000000000000 positions: "
-                                            "give a smaller --max-seq"):
+                                            "give a smaller max_seq"):
         export_draft(str(d), str(tmp_path / "d.onnx"))
     # a CLI probe's: 2**31 positions (what convert writes for a GGUF that claims them) were no MemoryError but
     # an OOM kill at 12.8 GB; refused before anything is built (export's --max-seq still gets its tables)

@@ -375,7 +375,7 @@ def test_export_bad_arguments(tiny_target, tmp_path):
     # found by a CLI probe: written, exit 0, and then every load failed on onnxruntime's INVALID_GRAPH
     code, out, err = run("export", "--model", tiny_target[0], "--out", str(tmp_path / "h" / "d.onnx"), "--dtype",
                          "float16", "--quantize", "int8")
-    assert (code, out, err) == (2, "", "mindspec: error: --quantize int8 does not go with --dtype float16 "
+    assert (code, out, err) == (2, "", "mindspec: error: quantize int8 does not go with dtype float16 "
                                 "(onnxruntime's DynamicQuantizeLinear reads float32 only): use q8 or q4\n")
     assert not os.path.exists(tmp_path / "h")
 

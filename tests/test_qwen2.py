@@ -127,7 +127,7 @@ def test_a_mistral_sliding_window_bounds_the_positions(tmp_path):
                                                      "sliding_window": 8}))
     with pytest.raises(mindspec.MindspecError, match="16 positions exceed the model's 8 .*sliding window"):
         mindspec.load(target=str(mistral), draft=False, max_seq=16).generate(prompt_ids=[5, 6], max_new_tokens=2)
-    with pytest.raises(mindspec.MindspecError, match=r"--max-seq must be an integer from 1 to 8 \(the model's "):
+    with pytest.raises(mindspec.MindspecError, match=r"max_seq must be an integer from 1 to 8 \(the model's "):
         export_draft(str(mistral), str(tmp_path / "d.onnx"), max_seq=16)
     # within the window: the Llama checkpoint's own tokens
     ids = mindspec.load(target=str(mistral), draft=False, max_seq=8).generate(prompt_ids=[5, 6], max_new_tokens=4)
