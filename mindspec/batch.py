@@ -22,6 +22,7 @@ from .errors import MindspecError, read_json, shown, summary
 from .omdir import OmDir
 from .request import FIELDS, RequestError, loads, make, parse
 from .signals import Signals
+from .spec import DTYPES
 
 MARKER, VERSION = "mindspec_batch", 1  # the first key of every record, so a torn record is still ours
 HEAD = b'{"' + MARKER.encode() + b'": 1, '
@@ -190,9 +191,29 @@ def job_id(defaults, model=None, dtype=None):
         files = [_digest(os.path.join(model, f)) for f in TOKENIZER_FILES]
         template = _jinja(model, defaults)
         model = [Checkpoint(model).fingerprint()] + files + ([template] if template else [])
-    what = {"model": model, "defaults": defaults} | ({"dtype": dtype} if dtype not in (None, "float32") else {})
-    blob = json.dumps(what, sort_keys=True, default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+    def digest(dtype):
+        what = {"model": model, "defaults": defaults} | ({"dtype": dtype} if dtype != "float32" else {})
+        return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    return JobId(digest(dtype or "float32"), dtype or "float32", {digest(d): d for d in DTYPES})
+
+
+class JobId(str):
+    """A job's id that knows the ids of the same job in the other dtypes (in_dtypes: {id: dtype}), so an
+    output made in another precision is named as such, not as another model's."""
+    def __new__(cls, job, dtype="float32", in_dtypes=None):  # (defaults: a copy.copy or pickle rebuilds it)
+        self = super().__new__(cls, job)
+        self.dtype, self.in_dtypes = dtype, in_dtypes or {}
+        return self
+
+
+def _other_job(path, n, job, theirs):
+    """The refusal of an output holding the records of job `theirs` (line n)."""
+    dtype = getattr(job, "in_dtypes", {}).get(theirs)  # (a plain str id: no dtypes known)
+    if dtype and dtype != job.dtype:
+        return MindspecError(f"{path} holds this job's results in {dtype}, this run is {job.dtype}: run it with "
+                             f"--dtype {dtype} or give another --output")
+    return MindspecError(f"{path} holds the results of another job (line {n}: job {theirs}, this job is {job}: "
+                         "another target model or other request defaults); give another --output")
 
 
 def _jinja(model, defaults):
@@ -272,8 +293,7 @@ def _scan(data, path, job):
         if rec is None:
             raise MindspecError(f"{path}:{n} is not a mindspec batch record; not writing to that file")
         if rec["job"] != job:
-            raise MindspecError(f"{path} holds the results of another job (line {n}: job {rec['job']}, this job is "
-                                f"{job}: another target model or other request defaults); give another --output")
+            raise _other_job(path, n, job, rec["job"])
         if "error" in rec:
             errors.setdefault(_key(rec["id"]), set()).add(rec["error"])
         else:

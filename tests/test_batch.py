@@ -802,6 +802,15 @@ def test_the_job_fingerprint_covers_the_target_and_the_request_defaults(tiny_tar
     assert _batch(inp, out, model=tiny_target[0]) == 0
     with pytest.raises(MindspecError, match="holds the results of another job"):
         _batch(inp, out, model=tiny_draft_ckpt[0])
+    # the float16 user's: a resume in another dtype was "another target model or other request defaults"
+    out16 = tmp_path / "o16.jsonl"
+    assert _batch(inp, out16, model=tiny_target[0], dtype="float16") == 0
+    for dtype, ran in ((None, "float32"), ("bfloat16", "bfloat16")):
+        with pytest.raises(MindspecError, match=f"o16.jsonl holds this job's results in float16, this run is {ran}: "
+                                                "run it with --dtype float16 or give another --output$"):
+            _batch(inp, out16, model=tiny_target[0], dtype=dtype)
+    with pytest.raises(MindspecError, match="o.jsonl holds this job's results in float32, this run is float16"):
+        _batch(inp, out, model=tiny_target[0], dtype="float16")
 
 
 def _job_processes(marker):
