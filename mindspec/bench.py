@@ -196,16 +196,18 @@ class HF:
 # -- the benchmark ---------------------------------------------------------------------------------
 
 def run(target=None, draft=None, prompts="story,chat,code", max_new_tokens=128, ks=(1, 2, 4, 8),
-        hf=True, hf_assistants=None, repeat=1, batch_sizes=(1,), log=sys.stderr, on_part=None):
+        hf=True, hf_assistants=None, repeat=1, batch_sizes=(1,), log=sys.stderr, on_part=None, device=None,
+        dtype=None):
     """Run every mode on every prompt (batch 1) or on batches of B requests at once (B > 1: the set's
     prompts cycled to B rows, through generate_many); returns the bench.json dict. on_part(dict) gets
-    the results so far ("complete": false) each time a set finishes a batch size, but the last."""
+    the results so far ("complete": false) each time a set finishes a batch size, but the last. device, dtype:
+    the target's, as mindspec.load takes them."""
     import mindspec
     from .spec import SEQ_ROUND, round_up
     from .tokenizer import Tokenizer
     if target is None:
         from .default import default_pair
-        target, default_draft = default_pair()
+        target, default_draft = default_pair(device=device)
         draft = draft or default_draft
     ks = sorted(set(int(k) for k in ks))
     if not ks or ks[0] < 1:
@@ -224,7 +226,8 @@ def run(target=None, draft=None, prompts="story,chat,code", max_new_tokens=128, 
     max_seq = round_up(len(longest) + max_new_tokens + ks[-1] + 1, SEQ_ROUND)
     # no prefix cache: every mode runs the same prompts, and each must pay its own prefill
     pipe = mindspec.load(target=target, draft=draft or False, k=ks[-1], max_seq=max_seq, buckets=tuple(ks),
-                         max_batch=sizes[-1], batch_buckets=tuple(sizes), prefix_cache=False)
+                         max_batch=sizes[-1], batch_buckets=tuple(sizes), prefix_cache=False, device=device,
+                         dtype=dtype)
     notes, costs = [], None
     modes = [("target-only", 0, dict(speculate=False))]
     if pipe.proposer is None:
@@ -239,7 +242,9 @@ def run(target=None, draft=None, prompts="story,chat,code", max_new_tokens=128, 
         costs = {str(B): {n: {str(k): x for k, x in d.items()} for n, d in zip("cv", cv)}
                  for B, cv in pipe.costs.items()}
     hf_model, hf_modes = None, []
-    if hf and _hf_available() and 1 in sizes:
+    if hf and pipe.dtype != "float32" and 1 in sizes:  # (torch's rows would be float32's, against another target)
+        notes.append(f"hf-generate / hf-assisted skipped: they run float32, the target here {pipe.dtype}")
+    elif hf and _hf_available() and 1 in sizes:
         hf_model = HF(target, pipe.eos)
         n_layers = pipe.cfg.num_hidden_layers
         for spec in hf_assistants or [f"layers:{max(1, n_layers // 2)}", "prompt-lookup"]:
@@ -266,7 +271,8 @@ def run(target=None, draft=None, prompts="story,chat,code", max_new_tokens=128, 
                 "draft": draft and os.path.abspath(draft), "max_new_tokens": max_new_tokens, "ks": ks,
                 "batch_sizes": sizes, "repeat": repeat, "max_seq": max_seq, "costs_vs_decode": costs,
                 "prompts": {n: [p for p, _ in rows] for n, rows in sets.items()},
-                "hf": hf_model.version if hf_model else None, "cpu_count": os.cpu_count()}
+                "hf": hf_model.version if hf_model else None, "cpu_count": os.cpu_count(), "device": pipe.device,
+                "dtype": pipe.dtype}
 
     for name, rows in enc.items():
         for B in sizes:
@@ -378,7 +384,10 @@ def plot_batch(result, path):
 
 
 def cmd_bench(a):
-    load_prompts(a.prompts)  # a bad prompts file is refused before --out is made
+    from .device import detect_device
+    from .spec import resolve_dtype
+    load_prompts(a.prompts)  # a bad prompts file (or a dtype the device lacks) is refused before --out is made
+    resolve_dtype(a.dtype, detect_device(a.device))
     if os.path.isfile(a.out):  # found only after the whole run, its results lost
         raise MindspecError(f"--out {a.out} is a file: give a directory for bench.json and its plots")
     try:
@@ -414,7 +423,7 @@ def cmd_bench(a):
     try:
         result = run(target=a.target, draft=a.draft, prompts=a.prompts, max_new_tokens=a.max_new_tokens, ks=a.ks,
                      hf=not a.no_hf, hf_assistants=a.hf_assistants, repeat=a.repeat, batch_sizes=a.batch_sizes,
-                     on_part=save)
+                     on_part=save, device=a.device, dtype=a.dtype)
     except BaseException as e:  # stopped, or failed (its own error follows): say what was kept
         if saved and not unsaved:
             print(f"mindspec bench: {'stopped' if isinstance(e, KeyboardInterrupt) else 'failed'}; {partial} holds "
@@ -476,6 +485,8 @@ def _assistants(text):
 
 def add_parser(subparsers):
     from .cli import path_arg, positive_int
+    from .device import CHOICES
+    from .spec import DTYPES
     b = subparsers.add_parser("bench", help="benchmark target-only, fixed K, dynamic K (and HF transformers)")
     b.add_argument("--target", type=path_arg, default=None, help="target checkpoint dir (default: the embedded model)")
     b.add_argument("--draft", type=path_arg, default=None, help="draft .onnx (default: the embedded draft)")
@@ -490,6 +501,10 @@ def add_parser(subparsers):
     b.add_argument("--batch-sizes", type=_counts("batch sizes"), default="1",
                    help="requests running at once, comma-separated (e.g. 1,2,4,8); B > 1 runs the set's prompts "
                         "cycled to B rows together (default %(default)s)")
+    b.add_argument("--device", choices=CHOICES, default=None,
+                   help="auto (default: Ascend when an NPU is visible, else CPU), cpu or ascend; target and draft")
+    b.add_argument("--dtype", choices=DTYPES, default=None,
+                   help="the target's (default: float16 on Ascend, float32 on CPU); HF's rows run only in float32")
     b.add_argument("--no-hf", action="store_true", help="skip Hugging Face transformers even if installed")
     b.add_argument("--hf-assistants", type=_assistants, default=None,
                    help="HF assistants, comma-separated: layers:N, early-exit:N, prompt-lookup[:N] "

@@ -155,6 +155,25 @@ def test_bench_refuses_before_loading_what_would_fail_after(pair, tmp_path):
         assert "\n" not in str(e.value) and "p.jsonl" in str(e.value)
 
 
+def test_bench_runs_in_the_dtype_asked(pair, tmp_path):
+    """The float16 user's: bench had no --dtype (float16's speed only from a tool outside the CLI)."""
+    target, draft, d = pair
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "Once upon a time"}\n')
+    base = ["--target", target, "--draft", draft, "--prompts", str(prompts), "--ks", "2", "--max-new-tokens", "5"]
+    code, _, err = bench(*base, "--out", str(tmp_path / "o16"), "--dtype", "float16", "--device", "cpu",
+                         home=d / "home")
+    assert code == 0, err
+    res = json.loads((tmp_path / "o16" / "bench.json").read_text())
+    assert (res["device"], res["dtype"]) == ("CPU", "float16")
+    assert all(r["identical_to_target_only"] for r in res["runs"]) and {r["mode"] for r in res["runs"]} == {
+        "target-only", "fixed-k", "dynamic-k"}  # (HF's rows would be float32's: left out, with a note)
+    assert any("float32" in n and "hf" in n for n in res["notes"]), res["notes"]
+    code, _, err = bench(*base, "--out", str(tmp_path / "obf"), "--dtype", "bfloat16", home=d / "home")
+    assert code == 2 and "bfloat16" in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "obf").exists()
+
+
 def test_bench_bad_jsonl_row(pair, tmp_path):
     from mindspec.bench import load_prompts
     from mindspec.errors import MindspecError
