@@ -74,6 +74,8 @@ def read_manifest(onnx_path, sha=True):
     the ONNX file's size is checked, not its sha256 (a 7B draft's takes half a minute)."""
     mpath = manifest_path(onnx_path)
     check_file(onnx_path)
+    if os.path.lexists(mpath) and not os.path.isfile(mpath):  # (a directory, a FIFO: "no manifest" misled)
+        raise MindspecError(f"draft manifest {mpath} is not a regular file")
     if not os.path.isfile(mpath):
         if not _is_onnx(onnx_path):
             raise MindspecError(f"not an ONNX file: {onnx_path}")

@@ -46,7 +46,9 @@ class SafetensorsFile:
             _check_layout(header, size - 8 - n, path)
         except MindspecError:
             raise
-        except (OSError, ValueError, KeyError, TypeError, AttributeError, struct.error) as e:
+        except OSError as e:  # (a dangling link, a loop, no permission: not the file's format)
+            raise MindspecError(f"cannot read {path}: {e.strerror or e}") from None
+        except (ValueError, KeyError, TypeError, AttributeError, struct.error) as e:
             raise MindspecError(f"not a valid safetensors file: {path} ({e})") from None
         self.header = header
 
@@ -65,7 +67,9 @@ class SafetensorsFile:
 def finite(w, name, path):
     """w, refused if a weight is NaN or infinite (a broken checkpoint generated token 0 for ever). The sum
     in float64 is NaN or inf exactly then, and needs no array of w's size."""
-    if w.dtype.kind == "f" and not np.isfinite(np.sum(w, dtype=np.float64)):
+    with np.errstate(invalid="ignore", over="ignore"):  # (inf + -inf: NaN, numpy's warning a line more)
+        total = np.sum(w, dtype=np.float64) if w.dtype.kind == "f" else 0.0
+    if not np.isfinite(total):
         raise MindspecError(f"{path}: tensor {name} holds NaN or infinite values: the checkpoint is broken")
     return w
 
@@ -122,7 +126,7 @@ class Checkpoint:
                         raise ValueError(f"shard name {v!r} is not a file name in the model's directory")
             except (OSError, ValueError, KeyError, TypeError) as e:
                 raise MindspecError(f"bad safetensors index {index} ({e})") from None
-        elif os.path.exists(single):
+        elif os.path.lexists(single):  # (a symlink loop: its read says so, not "no model.safetensors")
             self._where = {n: "model.safetensors" for n in self._open("model.safetensors").names()}
         else:
             raise MindspecError(f"no model.safetensors (or index) in {model_dir}")
@@ -136,29 +140,30 @@ class Checkpoint:
     def _open(self, fname):
         if fname not in self._files:
             path = os.path.join(self.dir, fname)
-            if not os.path.exists(path):
+            if not os.path.lexists(path):  # (a symlink loop or a dangling link: its read says which)
                 raise MindspecError(f"safetensors shard missing: {path}")
             self._files[fname] = SafetensorsFile(path)
         return self._files[fname]
 
     def _check_names(self):
         cfg = self.config
-        have = 1 + max((int(n.split(".")[2]) for n in self._where if n.startswith("model.layers.")
-                        and n.split(".")[2].isdigit()), default=-1)
-        if cfg.num_hidden_layers > have:  # before listing the names a billion layers would have
+        layers = {int(n.split(".")[2]) for n in self._where if n.startswith("model.layers.")
+                  and n.split(".")[2].isascii() and n.split(".")[2].isdigit()}  # ("²" is a digit, not an int's)
+        have = next(i for i in range(len(layers) + 1) if i not in layers)  # (0..have-1 all there: one stray
+        if cfg.num_hidden_layers > have:  # name of layer 99999999 is not 1e8 layers) before listing their names
             raise MindspecError(f"checkpoint {self.dir} has weights of {have} layers; config.json's "
                                 f"num_hidden_layers is {cfg.num_hidden_layers}")
         missing = [n for n in weight_names(cfg) if n not in self._where]
         if missing:
             raise MindspecError(f"checkpoint {self.dir} is missing {len(missing)} tensors, e.g. {missing[0]}")
-        beyond = f"model.layers.{cfg.num_hidden_layers}."  # a config that drops layers would run without them
-        if any(n.startswith(beyond) for n in self._where):
+        if any(i >= cfg.num_hidden_layers for i in layers):  # a config that drops layers would run without them
             raise MindspecError(f"checkpoint {self.dir} has weights of more layers than config.json's "
                                 f"num_hidden_layers {cfg.num_hidden_layers}")
 
     def _shard(self, name):
-        """(the name read, its shard): a tied LM head reads the embedding."""
-        if name == "lm_head.weight" and self.config.tie_word_embeddings and name not in self._where:
+        """(the name read, its shard): a tied LM head reads the embedding (an lm_head.weight the file holds
+        beside it is not read, as Hugging Face ties them)."""
+        if name == "lm_head.weight" and self.config.tie_word_embeddings:
             name = "model.embed_tokens.weight"
         sf = self._open(self._where[name])
         if name not in sf.header:

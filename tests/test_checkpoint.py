@@ -3,6 +3,7 @@ import json
 import os
 import pathlib
 import shutil
+import warnings
 
 import ml_dtypes
 import numpy as np
@@ -84,6 +85,34 @@ def test_missing_shard_and_wrong_shape_are_clear_errors(tmp_path):
         Checkpoint(d2).get("model.norm.weight")
 
 
+def test_a_tied_head_reads_the_embedding_whatever_the_file_holds(tmp_path):
+    """The hostile-file probe's: with tie_word_embeddings true, an lm_head.weight in the file was used
+    unchecked: of another shape a numpy traceback, or (100 rows) exit 0 with only ids below 100 generated,
+    and an export whose graph had 100 logits. Hugging Face ties the head to the embedding and ignores the
+    file's; so does mindspec now."""
+    d, tensors = make_tiny_checkpoint(tmp_path / "t")
+    cfg = json.loads((tmp_path / "t" / "config.json").read_text())
+    (tmp_path / "t" / "config.json").write_text(json.dumps(dict(cfg, tie_word_embeddings=True)))
+    for head in (np.ones((100, tensors["lm_head.weight"].shape[1]), np.float32), np.ones(5, np.float32),
+                 tensors["lm_head.weight"]):
+        save_file(dict(tensors, **{"lm_head.weight": head}), str(tmp_path / "t" / "model.safetensors"))
+        ck = Checkpoint(d)
+        assert np.array_equal(ck.get("lm_head.weight"), tensors["model.embed_tokens.weight"])
+        assert np.array_equal(ck.get_slice("lm_head.weight", 0, 0, 7), tensors["model.embed_tokens.weight"][:7])
+
+
+def test_a_weight_of_both_infinities_is_refused_in_one_line(tmp_path):
+    """The hostile-file probe's: +inf beside -inf printed numpy's RuntimeWarning (two lines) before the error."""
+    d, tensors = make_tiny_checkpoint(tmp_path / "i")
+    w = tensors["model.layers.0.mlp.up_proj.weight"].copy()
+    w[0, :2] = np.inf, -np.inf
+    save_file(dict(tensors, **{"model.layers.0.mlp.up_proj.weight": w}), str(tmp_path / "i" / "model.safetensors"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (a warning printed is a line more on stderr)
+        with pytest.raises(MindspecError, match="holds NaN or infinite values"):
+            Checkpoint(d).get("model.layers.0.mlp.up_proj.weight")
+
+
 @pytest.mark.parametrize("bad", [np.nan, -np.inf])
 def test_a_weight_that_is_not_finite_is_refused(tmp_path, tiny_target, bad):
     """Found by a user probe: a checkpoint with NaN weights loaded and generated token 0 for ever."""
@@ -138,7 +167,11 @@ def test_rope_settings_are_read_from_transformers_5s_rope_parameters(tmp_path, t
     (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), 'rope_scaling "llama3" needs low_freq_factor, a '
                                                                 "number > 0, got null"),
     (dict(rope_scaling=dict(L31, factor=0.5)), "needs factor, a number >= 1, got 0.5"),
-    (dict(rope_scaling=dict(L31, original_max_position_embeddings=8192.5)), "an integer >= 1, got 8192.5"),
+    (dict(rope_scaling=dict(L31, original_max_position_embeddings=8192.5)), "an integer from 1 to 2\\*\\*31, got 8192.5"),
+    # the hostile-file probe's: a traceback (numpy's object array of 10**20) in generate, serve, batch and export
+    (dict(rope_scaling=dict(L31, original_max_position_embeddings=10 ** 20)), "an integer from 1 to 2\\*\\*31, got "
+                                                                               "100000000000000000000"),
+    (dict(rope_scaling=dict(L31, factor=1e300)), r"needs factor, a number >= 1, got 1e\+300: beyond float32's range"),
     (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0}), 'rope_parameters "yarn" is not supported'),
     (dict(rope_scaling=dict(L31, low_freq_factor=4.0)), "needs low_freq_factor < high_freq_factor, got 4.0 and 4.0"),
     (dict(rope_parameters={"rope_theta": 500000.0}), "rope_theta 10000.0 and rope_parameters' 500000.0 differ"),
@@ -254,11 +287,33 @@ def test_hostile_config_and_index_files_are_one_line_errors(tmp_path, tiny_targe
 
     with pytest.raises(MindspecError, match="has weights of 2 layers; config.json's num_hidden_layers is 1000000000"):
         Checkpoint(str(copy("layers", num_hidden_layers=10 ** 9)))
+    # the hostile-file probe's: one empty tensor of layer 99999999 passed that check, and 9e8 names were listed
+    # (a MemoryError traceback, or the machine's memory); a layer index in other digits ("²") was a traceback
+    for index, words in (("99999999", "has weights of 2 layers; config.json's num_hidden_layers is 100000000"),
+                         ("\u00b2", None)):
+        d = _edit_header(pathlib.Path(tiny_target[0]), tmp_path / f"bogus{len(index)}",
+                         lambda h: h.__setitem__(f"model.layers.{index}.foo", {"dtype": "F32", "shape": [0],
+                                                                                "data_offsets": [0, 0]}))
+        cfg = json.loads((pathlib.Path(d) / "config.json").read_text())
+        (pathlib.Path(d) / "config.json").write_text(json.dumps(dict(cfg, num_hidden_layers=10 ** 8)))
+        with pytest.raises(MindspecError, match=words or "has weights of 2 layers"):
+            Checkpoint(d)
+        (pathlib.Path(d) / "config.json").write_text(json.dumps(cfg))
+        if words:  # (a 2-layer config: a layer past its last is refused, as any other)
+            with pytest.raises(MindspecError, match="weights of more layers than config.json's num_hidden_layers 2"):
+                Checkpoint(d)
+        else:  # (an unknown tensor, like any other name outside the model's)
+            assert Checkpoint(d).config.num_hidden_layers == 2
     with pytest.raises(MindspecError, match=r"rms_norm_eps must be a number > 0, got 1e\+39: beyond float32's range"):
         Checkpoint(str(copy("eps", rms_norm_eps=1e39)))
     d = copy("nested")
     (d / "config.json").write_text("[" * 100_000 + "]" * 100_000)
     with pytest.raises(MindspecError, match=r"config.json is not valid JSON: .*\(nested deeper than Python.s stack\)"):
+        Checkpoint(str(d))
+    d = copy("loop")  # the hostile-file probe's: a symlink loop read "no model.safetensors (or index)"
+    (d / "model.safetensors").unlink()
+    os.symlink("model.safetensors", d / "model.safetensors")
+    with pytest.raises(MindspecError, match="model.safetensors.*Too many levels of symbolic links"):
         Checkpoint(str(d))
     d = copy("dir")
     (d / "config.json").unlink()
@@ -302,7 +357,7 @@ def test_a_config_is_checked_against_the_weights_before_anything_is_sized_by_it(
     (d / "config.json").write_text(json.dumps(dict(json.loads((d / "config.json").read_text()),
                                                    max_position_embeddings=2 ** 31)))
     with pytest.raises(MindspecError, match=r"not enough memory to build the draft for 2147483648 positions: give a "
-                                            r"smaller --max-seq \(its RoPE tables need about 550 GB, this machine"):
+                                            r"smaller max_seq \(its RoPE tables need about 550 GB, this machine"):
         export_draft(str(d), str(tmp_path / "d.onnx"))
     with pytest.raises(MindspecError, match=r"its RoPE tables need about 1100 GB"):  # ([P, D] tables there)
         export_draft(str(d), str(tmp_path / "d.onnx"), profile="ascend")

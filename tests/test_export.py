@@ -363,6 +363,9 @@ def test_manifest_refusals(tmp_path, fp32_draft, q8_draft):
     bare = tmp_path / "bare.onnx"
     shutil.copy(fp32_draft, bare)
     _refused(str(bare), "not a mindspec draft (no manifest")
+    os.mkdir(str(bare) + ".json")  # the hostile-file probe's: "no manifest" where one is, but not a file
+    _refused(str(bare), f"draft manifest {bare}.json is not a regular file")
+    os.rmdir(str(bare) + ".json")
     shutil.copy(q8_draft + ".json", str(bare) + ".json")  # manifest copied from another export
     _refused(str(bare), "was written for another ONNX file")
     m = json.load(open(fp32_draft + ".json"))
