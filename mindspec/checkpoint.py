@@ -65,12 +65,18 @@ class SafetensorsFile:
 
 
 def finite(w, name, path):
-    """w, refused if a weight is NaN or infinite (a broken checkpoint generated token 0 for ever). The sum
-    in float64 is NaN or inf exactly then, and needs no array of w's size."""
+    """w (float32), refused if a weight is NaN or infinite, or so large (past ~1.8e19) that its square overflows
+    float32 (a norm squares activations: an embedding of 1e30 became 0 after every norm). Either generated
+    token 0 for ever. The sum of squares in float32 (one BLAS pass, no array of w's size) is NaN or inf then,
+    and finite for any real model's weights."""
+    if w.dtype.kind != "f":
+        return w
+    flat = w.reshape(-1).astype(np.float32, copy=False)  # (float16's squares would overflow at 256)
     with np.errstate(invalid="ignore", over="ignore"):  # (inf + -inf: NaN, numpy's warning a line more)
-        total = np.sum(w, dtype=np.float64) if w.dtype.kind == "f" else 0.0
+        total = np.dot(flat, flat)
     if not np.isfinite(total):
-        raise MindspecError(f"{path}: tensor {name} holds NaN or infinite values: the checkpoint is broken")
+        raise MindspecError(f"{path}: tensor {name} holds NaN or infinite values, or values whose squares overflow "
+                            "float32: the checkpoint is broken")
     return w
 
 

@@ -113,15 +113,16 @@ def test_a_weight_of_both_infinities_is_refused_in_one_line(tmp_path):
             Checkpoint(d).get("model.layers.0.mlp.up_proj.weight")
 
 
-@pytest.mark.parametrize("bad", [np.nan, -np.inf])
-def test_a_weight_that_is_not_finite_is_refused(tmp_path, tiny_target, bad):
+@pytest.mark.parametrize("bad", [np.nan, -np.inf, 1e30, -3e38])  # (the last two: the hostile-file probe's, which
+def test_a_weight_that_is_not_finite_is_refused(tmp_path, tiny_target, bad):  # generated token 0 for ever, exit 0)
     """Found by a user probe: a checkpoint with NaN weights loaded and generated token 0 for ever."""
     d, tensors = make_tiny_checkpoint(tmp_path / "n")
     w = tensors["model.layers.0.mlp.up_proj.weight"].copy()
     w[3, 5] = bad
     save_file(dict(tensors, **{"model.layers.0.mlp.up_proj.weight": w}), str(tmp_path / "n" / "model.safetensors"))
     ck = Checkpoint(d)
-    words = "tensor model.layers.0.mlp.up_proj.weight holds NaN or infinite values: the checkpoint is broken"
+    words = ("tensor model.layers.0.mlp.up_proj.weight holds NaN or infinite values, or values whose squares "
+             "overflow float32: the checkpoint is broken")
     for read in (lambda: ck.get("model.layers.0.mlp.up_proj.weight"),
                  lambda: ck.get_slice("model.layers.0.mlp.up_proj.weight", 0, 0, 4)):
         with pytest.raises(MindspecError, match=words):
