@@ -251,7 +251,7 @@ class Api:
         if param is None and status < 500:  # the field a message starts with ("temperature must be ...")
             m = re.match(r"(?:unknown field ')?(\w+)", msg)
             param = m.group(1) if m and m.group(1) in _FIELDS else None
-        return status, openai_error(status, msg, param)
+        return status, openai_error(status, msg, param if param is None else one_line(param))
 
     # ---- plumbing
 

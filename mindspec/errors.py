@@ -2,6 +2,7 @@
 import json
 import numbers
 import os
+import re
 import stat
 
 
@@ -43,8 +44,9 @@ def shown(v, limit=80):
 
 def one_line(msg, limit=300):
     """A message on one line, a long value it quotes cut (a 4 MB field, the 128 kB an HTTP parser error
-    quotes, is not echoed back)."""
-    text = " ".join(str(msg).split())
+    quotes, is not echoed back), a lone surrogate it quotes (JSON's "\\ud800") as U+FFFD: no UTF-8 holds one,
+    and strict JSON parsers refuse its escape."""
+    text = re.sub("[\ud800-\udfff]", "\ufffd", " ".join(str(msg).split()))
     return text if len(text) <= limit else text[:limit - 1] + "\u2026"
 
 

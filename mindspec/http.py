@@ -18,13 +18,14 @@ import socket
 import sys
 import threading
 
-from aiohttp import web
-from aiohttp.web_protocol import RequestHandler
+from aiohttp import HttpVersion10, HttpVersion11, web
+from aiohttp.web_protocol import RequestHandler, _ErrInfo
 
 from .errors import MindspecError, one_line
 from .formats import openai_error
 
 
+VERSION_SENT = web.RequestKey("version_sent", str)  # a request line's HTTP version other than 1.0 and 1.1
 IDLE_S = 1.0  # seconds a connection waits for a request before it may be closed to make room for another
 
 
@@ -47,6 +48,23 @@ class _Protocol(RequestHandler):
                 or self._waiter is None or self._waiter.done()):
             return None
         return self._next_keepalive_close_time - self._keepalive_timeout
+
+    def data_received(self, data):
+        """aiohttp's, fed one request head at a time: its parser drops every message of a chunk it fails on, so
+        a valid request pipelined before a malformed one went unanswered (the 400 read as its answer). And the
+        body of a request being answered still arrives once the server stops (aiohttp reads nothing more of a
+        connection it closes: the request got no answer, or a false 408), so that its handler can answer it."""
+        closing = self._close, self._force_close
+        if any(closing) and (self.request is None or self.request.content.is_eof() or self.transport is None):
+            return
+        for piece in _heads(data):
+            self._close = self._force_close = False  # (only the answered request's body is let in: start() sees
+            try:  # the flags again before it takes another message)
+                super().data_received(piece)
+            finally:
+                self._close, self._force_close = self._close or closing[0], self._force_close or closing[1]
+            if self._messages and isinstance(self._messages[-1][0], _ErrInfo):  # (the rest is past the error)
+                break
 
     def connection_lost(self, exc):
         if self.watchdog is not None:
@@ -94,7 +112,8 @@ class _Protocol(RequestHandler):
             resp.force_close()
             return resp
         text = " ".join(str(message or (getattr(exc, "message", None) or str(exc) if exc else "error")).split())
-        what = "bad Content-Length header" if "Content-Length" in text else "bad request"
+        # (the words before the bytes it quotes: a bad request line quoting a Content-Length header is no bad header)
+        what = "bad Content-Length header" if "Content-Length" in text.split(": b'")[0] else "bad request"
         if "invalid `Transfer-Encoding`" in text or "Invalid `Transfer-Encoding` header" in text:  # (quoting bytes)
             text = ("Transfer-Encoding must end in chunked, once (else the body's length is unknown): "
                     "send it plain or chunked")
@@ -117,7 +136,12 @@ class _Server(web.Server):
     def _make_request(self, message, payload, protocol, writer, task):
         if protocol.request is not None:  # (a connection's requests are answered one at a time)
             protocol.sent += protocol.request.writer.output_size
+        version = message.version
+        if version not in (HttpVersion10, HttpVersion11):  # answered (505) as HTTP/1.1, then closed
+            message = message._replace(version=HttpVersion11, should_close=True)
         protocol.request = super()._make_request(message, payload, protocol, writer, task)
+        if version != message.version:
+            protocol.request[VERSION_SENT] = f"HTTP/{version.major}.{version.minor}"
         return protocol.request
 
     def connection_made(self, handler, transport):
@@ -135,6 +159,15 @@ class _Server(web.Server):
                             + b"\r\n\r\n" + body)
             handler.force_close()
             self.on_error(503)
+
+
+def _heads(data):
+    """data cut after each blank line that may end a request's head (b"\r\n\r\n")."""
+    pieces, start = [], 0
+    while (end := data.find(b"\r\n\r\n", start)) != -1:
+        pieces.append(data[start:end + 4])
+        start = end + 4
+    return pieces + [data[start:]] if start < len(data) else pieces
 
 
 def _listening(host, port):
@@ -167,9 +200,22 @@ class HttpServer:
         self.thread = threading.Thread(target=self._run, name="http", daemon=True)
 
     async def _logged(self, request):
-        resp = await self.handle(request)
-        sys.stderr.write(f"mindspec: {request.remote} \"{request.method} {request.raw_path}\" {resp.status}\n")
+        if VERSION_SENT in request:  # (HTTP/2.0, HTTP/0.9: a request line aiohttp parses but no HTTP/1 server
+            resp = web.Response(status=505, content_type="application/json", text=_json_error(  # answers as one)
+                505, f"HTTP version not supported: {request[VERSION_SENT]} (HTTP/1.1 and HTTP/1.0 are)"))
+            self.on_error(505)
+        else:
+            try:
+                resp = await self.handle(request)
+            except asyncio.CancelledError:  # (its client left: /metrics counts a 499, so does the log)
+                self._log(request, 499)
+                raise
+        self._log(request, resp.status)
         return resp
+
+    @staticmethod
+    def _log(request, status):
+        sys.stderr.write(f"mindspec: {request.remote} \"{request.method} {request.raw_path}\" {status}\n")
 
     async def _open(self):
         # auto_decompress off: a compressed body is refused unread (api), never inflated as it arrives

@@ -567,13 +567,33 @@ def test_requests_in_flight_when_the_server_stops_get_a_503(pipe, monkeypatch):
     threads = {path: threading.Thread(target=lambda p=path: got.__setitem__(p, call(base, p, asks[p])), daemon=True)
                for path in asks}
 
-    def check():  # both in flight, then _serve_in_process's SIGTERM
+    def late():  # the HTTP probe's: a body still on its way at SIGTERM was never read (no answer, or a false 408)
+        import socket
+        host, port = base.rsplit("/", 1)[1].split(":")
+        body = json.dumps(asks["/v1/completions"]).encode()
+        with socket.create_connection((host, int(port)), timeout=60) as c:
+            c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\n\r\n" % len(body) + body[:5])
+            def closed():  # (the HTTP server stopping: its socket no longer listens)
+                try:
+                    socket.create_connection((host, int(port)), timeout=5).close()
+                    return False
+                except OSError:
+                    return True
+            assert wait_for(lambda: stopped, 120) and wait_for(closed, 60)
+            c.sendall(body[5:])
+            got["late"] = c.makefile("rb").read()
+
+    def check():  # three in flight (one still sending its body), then _serve_in_process's SIGTERM
         def gauge(name):
             return _metrics(base)[(name, ())]
         threads["/v1/completions"].start()
         assert wait_for(lambda: gauge("mindspec_requests_running") == 1, 60)
         threads["/generate"].start()
         assert wait_for(lambda: gauge("mindspec_requests_waiting") == 1, 60)
+        threads["late"] = threading.Thread(target=late, daemon=True)
+        threads["late"].start()
+        time.sleep(0.5)  # (its head parsed)
 
     monkeypatch.setattr(pipe.target, "step", held)
     monkeypatch.setattr(mindspec.signals.Signals, "_record", record)
@@ -584,6 +604,9 @@ def test_requests_in_flight_when_the_server_stops_get_a_503(pipe, monkeypatch):
     for t in threads.values():
         t.join(60)
     message = "the server is shutting down"
+    late = got.pop("late")
+    assert late.startswith(b"HTTP/1.1 503 ") and late.endswith(json.dumps(
+        {"error": {"message": message, "type": "server_error", "param": None, "code": 503}}).encode()), late
     assert {path: (status, json.loads(text)) for path, (status, text) in got.items()} == {
         "/v1/completions": (503, {"error": {"message": message, "type": "server_error", "param": None, "code": 503}}),
         "/generate": (503, {"error": message, "error_type": "overloaded"})}
@@ -872,6 +895,8 @@ BAD = [  # (path, body or raw bytes, status, words in the message)
      "stream_options.continuous_usage_stats is not supported (false only)"),
     ("/v1/completions", {"prompt": "hi", "stream": True, "stream_options": {"use": True}}, 400,
      "unknown field 'stream_options.use'"),
+    # the HTTP probe's: a lone surrogate in a name was echoed as "\\ud800", which strict JSON parsers refuse
+    ("/v1/completions", b'{"prompt": "hi", "max_tokens": 4, "\\ud800": 1}', 400, "unknown field '\ufffd'"),
 ]
 
 
@@ -881,6 +906,7 @@ def test_bad_requests_get_one_line_json_errors(server, path, body, status, needl
     got, text = call(base, path, raw=body) if isinstance(body, bytes) else call(base, path, body)
     assert got == status, text
     assert "\n" not in text and "Traceback" not in text and len(text) < 1000  # a long value is not echoed whole
+    assert not re.search(r"\\u[dD][89a-fA-F]", text), text  # (no lone surrogate: strict JSON parsers refuse it)
     err = json.loads(text)
     if not path.startswith(("/generate", "/infer")):  # OpenAI's shape
         assert err["error"]["type"] == "invalid_request_error" and needle in err["error"]["message"], err
