@@ -199,6 +199,8 @@ class Api:
             if method == "OPTIONS" and (hits or path == "*"):
                 resp = web.Response(status=204, headers={"Allow": allow})
             elif route is None:
+                if hits and self.api_key and not any(h[4] in _OPEN for h in hits):  # (a keyed route's 405 comes
+                    self._check_key(request)  # after the key, as its 200: no route is shown to a caller without it)
                 if hits:
                     raise _Refused(f"{request.method} is not allowed on {path}", 405, {"Allow": allow})
                 raise RequestError(f"no such endpoint: {request.method} {path}", 404)
@@ -409,7 +411,11 @@ class Api:
     async def tokenize(self, request):
         self._check_ready()
         body = await self._body(request)
-        _check_keys(body, {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt"})
+        _check_keys(body, {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
+                           "return_token_strs"})
+        strs = body.get("return_token_strs")
+        if strs is not None and not isinstance(strs, bool):
+            raise RequestError("return_token_strs must be true or false", param="return_token_strs")
         if body.get("add_special_tokens") not in (None, True):  # the tokenizer's own rule (BOS) always applies
             raise RequestError("add_special_tokens=false is not supported", param="add_special_tokens")
         generation_prompt = True if body.get("add_generation_prompt") is None else body["add_generation_prompt"]
@@ -421,7 +427,7 @@ class Api:
         kw = self._parse({k: body[k] for k in ("prompt", "messages") if body.get(k) is not None})
         ids = await self._ids(kw, generation_prompt)
         return web.json_response({"count": len(ids), "max_model_len": self.app.pipe.max_seq, "tokens": ids,
-                                  "token_strs": None})
+                                  "token_strs": self.app.pipe.tokenizer.pieces(ids) if strs else None})
 
     async def detokenize(self, request):
         self._check_ready()

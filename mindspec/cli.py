@@ -53,6 +53,11 @@ def cmd_convert(a):
     print(f"wrote {convert_gguf(a.gguf, a.out)}")
 
 
+def _k_used(s):
+    """The steps of each K, e.g. "K=8:4 K=2:1" ("-": none)."""
+    return " ".join(f"K={k}:{n}" for k, n in s["k_used"].items()) or "-"
+
+
 def format_stats(s):
     """A readable table of a generation's stats (--stats)."""
     rows = [("new tokens", s["new_tokens"]), ("target calls (incl. prefill)", s["target_calls"]),
@@ -60,7 +65,7 @@ def format_stats(s):
             ("acceptance rate", "-" if s["acceptance_rate"] is None else f"{s['acceptance_rate']:.3f}"),
             ("tokens per target call", f"{s['tokens_per_target_call']:.2f}"),
             ("accepted at draft position", " ".join(map(str, s["accepted_at"])) or "-"),
-            ("K used (steps)", " ".join(f"K={k}:{n}" for k, n in s["k_used"].items()) or "-"),
+            ("K used (steps)", _k_used(s)),
             ("time: prefill / draft / verify", f"{s['prefill_s']:.3f} / {s['draft_s']:.3f} / {s['verify_s']:.3f} s"),
             ("time: other", f"{s['wall_s'] - s['prefill_s'] - s['draft_s'] - s['verify_s']:.3f} s"),
             ("wall (after compile) / compile", f"{s['wall_s']:.3f} / {s['compile_s']:.3f} s"),
@@ -223,7 +228,7 @@ def cmd_generate(a):
     acc = f"acceptance {s['acceptance_rate']:.2f}, " if s["acceptance_rate"] is not None else ""
     print(f"[{s['new_tokens']} tokens in {s['wall_s']:.2f} s = {s['tokens_per_s']:.1f} tok/s; {acc}"
           f"{s['tokens_per_target_call']:.2f} tokens per target call; "
-          f"{f'K={pipe.k}' if pipe.draft_path else 'target only'}; K used {s['k_used']}; {pipe.dtype} on "
+          f"{f'K={pipe.k}' if pipe.draft_path else 'target only'}; K used {_k_used(s)}; {pipe.dtype} on "
           f"{pipe.device}]", file=sys.stderr)
 
 
@@ -432,7 +437,7 @@ def parser():
                         "default: $MINDSPEC_API_KEY, else none)")
     s.set_defaults(func=cmd_serve)
     b = sub.add_parser("batch", help="offline batch job over a JSONL file (resumable)")
-    b.add_argument("--input", type=path_arg, required=True, help="JSONL: one request per line")
+    b.add_argument("--input", type=path_arg, required=True, help="JSONL: one request per line (- reads standard input)")
     b.add_argument("--output", type=path_arg, required=True,
                    help="JSONL results, appended; ids with a result there are skipped (failed ones run again)")
     add_model_args(b)

@@ -129,6 +129,10 @@ class Tokenizer:
     def decode(self, ids, skip_special_tokens=False):
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
+    def pieces(self, ids):
+        """The vocabulary's strings of ids (transformers' convert_ids_to_tokens: byte-level pieces as stored)."""
+        return [self._tok.id_to_token(int(i)) for i in ids]
+
     def token_to_id(self, token):
         return self._tok.token_to_id(token)
 

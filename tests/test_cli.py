@@ -1,5 +1,6 @@
 """The `mindspec` command line, run as a real subprocess: output, JSON, and bad input -> exit 2."""
 import json
+import re
 import os
 import shutil
 import subprocess
@@ -62,6 +63,9 @@ def test_generate_streams_text_and_summarises_on_stderr(pair):
     assert code == 0, err
     assert out.strip() and "tokens per target call" in err and "Traceback" not in err
     assert "accepted at draft position" in err and "K=2:" in err  # the --stats table
+    summary = err.strip().splitlines()[-1]  # (the docs probe's: "K used {'2': 5}", Python's notation)
+    assert re.fullmatch(r"\[12 tokens in .* s = .* tok/s; acceptance .*, .* tokens per target call; K=2; K used "
+                        r"(K=\d:\d+ ?)+; float32 on CPU\]", summary), summary
 
 
 def test_text_the_terminals_encoding_lacks_is_replaced_not_a_traceback(pair):

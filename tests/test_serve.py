@@ -511,6 +511,10 @@ def test_a_401_names_its_scheme_and_the_key_may_follow_several_spaces(pipe):
         for auth, status in ((None, 401), ("Bearer j", 401), ("Bearer", 401), ("bearer  k", 200), ("Bearer k", 200)):
             got, headers, text = fetch(base, "/v1/models", headers={"Authorization": auth} if auth else {})
             assert (got, headers["WWW-Authenticate"]) == (status, "Bearer" if status == 401 else None), (auth, text)
+        # the docs probe's: a method a keyed route does not take was a 405 before the key was asked (GET /tokenize)
+        assert fetch(base, "/tokenize")[0] == 401 and fetch(base, "/tokenize", headers={"Authorization": "Bearer k"})[
+            0] == 405
+        assert fetch(base, "/health", method="POST")[0] == 405  # (the probes' routes ask no key)
         with connect(base) as c:
             c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 9\r\n\r\n")
             head = read_all(c).decode().partition("\r\n\r\n")[0] + "\r\n"
@@ -1568,6 +1572,12 @@ def test_tokenize_detokenize_version(server, pipe):
         [{"role": "user", "content": "Hi"}], add_generation_prompt=False)) != chat
     unset = post(base, "/tokenize", {"messages": [{"role": "user", "content": "Hi"}], "add_generation_prompt": None})
     assert unset["tokens"] == chat  # null means "not set", as everywhere
+    # the docs probe's: vLLM's return_token_strs was refused, and token_strs always null
+    strs = post(base, "/tokenize", {"prompt": TEXT, "return_token_strs": True})
+    assert strs["tokens"] == t["tokens"] and strs["token_strs"] == [
+        pipe.tokenizer._tok.id_to_token(i) for i in t["tokens"]] and all(isinstance(x, str) for x in strs["token_strs"])
+    assert post(base, "/tokenize", {"prompt": TEXT, "return_token_strs": False})["token_strs"] is None
+    assert call(base, "/tokenize", {"prompt": TEXT, "return_token_strs": 1})[0] == 400
     assert post(base, "/detokenize", {"tokens": t["tokens"]}) == {"prompt": TEXT}
     assert call(base, "/detokenize", {"tokens": [10 ** 6]})[0] == 400
     assert json.loads(call(base, "/version")[1]) == {"version": mindspec.__version__}
