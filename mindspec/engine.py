@@ -59,8 +59,9 @@ class Engine:
     def has_work(self):
         return bool(self.waiting or self.rows)
 
-    def add(self, req):
-        req.state, req.added = WAITING, time.perf_counter()
+    def add(self, req, arrived=None):
+        """Queue req; arrived: when it reached the caller (a server's), its queue_s counted from then."""
+        req.state, req.added = WAITING, time.perf_counter() if arrived is None else arrived
         self.waiting.append(req)
 
     def abort(self, req_id):

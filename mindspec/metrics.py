@@ -39,8 +39,10 @@ class Metrics:
         self.accepted = Counter("mindspec_spec_accepted_tokens", "draft tokens the target kept", registry=r)
         self.accepted_at = Counter("mindspec_spec_accepted_at_position", "steps whose draft at this position "
                                    "(0 = first) was accepted", ["position"], registry=r)
-        self.k_steps = Counter("mindspec_spec_k_steps", "steps run with this K (0: no draft)", ["k"], registry=r)
-        self.target_calls = Counter("mindspec_spec_target_calls", "target calls (prefill counts one)", registry=r)
+        self.k_steps = Counter("mindspec_spec_k_steps", "a finished request's steps run with this K (0: no draft); "
+                               "a step of B rows counts B", ["k"], registry=r)
+        self.target_calls = Counter("mindspec_spec_target_calls", "a finished request's target calls (prefill counts "
+                                    "one); a call of B rows counts B", registry=r)
         self.acceptance = Histogram("mindspec_spec_acceptance_rate", "per request: accepted / drafted",
                                     buckets=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0), registry=r)
         self.per_call = Histogram("mindspec_spec_tokens_per_target_call", "per request: tokens per target call",

@@ -151,7 +151,8 @@ class App:
         eng = self.pipe.engine
         for rid, kw in new:
             try:
-                eng.add(make(self.pipe, kw, request_id=rid))
+                job = self.live.get(rid)  # (rank 0's: queued since it arrived, a step before this turn maybe)
+                eng.add(make(self.pipe, kw, request_id=rid), arrived=job.t0 if job is not None else None)
             except MindspecError as e:
                 on_event(rid, "error", e)
             except Exception as e:  # noqa: BLE001 - a bug: that request's 500, not the worker's end

@@ -616,6 +616,41 @@ def test_requests_in_flight_when_the_server_stops_get_a_503(pipe, monkeypatch):
         "/generate": (503, {"error": message, "error_type": "overloaded"})}
 
 
+def test_a_requests_queue_time_counts_from_its_arrival(pipe, monkeypatch):
+    """The scheduler probe's: a request's queue_s began when the worker took it (its next turn), so the step
+    running when it arrived was left out (a third queued request: 8.57 s of 9.51)."""
+    armed, entered, gate, real = threading.Event(), threading.Event(), threading.Event(), pipe.target.step
+    got = {}
+
+    def held(*a, **kw):
+        if armed.is_set():
+            entered.set()
+            gate.wait(60)
+        return real(*a, **kw)
+
+    def ask(name, n):
+        got[name] = post(base, "/v1/completions", {"prompt": IDS, "max_tokens": n, "temperature": 0})
+
+    base = _free_base()
+
+    def check():
+        armed.set()
+        first = threading.Thread(target=ask, args=("first", 4), daemon=True)
+        first.start()
+        assert entered.wait(60)  # a step is running, held
+        second = threading.Thread(target=ask, args=("second", 2), daemon=True)
+        second.start()
+        time.sleep(1.5)
+        armed.clear()
+        gate.set()
+        first.join(120)
+        second.join(120)
+
+    monkeypatch.setattr(pipe.target, "step", held)
+    _serve_in_process(pipe, monkeypatch, base, check)
+    assert got["second"]["mindspec"]["queue_s"] >= 1.4, got["second"]["mindspec"]
+
+
 def test_a_non_streamed_request_is_aborted_when_its_client_leaves(pipe, monkeypatch, capsys):
     """A client that leaves while its (non-streamed) request runs (an in-process server): the row is aborted,
     the log says so and /metrics counts it, and the server serves on. The engine's steps are held from the
