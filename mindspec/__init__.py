@@ -13,7 +13,8 @@ def __getattr__(name):  # the pipeline (numpy...) on first use: the CLI reaches 
     # those imports waits for their end (see mindspec.signals)
     if name in ("load", "Pipeline", "Result"):
         pipeline = sys.modules.get("mindspec.pipeline")
-        if pipeline is None:
+        if pipeline is None or getattr(pipeline.__spec__, "_initializing", False):  # (another thread's import
+            # under way: import_module waits for its end; its half-made module has no load yet)
             pipeline = _holding(importlib.import_module)("mindspec.pipeline")
         return getattr(pipeline, name)
     raise AttributeError(f"module 'mindspec' has no attribute {name!r}")

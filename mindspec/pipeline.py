@@ -107,7 +107,7 @@ class Pipeline:
                                 f"[0, {self.cfg.vocab_size})")
         self.eos = frozenset(self.cfg.eos_token_ids) | frozenset(self.tokenizer.eos_token_ids)
         self.target = self.proposer = self.engine = self.manifest = self.draft_path = None
-        self._turn, self._holder = threading.Lock(), None  # run(): one call at a time, threads take turns
+        self._turn, self._holder = threading.Lock(), None  # run(): one call at a time, threads take turns (_stream)
         self._pid = os.getpid()  # (_check_process)
         self.prefix_cache = bool(prefix_cache)  # a new request reuses the K/V of a prefix a finished one left (engine.py)
         self.set_draft(draft)
@@ -380,9 +380,13 @@ class Pipeline:
 
     def _check_stream(self, reqs, max_batch):
         self._check_process()
-        if self._holder == threading.get_ident():
+        holder = self._holder  # the thread that last ran or read on the open call (None: none open)
+        if holder is threading.current_thread():
             raise MindspecError("generate was called from inside its own callback, or while a stream of this "
                                 "pipeline is open: call it after that one ends (or close the stream)")
+        if holder is not None and not holder.is_alive():  # (waiting for it hung: no thread is to read it on)
+            raise MindspecError("a stream of this pipeline is open, left half-read by a thread that has ended: "
+                                "read it to its end or close it (stream.close()) first")
         _check_call("run and stream", reqs, max_batch)  # (0 rows waited for ever)
         if len({id(r) for r in reqs}) < len(reqs):  # (its second turn never came: a spin)
             raise MindspecError("the same request is given twice: make one per generation")
@@ -392,14 +396,21 @@ class Pipeline:
     def _stream(self, reqs, max_batch, ready):
         self._check_stream(reqs, max_batch)  # (again: what was true when it was made may not be when it starts)
         with self._turn:
-            self._holder = threading.get_ident()
+            self._holder = threading.current_thread()
+            steps, began = self._steps(reqs, int(max_batch), ready), False
             try:
-                yield from self._steps(reqs, int(max_batch), ready)
+                for event in steps:
+                    began = True
+                    yield event
+                    self._holder = threading.current_thread()  # (who reads it on: its own call would wait for itself)
             except BaseException:  # (GeneratorExit too: a consumer that stopped reading)
+                for r in reqs if began else ():  # (one that failed before its first step, loading, may run again)
+                    r.finish("abort")  # (a request ended: no-op)
                 if self.engine is not None:
                     self.engine.reset()  # (this call's requests were the only ones in it)
                 raise
             finally:
+                steps.close()
                 self._holder = None
 
     def _steps(self, reqs, max_batch, ready):

@@ -354,6 +354,20 @@ def test_threads_sharing_a_pipeline_take_turns(pipe):
     assert [got.get(i) for i in range(3)] == solo
 
 
+def test_threads_reaching_the_library_at_once_all_get_it():
+    """The library probe's: two threads calling mindspec.load at once in a fresh process: one got "partially
+    initialized module 'mindspec.pipeline' has no attribute 'load'" (the other's import was under way)."""
+    import subprocess
+    import sys
+    script = ("import threading, mindspec\nout = []\n"
+              "def f():\n    try:\n        out.append(mindspec.load is not None)\n"
+              "    except Exception as e:\n        out.append(repr(e))\n"
+              "ts = [threading.Thread(target=f) for _ in range(4)]\n[t.start() for t in ts]\n[t.join() for t in ts]\n"
+              "print(out)\n")
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert p.stdout.strip() == "[True, True, True, True]", (p.stdout, p.stderr[-2000:])
+
+
 TWO_PIPELINES_SCRIPT = """
 import sys, threading, mindspec
 a, b = (mindspec.load(target=sys.argv[1], draft=sys.argv[2], k=4, max_seq=128) for _ in range(2))
@@ -402,6 +416,50 @@ def test_set_draft_while_a_call_runs_is_refused_whatever_its_rows(pipe, noisy_dr
     finally:
         s.close()  # (a failure here must not leave the module's pipeline held)
     assert rs[1].result().token_ids == want and pipe.draft_path == noisy_draft
+
+
+def test_a_stream_left_open_by_a_thread_that_ended_is_named_not_waited_for(pipe):
+    """The library probe's: a stream advanced on a worker thread that then ended, and a generate on the main
+    thread, hung for ever (the stream held the pipeline's turn; only a call to read it on could free it). And
+    a new thread given the ended one's id was told it called from its own callback. Such a call is refused,
+    naming the open stream; once it is closed, calls run as ever."""
+    import threading
+    from mindspec.errors import MindspecError
+    want = pipe.generate(prompt_ids=[5, 6, 7], max_new_tokens=8).token_ids
+    rs = [pipe.request(prompt_ids=[9, 8, 7], max_new_tokens=30)]
+    s = pipe.stream(rs)
+    first = threading.Thread(target=lambda: next(s))
+    first.start()
+    first.join(300)
+    errors = []
+
+    def ask():
+        try:
+            pipe.generate(prompt_ids=[5, 6, 7], max_new_tokens=8)
+        except MindspecError as e:
+            errors.append(str(e))
+
+    for _ in range(2):  # (threads of their own: a hang fails the test, not the suite; a new thread often gets
+        caller = threading.Thread(target=ask, daemon=True)  # the ended one's id)
+        caller.start()
+        caller.join(60)
+        assert not caller.is_alive(), "generate waited for a stream nobody reads"
+    assert len(errors) == 2 and all("a stream of this pipeline is open, left half-read by a thread that has ended"
+                                    in e for e in errors), errors
+    s.close()
+    assert rs[0].done and rs[0].result().finish_reason == "abort"
+    assert pipe.generate(prompt_ids=[5, 6, 7], max_new_tokens=8).token_ids == want
+
+
+def test_a_stream_closed_half_way_ends_its_requests_aborted(pipe):
+    """The library probe's: the requests of a stream closed half-way (or left by a Ctrl-C) said done False and
+    finish_reason "length" (4 of 12 tokens), the one never started too."""
+    rs = [pipe.request(prompt_ids=[5, 6, 7], max_new_tokens=30), pipe.request(prompt_ids=[9, 8, 7], max_new_tokens=30)]
+    s = pipe.stream(rs, max_batch=1)
+    next(s)
+    s.close()
+    assert [(r.done, r.result().finish_reason) for r in rs] == [(True, "abort"), (True, "abort")]
+    assert 0 < len(rs[0].output) < 30 and rs[1].output == []
 
 
 def test_a_call_its_callback_interrupts_leaves_the_pipeline_clean(pipe):
