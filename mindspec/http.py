@@ -35,6 +35,7 @@ def _json_error(status, message):
 
 class _Protocol(RequestHandler):
     request, sent, watchdog = None, 0, None  # the latest request; the bytes written for those before it
+    _seen = b""  # the last bytes received (a head's end may span two reads)
 
     def connection_made(self, transport):
         super().connection_made(transport)
@@ -51,20 +52,41 @@ class _Protocol(RequestHandler):
 
     def data_received(self, data):
         """aiohttp's, fed one request head at a time: its parser drops every message of a chunk it fails on, so
-        a valid request pipelined before a malformed one went unanswered (the 400 read as its answer). And the
-        body of a request being answered still arrives once the server stops (aiohttp reads nothing more of a
-        connection it closes: the request got no answer, or a false 408), so that its handler can answer it."""
+        a valid request pipelined before a malformed one went unanswered (the 400 read as its answer). What
+        follows a request that said it was the last, or a malformed one, is not parsed (RFC 9112 9.6); past
+        aiohttp's queue of pipelined requests the rest is fed whole, for its parser to hold (as aiohttp does).
+        And the body of a request still arriving once the server stops is let in (aiohttp reads nothing more of
+        a connection it closes: the request got no answer, or a false 408), so that its handler answers it."""
         closing = self._close, self._force_close
-        if any(closing) and (self.request is None or self.request.content.is_eof() or self.transport is None):
+        if any(closing) and (self.transport is None or not self._body_due()):
             return
-        for piece in _heads(data):
-            self._close = self._force_close = False  # (only the answered request's body is let in: start() sees
-            try:  # the flags again before it takes another message)
+        pieces = _heads(self._seen[-3:], data) if data else [data]  # (b"": aiohttp's own call, to parse what its
+        self._seen = (self._seen + data)[-3:]  # parser holds back)
+        for i, piece in enumerate(pieces):
+            if self._past_last():
+                break
+            if len(self._messages) >= self._max_msg_queue_size:
+                piece = b"".join(pieces[i:])
+            self._close = self._force_close = False  # (only a due body is let in: start() sees the flags again
+            try:  # before it takes another message)
                 super().data_received(piece)
             finally:
                 self._close, self._force_close = self._close or closing[0], self._force_close or closing[1]
-            if self._messages and isinstance(self._messages[-1][0], _ErrInfo):  # (the rest is past the error)
+            if piece is not pieces[i]:
                 break
+
+    def _past_last(self):
+        """Whether what arrives now follows the connection's last request (a malformed one, or one whose head
+        said so, its body all there): not to be parsed."""
+        if self._messages:
+            msg, payload = self._messages[-1]
+            return isinstance(msg, _ErrInfo) or (getattr(msg, "should_close", False) and payload.is_eof())
+        return self.request is not None and not self.request.keep_alive and self.request.content.is_eof()
+
+    def _body_due(self):
+        """Whether a request's body is still arriving: the one answered, or one queued (not yet taken)."""
+        payloads = [m[1] for m in self._messages] + ([self.request.content] if self.request is not None else [])
+        return any(not p.is_eof() for p in payloads)
 
     def connection_lost(self, exc):
         if self.watchdog is not None:
@@ -161,13 +183,18 @@ class _Server(web.Server):
             self.on_error(503)
 
 
-def _heads(data):
-    """data cut after each blank line that may end a request's head (b"\r\n\r\n")."""
-    pieces, start = [], 0
-    while (end := data.find(b"\r\n\r\n", start)) != -1:
-        pieces.append(data[start:end + 4])
-        start = end + 4
-    return pieces + [data[start:]] if start < len(data) else pieces
+def _heads(before, data):
+    """data cut after each b"\r\n\r\n" (a blank line that may end a request's head), one begun in `before` (the
+    last bytes received before data, at most 3) included."""
+    joined, cuts = before + data, []
+    at = joined.find(b"\r\n\r\n")
+    while at != -1:
+        cut = at + 4 - len(before)  # (where it ends in data; <= 0: within before, fed already)
+        if cut > 0:
+            cuts.append(cut)
+        at = joined.find(b"\r\n\r\n", at + 4)
+    pieces = [data[a:b] for a, b in zip([0] + cuts, cuts)]
+    return pieces + [data[cuts[-1] if cuts else 0:]] if not cuts or cuts[-1] < len(data) else pieces
 
 
 def _listening(host, port):
@@ -207,8 +234,9 @@ class HttpServer:
         else:
             try:
                 resp = await self.handle(request)
-            except asyncio.CancelledError:  # (its client left: /metrics counts a 499, so does the log)
-                self._log(request, 499)
+            except asyncio.CancelledError:  # (its client left: /metrics counts a 499, so does the log; or the
+                gone = request.transport is None or request.transport.is_closing()  # server stops: 503)
+                self._log(request, 499 if gone else 503)
                 raise
         self._log(request, resp.status)
         return resp

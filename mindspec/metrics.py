@@ -37,8 +37,8 @@ class Metrics:
                               buckets=_SECONDS, registry=r)
         self.drafted = Counter("mindspec_spec_draft_tokens", "draft tokens proposed to the target", registry=r)
         self.accepted = Counter("mindspec_spec_accepted_tokens", "draft tokens the target kept", registry=r)
-        self.accepted_at = Counter("mindspec_spec_accepted_at_position", "steps whose draft at this position "
-                                   "(0 = first) was accepted", ["position"], registry=r)
+        self.accepted_at = Counter("mindspec_spec_accepted_at_position", "a finished request's steps whose draft at "
+                                   "this position (0 = first) was accepted", ["position"], registry=r)
         self.k_steps = Counter("mindspec_spec_k_steps", "a finished request's steps run with this K (0: no draft); "
                                "a step of B rows counts B", ["k"], registry=r)
         self.target_calls = Counter("mindspec_spec_target_calls", "a finished request's target calls (prefill counts "

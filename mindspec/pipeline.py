@@ -384,34 +384,42 @@ class Pipeline:
         if holder is threading.current_thread():
             raise MindspecError("generate was called from inside its own callback, or while a stream of this "
                                 "pipeline is open: call it after that one ends (or close the stream)")
-        if holder is not None and not holder.is_alive():  # (waiting for it hung: no thread is to read it on)
-            raise MindspecError("a stream of this pipeline is open, left half-read by a thread that has ended: "
-                                "read it to its end or close it (stream.close()) first")
+        self._check_holder()
         _check_call("run and stream", reqs, max_batch)  # (0 rows waited for ever)
         if len({id(r) for r in reqs}) < len(reqs):  # (its second turn never came: a spin)
             raise MindspecError("the same request is given twice: make one per generation")
         if any(r.state != WAITING or r.output or r.pos for r in reqs):  # (it went on after its old output)
             raise MindspecError("a request runs once: make one per generation (this one has run)")
 
+    def _check_holder(self):
+        holder = self._holder
+        if holder is not None and not holder.is_alive():  # (waiting for it hung: no thread is to read it on)
+            raise MindspecError("a stream of this pipeline is open, left half-read by a thread that has ended: "
+                                "read it to its end or close it (stream.close()) first")
+
     def _stream(self, reqs, max_batch, ready):
         self._check_stream(reqs, max_batch)  # (again: what was true when it was made may not be when it starts)
-        with self._turn:
+        while not self._turn.acquire(timeout=0.5):  # (its holder may end while this call waits)
+            self._check_holder()
+        try:
             self._holder = threading.current_thread()
-            steps, began = self._steps(reqs, int(max_batch), ready), False
+            steps = self._steps(reqs, int(max_batch), ready)
             try:
                 for event in steps:
-                    began = True
                     yield event
                     self._holder = threading.current_thread()  # (who reads it on: its own call would wait for itself)
             except BaseException:  # (GeneratorExit too: a consumer that stopped reading)
-                for r in reqs if began else ():  # (one that failed before its first step, loading, may run again)
-                    r.finish("abort")  # (a request ended: no-op)
+                if any(r.state != WAITING or r.pos for r in reqs):  # (the engine took them; if not, loading failed:
+                    for r in reqs:  # they may run again)
+                        r.finish("abort")  # (a request ended: no-op)
                 if self.engine is not None:
                     self.engine.reset()  # (this call's requests were the only ones in it)
                 raise
             finally:
                 steps.close()
                 self._holder = None
+        finally:
+            self._turn.release()
 
     def _steps(self, reqs, max_batch, ready):
         warm_up, held = self._held(lambda: self.prepare(reqs, max_batch))

@@ -1,6 +1,7 @@
 """End to end through the library: speculative greedy == target-only greedy, token for token."""
 import os
 import signal
+import time
 
 import numpy as np
 import pytest
@@ -449,6 +450,20 @@ def test_a_stream_left_open_by_a_thread_that_ended_is_named_not_waited_for(pipe)
     s.close()
     assert rs[0].done and rs[0].result().finish_reason == "abort"
     assert pipe.generate(prompt_ids=[5, 6, 7], max_new_tokens=8).token_ids == want
+    # the diff review's: a call already waiting when the reading thread ends is refused too (it waited for ever)
+    s, release = pipe.stream([pipe.request(prompt_ids=[9, 8, 7], max_new_tokens=30)]), threading.Event()
+    reader = threading.Thread(target=lambda: next(s) and release.wait(60))
+    reader.start()
+    time.sleep(0.5)  # (its first step read)
+    errors.clear()
+    caller = threading.Thread(target=ask, daemon=True)
+    caller.start()
+    time.sleep(1)
+    release.set()
+    reader.join(60)
+    caller.join(30)
+    assert not caller.is_alive() and len(errors) == 1 and "left half-read by a thread that has ended" in errors[0]
+    s.close()
 
 
 def test_a_stream_closed_half_way_ends_its_requests_aborted(pipe):
@@ -460,6 +475,23 @@ def test_a_stream_closed_half_way_ends_its_requests_aborted(pipe):
     s.close()
     assert [(r.done, r.result().finish_reason) for r in rs] == [(True, "abort"), (True, "abort")]
     assert 0 < len(rs[0].output) < 30 and rs[1].output == []
+    # the diff review's: a Ctrl-C after a step that yielded nothing (a prompt's first 32-token chunk) left them
+    # half-prefilled, done False, and unable to run again
+    rs = [pipe.request(prompt_ids=list(range(5, 45)), max_new_tokens=30), pipe.request(prompt_ids=[9, 8, 7])]
+    real = pipe.engine.step
+
+    def step():
+        real()
+        raise KeyboardInterrupt
+
+    pipe.engine.step = step
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            list(pipe.stream(rs, max_batch=1))
+    finally:
+        del pipe.engine.step
+    assert [(r.done, r.result().finish_reason) for r in rs] == [(True, "abort"), (True, "abort")]
+    assert pipe.generate(prompt_ids=[5, 6, 7], max_new_tokens=4).token_ids  # (the pipeline serves on)
 
 
 def test_a_call_its_callback_interrupts_leaves_the_pipeline_clean(pipe):
