@@ -74,6 +74,15 @@ def _free_all():
         _GRAPHS.release()
 
 
+def _keywords_checked(fn):
+    """fn, an unknown keyword refused by name (not as Python's TypeError): a method called with the user's."""
+    @functools.wraps(fn)
+    def call(self, *args, **kw):
+        _known(kw, fn)
+        return fn(self, *args, **kw)
+    return call
+
+
 class Pipeline:
     @signals.holding  # a Ctrl-C meanwhile waits for the load's end (its imports: numpy's, tokenizers', MindSpore's,
     # onnxruntime's; see mindspec.signals), or for a safe point (before each graph compile)
@@ -260,6 +269,7 @@ class Pipeline:
             raise MindspecError("the prompt is empty")
         return ids
 
+    @_keywords_checked
     def request(self, prompt=None, prompt_ids=None, max_new_tokens=64, temperature=0.0, seed=None, stop=None,
                 chat=False, k=None, speculate=True, top_k=0, top_p=1.0, repetition_penalty=1.0,
                 draft_temperature=None, draft_min_conf=None, request_id=None, logprobs=None, presence_penalty=0.0,

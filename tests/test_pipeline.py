@@ -845,6 +845,8 @@ def test_careless_library_calls_are_one_line_errors_and_change_nothing(pipe, tin
         pipe.generate(prompt_ids=[5], on_text=5)
     with pytest.raises(MindspecError, match='unknown keyword "foo"'):
         pipe.generate(prompt_ids=[5], foo=1)
+    with pytest.raises(MindspecError, match='unknown keyword "foo"'):  # (the library probe's: Python's TypeError)
+        pipe.request(prompt_ids=[5], foo=1)
     # numpy integers: refused with messages that read "must be an integer ..., got 3"
     got = pipe.generate(prompt_ids=[5, 6, 7], max_new_tokens=np.int64(12), k=np.int64(4))
     assert got.token_ids == want.token_ids and type(got.stats["drafted"]) is int
