@@ -36,6 +36,7 @@ def _json_error(status, message):
 class _Protocol(RequestHandler):
     request, sent, watchdog = None, 0, None  # the latest request; the bytes written for those before it
     _seen = b""  # the last bytes received (a head's end may span two reads)
+    _held = b""  # received, not yet parsed: past aiohttp's queue of pipelined requests
 
     def connection_made(self, transport):
         super().connection_made(transport)
@@ -60,20 +61,21 @@ class _Protocol(RequestHandler):
         closing = self._close, self._force_close
         if any(closing) and (self.transport is None or not self._body_due()):
             return
-        pieces = _heads(self._seen[-3:], data) if data else [data]  # (b"": aiohttp's own call, to parse what its
-        self._seen = (self._seen + data)[-3:]  # parser holds back)
-        for i, piece in enumerate(pieces):
+        before = b"" if self._held else self._seen  # (what is held starts after a head's end)
+        self._seen = (self._seen + data)[-3:]
+        data, self._held = self._held + data, b""
+        pieces = _heads(before, data) if data else [data]  # (b"": aiohttp's own call, to parse what its parser
+        for i, piece in enumerate(pieces):  # holds back, or what is held here, once its queue has room)
             if self._past_last():
                 break
-            if len(self._messages) >= self._max_msg_queue_size:
-                piece = b"".join(pieces[i:])
+            if len(self._messages) >= self._max_msg_queue_size:  # (aiohttp paused reading: on resuming it calls
+                self._held = b"".join(pieces[i:])  # data_received(b""))
+                break
             self._close = self._force_close = False  # (only a due body is let in: start() sees the flags again
             try:  # before it takes another message)
                 super().data_received(piece)
             finally:
                 self._close, self._force_close = self._close or closing[0], self._force_close or closing[1]
-            if piece is not pieces[i]:
-                break
 
     def _past_last(self):
         """Whether what arrives now follows the connection's last request (a malformed one, or one whose head
@@ -183,12 +185,13 @@ class _Server(web.Server):
             self.on_error(503)
 
 
-def _heads(before, data):
+def _heads(before, data, most=32):
     """data cut after each b"\r\n\r\n" (a blank line that may end a request's head), one begun in `before` (the
-    last bytes received before data, at most 3) included."""
+    last bytes received before data, at most 3) included; at most `most` cuts (a body of blank lines is not cut
+    into thousands of parser calls; aiohttp queues 32 requests)."""
     joined, cuts = before + data, []
     at = joined.find(b"\r\n\r\n")
-    while at != -1:
+    while at != -1 and len(cuts) < most:
         cut = at + 4 - len(before)  # (where it ends in data; <= 0: within before, fed already)
         if cut > 0:
             cuts.append(cut)
@@ -222,7 +225,7 @@ class HttpServer:
         on_bound(extra as bound, port 0 the system's) before a request is served."""
         self.handle, self.host, self.port, self.on_error = handle, host, port, on_error or (lambda status: None)
         self.extra, self.failed, self.on_bound = list(extra), (host, port), on_bound or (lambda extra: None)
-        self.max_connections, self.keepalive = max_connections, keepalive
+        self.max_connections, self.keepalive, self.stopping = max_connections, keepalive, False
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self._run, name="http", daemon=True)
 
@@ -235,8 +238,7 @@ class HttpServer:
             try:
                 resp = await self.handle(request)
             except asyncio.CancelledError:  # (its client left: /metrics counts a 499, so does the log; or the
-                gone = request.transport is None or request.transport.is_closing()  # server stops: 503)
-                self._log(request, 499 if gone else 503)
+                self._log(request, 503 if self.stopping else 499)  # server stops)
                 raise
         self._log(request, resp.status)
         return resp
@@ -298,6 +300,7 @@ class HttpServer:
 
     def stop(self):
         """Close the listening socket and the connections (handlers get up to 5 s to finish)."""
+        self.stopping = True
         try:
             asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(timeout=15)
         except Exception:  # noqa: BLE001 - stopping anyway

@@ -496,6 +496,12 @@ def test_pipelined_requests_past_aiohttps_queue_and_heads_across_reads_are_all_a
                       + b"GET /last HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
             got = read_all(s)
         assert got.count(b"HTTP/1.1 200 OK") == 34 and got.endswith(b"ok /last"), got[-200:]
+        with connect(port) as s:  # (the second review's: past the queue the rest went to the parser whole, and
+            s.sendall(b"".join(b"GET /g%d HTTP/1.1\r\nHost: x\r\n\r\n" % i for i in range(40))  # a malformed
+                      + b"BAD LINE\r\n\r\n")  # request after it dropped the requests parsed with it)
+            got = read_all(s)
+        assert got.count(b"HTTP/1.1 200 OK") == 40 and got.count(b"400 Bad Request") == 1, got[-300:]
+        assert got.index(b"ok /g39") < got.index(b"400 Bad Request")
         with connect(port) as s:
             s.sendall(b"GET /a HTTP/1.1\r\nHost: x\r\n\r")
             time.sleep(0.3)
