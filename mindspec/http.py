@@ -55,7 +55,7 @@ class _Protocol(RequestHandler):
         """aiohttp's, fed one request head at a time: its parser drops every message of a chunk it fails on, so
         a valid request pipelined before a malformed one went unanswered (the 400 read as its answer). What
         follows a request that said it was the last, or a malformed one, is not parsed (RFC 9112 9.6); past
-        aiohttp's queue of pipelined requests the rest is fed whole, for its parser to hold (as aiohttp does).
+        aiohttp's queue of 32 pipelined requests the rest is held here, and fed a head at a time as it drains.
         And the body of a request still arriving once the server stops is let in (aiohttp reads nothing more of
         a connection it closes: the request got no answer, or a false 408), so that its handler answers it."""
         closing = self._close, self._force_close
