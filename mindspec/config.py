@@ -118,8 +118,8 @@ def _scaling(settings, where, src):
                 "original_max_position_embeddings": "an integer from 1 to 2**31"}.get(key, "a number > 0")
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf") \
                 or key == "factor" and v < 1 or what.startswith("an integer") and (v != int(v) or v > 2 ** 31):
-            raise MindspecError(f"{where}: {src} {shown(rope_type)} needs {key}, {what}, got {shown(v)}")  # (8192.0
-        if v > F32_MAX:  # is HF's too; 10**20 positions were numpy's object array, a traceback)
+            raise MindspecError(f"{where}: {src} {shown(rope_type)} needs {key}, {what}, got {shown(v)}")  # (8192.0 ok)
+        if v > F32_MAX:  # (10**20 positions were numpy's object array: a traceback)
             raise MindspecError(f"{where}: {src} {shown(rope_type)} needs {key}, {what}, got {shown(v)}: beyond "
                                 "float32's range")
     if rope_type == "llama3" and not settings["low_freq_factor"] < settings["high_freq_factor"]:
