@@ -78,7 +78,7 @@ def _keywords_checked(fn):
     """fn, an unknown keyword refused by name (not as Python's TypeError): a method called with the user's."""
     @functools.wraps(fn)
     def call(self, *args, **kw):
-        _known(kw, fn)
+        _known(kw, getattr(self, fn.__name__))  # (bound: "self" is no keyword of it)
         return fn(self, *args, **kw)
     return call
 
@@ -472,7 +472,7 @@ class Pipeline:
         measured slower for the default self-draft, see README)."""
         if on_text is not None and not callable(on_text):
             raise MindspecError(f"on_text must be a callable (it gets each new piece of text), got {shown(on_text)}")
-        return self.run_one(self._request(kw, prompt=prompt, prompt_ids=prompt_ids, max_new_tokens=max_new_tokens),
+        return self.run_one(self.request(prompt=prompt, prompt_ids=prompt_ids, max_new_tokens=max_new_tokens, **kw),
                             on_text)
 
     def run_one(self, r, on_text=None):
@@ -481,11 +481,6 @@ class Pipeline:
         if r.error is not None:
             raise r.error
         return r.result()
-
-    def _request(self, kw, **named):
-        """request(**named, **kw), an unknown keyword refused by name (not as request()'s TypeError)."""
-        _known(kw, self.request)
-        return self.request(**named, **kw)
 
     def generate_many(self, requests, max_batch=None):
         """requests: a list of dicts of generate's keywords. Results in input order, up to max_batch
@@ -500,7 +495,7 @@ class Pipeline:
             if not isinstance(kw, dict):
                 raise MindspecError(f"requests[{i}] must be a dict of generate's keywords, got {type(kw).__name__}")
             try:
-                reqs.append(self._request(kw))
+                reqs.append(self.request(**kw))
             except MindspecError as e:
                 raise MindspecError(f"requests[{i}]: {e}") from None
         self.run(reqs, max_batch=self.spec.max_batch if max_batch is None else max_batch)
