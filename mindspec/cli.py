@@ -41,8 +41,14 @@ def _k(text):
 
 def cmd_export(a):
     from mindspec.export import export_draft
-    m = export_draft(a.model, a.out, quantize=None if a.quantize == "none" else a.quantize, layers=a.layers,
-                     max_seq=a.max_seq, dtype=a.dtype, profile=a.profile)
+    try:
+        m = export_draft(a.model, a.out, quantize=None if a.quantize == "none" else a.quantize, layers=a.layers,
+                         max_seq=a.max_seq, dtype=a.dtype, profile=a.profile)
+    except MindspecError as e:  # the library's words name its keywords; this user typed the flags
+        word = str(e).split(" ", 1)[0]
+        if word in ("layers", "max_seq"):
+            raise MindspecError("--" + word.replace("_", "-") + str(e)[len(word):]) from None
+        raise
     layers = f"{m['num_layers']} layer{'s' * (m['num_layers'] != 1)}"
     print(f"wrote {a.out} ({layers}, {m['dtype']}, quantize={m['quantize'] or 'none'}, profile {m['profile']}) "
           f"and {a.out}.json")

@@ -370,7 +370,9 @@ def test_bad_requests(pair):
 
 def test_export_bad_arguments(tiny_target, tmp_path):
     _expect_error(["export", "--model", tiny_target[0], "--out", str(tmp_path / "d.onnx"), "--layers", "9"],
-                  "layers")
+                  "--layers must be between 1 and 2")  # (the flag typed: was the library's keyword, layers)
+    _expect_error(["export", "--model", tiny_target[0], "--out", str(tmp_path / "d.onnx"), "--max-seq", "99999"],
+                  "--max-seq must be an integer from 1 to")
     _expect_error(["export", "--model", str(tmp_path / "none"), "--out", str(tmp_path / "d.onnx")],
                   "not found")
     # README's `--quantize none` (float weights) was an argparse error
