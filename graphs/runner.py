@@ -1,6 +1,7 @@
 """TargetModel: the compiled target graphs over a slotted KV cache. It keeps no per-request state:
 the engine says, per call, which slot each row uses and at which position (rollback = the engine
 moving that integer)."""
+import contextlib
 import fcntl
 import hashlib
 import os
@@ -89,6 +90,30 @@ def _pin_cache_dependencies():
     return lambda: [setattr(mod, "_get_compile_cache_dep_files", f) for mod, f in saved.items()]
 
 
+@contextlib.contextmanager
+def _compile_cache(path):
+    """MindSpore's compile cache (read per compile) on at `path` for what compiles inside, off without one;
+    the host's settings back after. A host's MS_COMPILER_CACHE_ENABLE=1 turned it on for every graph: a
+    `python -c` script crashed on it (MindSpore opens sys.argv[0]), and it maps cached files to graphs by
+    compile order (warmup). `False`: untouched (nothing compiles)."""
+    if path is False:
+        yield
+        return
+    saved = {name: os.environ.get(name) for name in ("MS_COMPILER_CACHE_ENABLE", "MS_COMPILER_CACHE_PATH")}
+    if path:
+        os.environ.update(MS_COMPILER_CACHE_ENABLE="1", MS_COMPILER_CACHE_PATH=path)
+    else:
+        os.environ.pop("MS_COMPILER_CACHE_ENABLE", None)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 @dataclass
 class RowSampling:
     """Per-row sampling inputs of one step (n rows): temperature, top_k, top_p, penalty [n]; seen [n, V]
@@ -160,6 +185,7 @@ class TargetModel:
         self.ran, self.cold_runs, self.warm_names = set(), 0, []
         self.pending = []  # graphs warm-up left to load_next, in its order
         self._cache = None  # (path, lock, writing) of the compile cache the pending graphs go through
+        self._caching = None  # the compile cache path of the graph compiling now (load_next), or None
         self.load_error = None  # why the next pending graph did not compile (load_next)
         self.writes = 0  # graph runs (each writes K/V into cache slots): the engine's prefix cache checks it
         self.host_rows = 0  # sampling rows redone on the host (_sampled)
@@ -199,7 +225,8 @@ class TargetModel:
         fresh = key not in self.compiled
         _COMPILES += fresh
         t = time.perf_counter()
-        out = self.cells[kind].compile(*args) if dry else self.cells[kind](*args)
+        with _compile_cache(self._caching if fresh else False):
+            out = self.cells[kind].compile(*args) if dry else self.cells[kind](*args)
         if dry or fresh:  # the first run of a graph compiled dry builds what compile left: not compile time
             self.compile_s += time.perf_counter() - t
         self.compiled.add(key)
@@ -443,7 +470,7 @@ class TargetModel:
             # after it would load the files of the ones before, so they compile afresh
         cached = self._cache is not None
         if cached:
-            os.environ.update(MS_COMPILER_CACHE_ENABLE="1", MS_COMPILER_CACHE_PATH=self._cache[0])  # read per compile
+            self._caching = self._cache[0]  # (_call: this compile alone; later graphs compile in any order)
             unpin = _pin_cache_dependencies()
         try:
             self._compile(kind, B, T - 1, W)
@@ -453,7 +480,7 @@ class TargetModel:
             raise
         finally:
             if cached:
-                os.environ.pop("MS_COMPILER_CACHE_ENABLE")  # later graphs compile in any order
+                self._caching = None
                 unpin()
         self.pending.pop(0)
         if cached and self._cache is not None and self._cache[2]:  # (a reader's entry is whole: never dropped)
