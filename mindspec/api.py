@@ -484,9 +484,10 @@ class Api:
     async def _openai(self, request, chat):
         self._check_ready()
         body = await self._body(request)
-        if body.get("prompt") is not None and body.get("messages") is not None:
-            raise RequestError("give either \"prompt\" or \"messages\", not both", param="messages")
         _check_keys(body, CHAT_KEYS if chat else COMPLETION_KEYS)
+        field = "messages" if chat else "prompt"  # (the endpoint's own: found, the other's named too)
+        if body.get(field) is None:
+            raise RequestError(f"{field} is required", param=field)
         self._openai_model(body)
         stream, timeout = _stream_flag(body), _timeout(body)
         usage = _include_usage(body, stream)
@@ -506,7 +507,7 @@ class Api:
         kw = await self._encoded(kw)
         # choice i samples with seed + i (a greedy request gives n equal choices, as vLLM's; a seed that is
         # not an integer is left for the engine's check to refuse)
-        kws = [kw if i == 0 or type(kw.get("seed")) is not int else dict(kw, seed=(kw["seed"] + i) % 2 ** 63)
+        kws = [kw if i == 0 or type(kw.get("seed")) is not int else dict(kw, seed=(kw["seed"] + i) % 2 ** 64)
                for i in range(n)]  # (the last seeds wrap: every seed the request may give works with any n)
         first = OpenAI(self.app, chat, include_usage=usage)
         fmts = [first] + [OpenAI(self.app, chat, index=i, head=first.head, include_usage=usage) for i in range(1, n)]

@@ -58,7 +58,8 @@ def completion_logprobs(pipe, tokens, offset=0):
     for i, text, (lp, top) in tokens:
         out["tokens"].append(pipe.tokenizer.decode([i]))
         out["token_logprobs"].append(lp)
-        out["top_logprobs"].append({pipe.tokenizer.decode([j]): x for j, x in top})
+        # the token's own entry too: OpenAI's "up to logprobs+1 elements", as vLLM's
+        out["top_logprobs"].append({**{pipe.tokenizer.decode([j]): x for j, x in top}, out["tokens"][-1]: lp})
         out["text_offset"].append(offset)
         offset += len(text)
     return out

@@ -236,6 +236,7 @@ def make(pipe, kw, request_id=None):
     if bad:
         raise RequestError(f"stop_token_ids: {bad[0]} is outside the vocabulary [0, {pipe.cfg.vocab_size})")
     own = frozenset() if ignore_eos else r.eos
+    r.unshown = r.eos - own  # (as vLLM's detokenizer, which skips special tokens)
     r.eos = frozenset(stop_ids) | own
     r.stop_tokens = r.eos - own  # (EOS first, as vLLM's: a stop token that is EOS too gives no stop_reason)
     r.min_tokens = min_tokens

@@ -60,8 +60,8 @@ class SamplingParams:
             if 0 < (getattr(self, name) or 0) < MIN_TEMPERATURE:
                 object.__setattr__(self, name, 0.0)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer))
-                                      or not 0 <= self.seed < 2 ** 63):
-            raise MindspecError(f"seed must be an integer in [0, 2**63), got {shown(self.seed)}")
+                                      or not -2 ** 63 <= self.seed < 2 ** 64):  # (PyTorch's manual_seed's, vLLM's)
+            raise MindspecError(f"seed must be an integer in [-2**63, 2**64), got {shown(self.seed)}")
 
     @property
     def greedy(self):
@@ -104,7 +104,7 @@ def uniforms(seed, start, n, stream):
     again later is still fresh randomness."""
     out = np.empty(n, np.float32)
     for i in range(n):
-        g = np.random.Generator(np.random.Philox(key=int(seed), counter=[start + i, stream, 0, 0]))
+        g = np.random.Generator(np.random.Philox(key=int(seed) % 2 ** 64, counter=[start + i, stream, 0, 0]))
         out[i] = g.random(dtype=np.float32)
     return out
 

@@ -77,6 +77,7 @@ class Request:
         self.stops, self.eos, self.draft_min_conf = [s for s in (stop or []) if s], frozenset(eos), draft_min_conf
         self.min_tokens = 0  # neither EOS nor a stop string ends the request before this many tokens (vLLM's)
         self.stop_tokens = frozenset()  # ids in eos that are the request's own stop tokens (not EOS)
+        self.unshown = frozenset()  # ids kept as tokens but left out of the text (EOS under ignore_eos)
         self.stop_reason = None  # the stop string or stop token that ended it
         self.logprobs = None  # n: each token's logprob and its n best alternatives (0..TOP_LOGPROBS)
         self.token_logprobs = []  # per output token, when logprobs is set: (logprob, [(id, logprob)])
@@ -123,6 +124,8 @@ class Request:
                     self.stop_reason = int(tok) if tok in self.stop_tokens else None
                     return self.finish("stop")
                 continue  # too early to end: kept as a token, left out of the text
+            if tok in self.unshown:
+                continue
             if self._stream is not None:
                 was, self.text = len(self.text), self.text + self._stream.push([int(tok)])
                 self.ends[-1], self._pushed = len(self.text), len(self.output)

@@ -637,7 +637,7 @@ def test_serve_and_batch_defaults_draw_no_seed_under_msrun_or_dp(monkeypatch):
     (["generate", "--target", "nowhere", "--draft-min-conf", "1.5"], "draft_min_conf must be between 0 and 1, got 1.5"),
     (["batch", "--input", "i", "--output", "o", "--presence-penalty", "2.5"],
      "presence_penalty must be a number in [-2, 2], got 2.5"),
-    (["generate", "--target", "nowhere", "--seed", "-3"], "seed must be an integer in [0, 2**63), got -3"),
+    (["generate", "--target", "nowhere", "--seed", str(2 ** 64)], "seed must be an integer in [-2**63, 2**64), got 1844"),
     (["generate", "Hi", "-k", "abc"], "mindspec: error: argument -k: "),  # (the docs prober's: "mindspec generate:")
     (["generate", "Hi", "--max-seq", "-5"],
      "mindspec: error: argument --max-seq: must be an integer >= 1, got '-5' (see mindspec generate --help)"),

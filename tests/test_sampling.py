@@ -68,12 +68,12 @@ def test_top_k_one_below_the_vocabulary_removes_exactly_one_token():
 
 @pytest.mark.parametrize("kw", [dict(temperature=-1), dict(temperature=float("nan")), dict(top_k=-2),
                                 dict(top_k=2.5), dict(top_p=0), dict(top_p=1.5), dict(repetition_penalty=0),
-                                dict(draft_temperature=-0.1), dict(seed=-1), dict(seed="x"),
+                                dict(draft_temperature=-0.1), dict(seed=-2 ** 63 - 1), dict(seed="x"),
                                 dict(temperature=True),
                                 # values that pass a sign check but overflow or vanish in the float32 graph
                                 dict(temperature=1e39), dict(repetition_penalty=1e-46), dict(top_k=2 ** 63),
-                                dict(top_p=float("inf")), dict(seed=2 ** 64),
-                                dict(seed=2 ** 63),  # (the bound is exclusive: found by mutation testing)
+                                dict(top_p=float("inf")), dict(seed=2 ** 128),
+                                dict(seed=2 ** 64),  # (the bound is exclusive: found by mutation testing)
                                 # a huge value is not quoted whole (found: 10**2000's 2001 digits, a 100 kB string)
                                 dict(temperature=10 ** 2000), dict(seed="x\n" * 50_000)])
 def test_bad_sampling_params_raise_one_line(kw):
@@ -97,7 +97,9 @@ def test_sampling_params_draft_and_flags():
 def test_sampling_params_normalise_tiny_temperatures_vllm_top_k_and_the_seed_bound():
     """Found by mutation testing: a draft_temperature below MIN_TEMPERATURE is stored as 0.0 like the
     target's (not only once for_draft() re-checks it), top_k -1 (vLLM's off) is stored as 0, and the
-    largest seed accepted is 2**63 - 1 (2**63 is refused: see test_bad_sampling_params_raise_one_line)."""
+    seeds accepted are PyTorch's manual_seed's (vLLM's), OpenAI's int64 and TGI's u64: [-2**63, 2**64) (found: -1 refused
+    on OpenAI's routes), a negative one its 64-bit two's complement (2**64 is refused: see
+    test_bad_sampling_params_raise_one_line)."""
     from mindspec.sampling import MIN_TEMPERATURE
     p = SamplingParams(1.0, draft_temperature=MIN_TEMPERATURE / 10)
     assert p.draft_temperature == 0.0 and p.temperature == 1.0
@@ -105,7 +107,10 @@ def test_sampling_params_normalise_tiny_temperatures_vllm_top_k_and_the_seed_bou
     assert SamplingParams(MIN_TEMPERATURE / 10).temperature == 0.0
     off = SamplingParams(1.0, top_k=-1)
     assert off.top_k == 0 and not off.truncates
-    assert SamplingParams(seed=2 ** 63 - 1).seed == 2 ** 63 - 1
+    assert SamplingParams(seed=2 ** 64 - 1).seed == 2 ** 64 - 1 and SamplingParams(seed=-2 ** 63).seed == -2 ** 63
+    from mindspec.sampling import ACCEPT, uniforms
+    assert list(uniforms(-1, 5, 3, ACCEPT)) == list(uniforms(2 ** 64 - 1, 5, 3, ACCEPT)) \
+        != list(uniforms(2 ** 63 - 1, 5, 3, ACCEPT))
 
 
 def test_uniforms_are_keyed_by_seed_position_and_stream():

@@ -270,6 +270,8 @@ def test_mindies_tgi_fields_details_truncate_and_adapter_id(server, pipe):
     assert status == 400 and json.loads(text)["error"]["param"] == "max_tokens", text  # (a README reader's: null)
     status, text = call(base, "/v1/chat/completions", raw=b'{"messages": [{"role": "user", "role": "user"}]}')
     assert status == 400 and json.loads(text)["error"]["param"] is None, text  # (a nested key: its path unknown)
+    status, text = call(base, "/v1/chat/completions", {"max_tokens": 2})  # (was: null, and "prompt" named too)
+    assert status == 400 and json.loads(text)["error"]["param"] == "messages", text
 
 
 def test_a_requests_timeout_ends_it(server, pipe):
@@ -769,7 +771,8 @@ def test_mindies_openai_example_fields_at_their_defaults_are_accepted(server):
 BAD = [  # (path, body or raw bytes, status, words in the message)
     ("/v1/completions", b"{oops", 400, "not valid JSON"),
     ("/v1/completions", b"[1, 2]", 400, "JSON object"),
-    ("/v1/completions", {}, 400, "exactly one of"),
+    ("/v1/completions", {}, 400, "prompt is required"),
+    ("/v1/chat/completions", {"max_tokens": 4}, 400, "messages is required"),
     ("/v1/completions", {"prompt": 5}, 400, "prompt must be"),
     ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature must be a number in [0, 100"),
     ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature must be a number in [0, 100"),
@@ -830,8 +833,8 @@ BAD = [  # (path, body or raw bytes, status, words in the message)
     ("/v1/completions", {"prompt": IDS, "max_tokens": MAX_SEQ}, 400, "max_tokens=128 does not fit: the 4-token prompt"),
     ("/generate", {"inputs": "hi", "parameters": {"max_new_tokens": MAX_SEQ}}, 422, "max_new_tokens=128 does not fit"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, 'role "wizard" is not one of'),
-    ("/v1/chat/completions", {"messages": HI, "prompt": "hi"}, 400,
-     "either \"prompt\" or \"messages\", not both"),
+    ("/v1/chat/completions", {"messages": HI, "prompt": "hi"}, 400, "unknown field 'prompt'"),
+    ("/v1/completions", {"messages": HI, "prompt": "hi"}, 400, "unknown field 'messages'"),
     ("/v1/completions", {"prompt": ["one", "two"]}, 400, "prompt is a list of 2 prompts: send one prompt per request"),
     ("/v1/completions", {"prompt": "hi", "min_tokens": -1}, 400, "min_tokens must be an integer in [0, "),
     ("/v1/completions", {"prompt": "hi", "stop_token_ids": [2, "x"]}, 400, "stop_token_ids must be a list"),
@@ -1139,7 +1142,9 @@ def test_logprobs_are_the_engines_own_in_every_openai_shape(server, pipe):
     lp = c["logprobs"]
     assert c["text"] == ref.text and lp["tokens"] == [text(i) for i in ref.token_ids]
     assert lp["token_logprobs"] == pytest.approx([x for x, _ in ref.logprobs], abs=1e-5)
-    assert lp["top_logprobs"] == [pytest.approx({text(i): x for i, x in top}, abs=1e-5) for _, top in ref.logprobs]
+    # the sampled token's own entry always, as OpenAI's ("up to logprobs+1 elements") and vLLM's (found: left out)
+    assert lp["top_logprobs"] == [pytest.approx({**{text(i): x for i, x in top}, text(t): x0}, abs=1e-5)
+                                  for t, (x0, top) in zip(ref.token_ids, ref.logprobs)]
     assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
     chunks = [e for e in events(server[0], "/v1/completions", {"prompt": TEXT, "max_tokens": N, "logprobs": 2,
                                                                 "stream": True}) if e != "[DONE]"]
@@ -1161,7 +1166,8 @@ def test_logprobs_are_the_engines_own_in_every_openai_shape(server, pipe):
     assert any(pipe.tokenizer.decode(ids[:i]).endswith("\ufffd") for i in range(1, len(ids)))  # (a case)
     zero = post(server[0], "/v1/completions", {"prompt": TEXT, "max_tokens": 4 * N, "logprobs": 0})
     zero = zero["choices"][0]["logprobs"]
-    assert zero["tokens"] == [text(i) for i in ids] and zero["top_logprobs"] == [{}] * len(ids)
+    assert zero["tokens"] == [text(i) for i in ids]
+    assert zero["top_logprobs"] == [{text(i): x} for i, x in zip(ids, zero["token_logprobs"])]
     assert zero["token_logprobs"][:N] == pytest.approx(lp["token_logprobs"], abs=1e-5)
     assert len(zero["token_logprobs"]) == len(ids) and zero["text_offset"] == starts
     # a stop string (the probe's: documented as rebuilding the text): the tokens that made it keep their entries,
@@ -1253,8 +1259,10 @@ def test_n_choices_run_side_by_side(server):
     assert [i for i, e in enumerate(evs) if "usage" in e] == [len(evs) - 2]
     assert dict(evs[-2]["usage"], prompt_tokens_details=None) == dict(chat["usage"], prompt_tokens_details=None)
     # the largest seed: choice 1 wraps to seed 0 (it was a 400 for a valid request)
-    top = post(base, "/v1/completions", dict(body, seed=2 ** 63 - 1, n=2))["choices"]
+    top = post(base, "/v1/completions", dict(body, seed=2 ** 64 - 1, n=2))["choices"]
     assert top[1]["text"] == post(base, "/v1/completions", dict(body, seed=0))["choices"][0]["text"]
+    # OpenAI's seed is an int64 (found: -1 refused): a negative one is its two's complement, as PyTorch's
+    assert post(base, "/v1/completions", dict(body, seed=-1))["choices"][0]["text"] == top[0]["text"]
 
 
 def test_stop_token_ids_and_min_tokens(server, pipe):
@@ -1346,6 +1354,10 @@ def test_ignore_eos_and_min_tokens_rules(pipe):
     r = make(pipe, parse({"prompt_ids": IDS, "max_tokens": 6, "ignore_eos": True}))
     r.commit([5, eos, 6])
     assert not r.done and r.output == [5, eos, 6]
+    # its EOS kept as a token, left out of the text, as an early one under min_tokens (found: "<|im_end|>" in
+    # the answer; vLLM's detokenizer skips it)
+    r.finish("length")
+    assert r.text == pipe.tokenizer.decode([5, 6]) != pipe.tokenizer.decode([5, eos, 6])
     r = make(pipe, parse({"prompt_ids": IDS, "max_tokens": 6, "min_tokens": 2}))
     r.commit([5, eos])  # the second token: too early to end
     assert not r.done and pipe.tokenizer.decode([eos]) not in r.text
