@@ -196,7 +196,8 @@ def _misfit(target, draft, tp, device_mem, seq_len, reserve, rows=1, flag="--seq
         fixes.append("a smaller draft")
     fixes.append("devices with more memory")
     draft_part = f"{d_w / GB:.1f} GB draft + " if draft is not None else ""
-    cache = f"{rows} rows of {seq_len} positions" if rows > 1 else f"one {seq_len}-token sequence"
+    cache = f"{rows} rows of {seq_len} positions" if rows > 1 else \
+        f"one row of {seq_len} positions" if tail else f"one {seq_len}-token sequence"
     needs, has = _gb(need(tp), usable)
     return (f"does not fit: each device needs {shard / GB:.1f} GB target shard + {draft_part}"
             f"{rows * seq_len * (t_kv + d_kv) / GB:.2f} GB KV cache for {cache} = {needs} GB > {has} GB usable; "
@@ -245,14 +246,15 @@ def _check_speed_args(device_bw, allreduce_us, device_tflops):
 
 def memory_plan(target, draft, *, tp, devices, device_mem, reserve=0.0, seq_len=4096):
     _check_layout(tp, devices, reserve, seq_len)
-    check_fits(target, draft, tp=tp, device_mem=device_mem, seq_len=seq_len, reserve=reserve)
+    slot = cache_positions(seq_len, K_BUCKETS)  # (found: a length whose slot fits no device planned 0 sequences)
+    check_fits(target, draft, tp=tp, device_mem=device_mem, seq_len=slot, reserve=reserve,
+               tail=cache_positions(1, K_BUCKETS) - 1)
     groups, usable = devices // tp, device_mem * (1 - reserve)
     shard, t_kv, d_w, d_kv = _per_device(target, draft, tp)
     free_draft_dev, free_other = usable - shard - d_w, usable - shard
     # a token needs t_kv + d_kv on every device of its group (each holds a draft)
     tokens = free_draft_dev // (t_kv + d_kv)
     tokens_nd = free_other // t_kv
-    slot = cache_positions(seq_len, K_BUCKETS)
     return {
         "total_gb": devices * device_mem / GB, "usable_gb": devices * usable / GB,
         "target_gb": target.weight_bytes / GB, "target_shard_gb": shard / GB, "draft_gb": d_w / GB,
@@ -375,7 +377,10 @@ def _model_from_args(a, prefix, path):
     """The target (prefix '') or draft (prefix 'draft_') from a path or from the four numbers."""
     nums = [getattr(a, prefix + n) for n in ("params", "layers", "kv_heads", "head_dim")]
     flags = ", ".join(f"--{prefix.replace('_', '-')}{n}" for n in ("params", "layers", "kv-heads", "head-dim"))
-    dtype = (a.draft_dtype or a.dtype) if prefix else a.dtype
+    dtype = a.dtype
+    if prefix:  # (an ascend draft is float16 whatever the target's --dtype: the profile's only)
+        dtype = a.draft_dtype or ("fp16" if (a.draft_profile or "ascend") == "ascend" and not os.path.isfile(path or "")
+                                  else a.dtype)
     if path:
         if any(v is not None for v in nums):
             raise MindspecError(f"give either --{prefix.rstrip('_') or 'target'} PATH or {flags}, not both")
@@ -405,9 +410,12 @@ def _as_profile(draft, a):
     an NPU runs no other) keeps its KV cache on the device twice (double-buffered, export/runtime.py) and takes
     no quantized weights; the cpu profile's, once."""
     profile = a.draft_profile or "ascend"
-    if profile == "ascend" and (a.draft_dtype or a.dtype) in _ONNX_WEIGHT_BYTES:
-        raise MindspecError(f"--draft-dtype {a.draft_dtype or a.dtype}: the ascend profile takes no quantized draft "
+    if profile == "ascend" and a.draft_dtype in _ONNX_WEIGHT_BYTES:
+        raise MindspecError(f"--draft-dtype {a.draft_dtype}: the ascend profile takes no quantized draft "
                             "(CANN runs no quantized MatMul); give fp16, or --draft-profile cpu")
+    if profile == "ascend" and a.draft_dtype not in (None, "fp16"):  # (found: planned; export refuses it)
+        raise MindspecError(f"--draft-dtype {a.draft_dtype}: the ascend profile's draft is float16 (CANN's MatMul "
+                            "takes float16 only); give fp16, or --draft-profile cpu")
     return dataclasses.replace(draft, kv_copies=2) if profile == "ascend" else draft
 
 

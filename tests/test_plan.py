@@ -97,9 +97,30 @@ def test_groups_and_reserve(capsys):
     # 64 GB accepted with 0 sequences)
     with pytest.raises(MindspecError) as e:
         run_plan(SEED + ["--reserve", "0.5", "--draft-profile", "cpu"], capsys)
-    assert str(e.value) == ("does not fit: each device needs 17.5 GB target shard + 14.0 GB draft + 2.32 GB KV cache "
-                            "for one 4096-token sequence = 33.8 GB > 32.0 GB usable; try --tp 16 (on as many devices), "
-                            "or --seq-len 884 or less, or a smaller draft, or devices with more memory")
+    assert str(e.value) == ("does not fit: each device needs 17.5 GB target shard + 14.0 GB draft + 2.33 GB KV cache "
+                            "for one row of 4128 positions = 33.8 GB > 32.0 GB usable; try --tp 16 (on as many devices), "
+                            "or --seq-len 821 or less, or a smaller draft, or devices with more memory")
+
+
+def test_a_length_whose_slot_fits_no_device_is_refused_and_the_advice_plans_a_sequence(capsys):
+    """A float16 probe's: --seq-len 2845 at TP=3 (the refusal's own advice) planned 0 sequences, rc 0: the fit
+    check took the length, the sequences its slot (the length rounded up, and the verify's tail). A float32
+    draft on the ascend profile (which no export makes) was planned too."""
+    base = ["plan", *TARGET_70B, *DRAFT_7B, "--device-mem", "64GB", "--tp", "3"]
+    with pytest.raises(MindspecError) as e:
+        run_plan(base, capsys)
+    n = int(re.search(r"--seq-len (\d+) or less", str(e.value))[1])
+    _, p = run_plan(base + ["--seq-len", str(n), "--json"], capsys)
+    assert p["max_sequences"] >= 1
+    for seq_len in (n + 64, 2845):
+        with pytest.raises(MindspecError, match="does not fit"):
+            run_plan(base + ["--seq-len", str(seq_len)], capsys)
+    with pytest.raises(MindspecError, match=r"^--draft-dtype fp32: the ascend profile's draft is float16"):
+        run_plan(SEED + ["--draft-dtype", "fp32"], capsys)
+    _, fp32 = run_plan(SEED + ["--dtype", "fp32", "--json"], capsys)  # (the draft's dtype followed it)
+    assert fp32["draft_gb"] == 14 and fp32["target_gb"] == 280
+    _, cpu = run_plan(SEED + ["--draft-dtype", "fp32", "--draft-profile", "cpu", "--json"], capsys)
+    assert cpu["draft_gb"] == 28
 
 
 def test_refusal_says_what_to_change(capsys):
