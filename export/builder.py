@@ -30,7 +30,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from mindspec.checkpoint import narrow
+from mindspec.checkpoint import narrow, source
 from mindspec.reference import rope_inv_freq
 
 OPSET = 17
@@ -70,8 +70,10 @@ class _Graph:
         return self.op("Gather", [self.op("Shape", [name]), self.i64(axis)], axis=0)
 
     def weight(self, value, name):
-        """An initializer in the export's dtype."""
-        return self.const(narrow(value, self.np_dtype, name, "export this draft with --dtype float32 (--profile "
+        """An initializer in the export's dtype (name: "embed_tokens", "lm_head" or l<layer>.<kind>)."""
+        layer, _, kind = name[1:].partition(".") if name[0] == "l" and name[1].isdigit() else (None, "", name)
+        told = source({"embed_tokens": "embed", "lm_head": "head"}.get(kind, kind), layer)
+        return self.const(narrow(value, self.np_dtype, told, "export this draft with --dtype float32 (--profile "
                                                              "cpu)"), name)
 
     def wide(self, x):

@@ -13,7 +13,7 @@ plan's slots, empty slots zero) and their KV heads, its intermediate and vocabul
 rank the plan is the identity and the result is exactly the unsharded fold."""
 import numpy as np
 
-from mindspec.checkpoint import narrow
+from mindspec.checkpoint import narrow, source
 from mindspec.reference import rope_tables
 from .tp import shard_plan
 
@@ -68,8 +68,11 @@ class _Cast(dict):
         self.dtype = dtype
 
     def __setitem__(self, key, value):
-        super().__setitem__(key, narrow(value, self.dtype, key, "run this model in float32 (--dtype float32), or "
-                                                                  "bfloat16 where the device runs it"))
+        kind, _, layer = key.partition(".")  # ("embed", "head", or e.g. "down.0")
+        norm = {"head": "model.norm", "qkv": "input_layernorm", "gate_up": "post_attention_layernorm"}.get(kind)
+        name = source(kind, layer or None) + (f" times its {norm}.weight" if norm else "")  # (folded in)
+        super().__setitem__(key, narrow(value, self.dtype, name, "run this model in float32 (--dtype float32), or "
+                                                                   "bfloat16 where the device runs it"))
 
 
 def fused_weights(cfg, get, plan=None, get_slice=None, dtype=np.float32, rot_rows=True):

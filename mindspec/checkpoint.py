@@ -80,6 +80,18 @@ def finite(w, name, path):
     return w
 
 
+_SOURCES = {"embed": "model.embed_tokens.weight", "head": "lm_head.weight", "qkv": "self_attn.{q,k,v}_proj.weight",
+            "qkv_bias": "self_attn.{q,k,v}_proj.bias", "o": "self_attn.o_proj.weight",
+            "gate_up": "mlp.{gate,up}_proj.weight", "down": "mlp.down_proj.weight"}
+
+
+def source(kind, layer=None):
+    """The checkpoint tensors a weight the graphs make of them holds (kind: embed, head, qkv, qkv_bias, o,
+    gate_up, down; another kind is named as it is), as a message names them (found: "weight down.0" for
+    model.layers.0.mlp.down_proj.weight)."""
+    return _SOURCES.get(kind, kind) if layer is None else f"model.layers.{layer}.{_SOURCES.get(kind, kind)}"
+
+
 def narrow(w, dtype, name, fix):
     """w as a contiguous array of dtype, refused if a value is beyond float16's range (+-65504: it became
     inf, and a float16 target generated token 0 for ever, a float16 draft accepted nothing). fix: what to

@@ -14,6 +14,7 @@ from scipy.stats import chisquare
 
 import mindspec
 from mindspec.checkpoint import Checkpoint
+from mindspec.errors import MindspecError
 from mindspec.export import DraftSession, export_draft
 from mindspec.graphs.runner import TargetModel, init_mindspore
 from mindspec.reference import reference_logits
@@ -166,7 +167,8 @@ def test_one_row_decode_takes_the_kernels_of_verification(tmp_path):
 
 def test_weights_beyond_float16s_range_are_refused_in_float16(tiny_target, tmp_path):
     """Found by a CLI probe: a checkpoint with weights past +-65504 ran in float16 as inf (generate: token 0
-    for ever, exit 0; export: a draft that accepted nothing). Refused in one line; float32 still runs it."""
+    for ever, exit 0; export: a draft that accepted nothing). Refused in one line, naming the checkpoint's tensor
+    (a float16 probe's: it said "down.1", the graphs' name); float32 still runs it."""
     big = dict(tiny_target[1])
     big["model.layers.1.mlp.down_proj.weight"] = big["model.layers.1.mlp.down_proj.weight"] * 1e6
     model = make_tiny_checkpoint(tmp_path / "big", base=big)[0]
@@ -175,12 +177,22 @@ def test_weights_beyond_float16s_range_are_refused_in_float16(tiny_target, tmp_p
            "--max-new-tokens", "2", "--json"]
     p = subprocess.run(gen + ["--dtype", "float16"], capture_output=True, text=True, env=ENV)
     fix = "run this model in float32 (--dtype float32), or bfloat16 where the device runs it"
-    assert (p.returncode, p.stdout, p.stderr.splitlines()) == (2, "", [msg.format("down.1", fix)]), p.stderr
+    assert (p.returncode, p.stdout, p.stderr.splitlines()) == (2, "", [msg.format("model.layers.1.mlp.down_proj.weight", fix)]), p.stderr
     p = subprocess.run(gen, capture_output=True, text=True, env=ENV)
     assert p.returncode == 0 and len(json.loads(p.stdout)["token_ids"]) == 2, p.stderr
     out = tmp_path / "d" / "draft.onnx"
     p = subprocess.run([sys.executable, "-m", "mindspec", "export", "--model", model, "--out", str(out),
                         "--dtype", "float16"], capture_output=True, text=True, env=ENV)
     fix = "export this draft with --dtype float32 (--profile cpu)"
-    assert (p.returncode, p.stderr.splitlines()) == (2, [msg.format("l1.down", fix)]), p.stderr
+    assert (p.returncode, p.stderr.splitlines()) == (2, [msg.format("model.layers.1.mlp.down_proj.weight", fix)]), p.stderr
     assert not out.parent.exists()  # (a CLI probe's: a failed export left the directory it made)
+
+
+def test_a_folded_weight_is_named_by_its_tensors():
+    """The norms fold into the matmuls before the float16 check: the message names both tensors."""
+    from mindspec.graphs.fuse import _Cast
+    with pytest.raises(MindspecError, match=r"^weight model\.layers\.3\.mlp\.\{gate,up\}_proj\.weight times its "
+                                            r"post_attention_layernorm\.weight holds values beyond float16's range"):
+        _Cast(np.float16)["gate_up.3"] = np.array([7e4])
+    with pytest.raises(MindspecError, match=r"^weight lm_head\.weight times its model\.norm\.weight holds"):
+        _Cast(np.float16)["head"] = np.array([7e4])
