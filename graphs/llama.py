@@ -29,7 +29,7 @@ import mindspore as ms
 from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
 from .fuse import fused_weights, rope_rows
-from .prims import halves, heads, iota
+from .prims import finite_rows, halves, heads, iota, or_minus_one
 from .sampling import (NEG, TOPK_CAP, greedy_accept, output_counts, process, sample, seen_mask, speculative_accept,
                        token_logprobs, wide)
 from .tp import shard_plan, tp_rank, tp_size
@@ -122,17 +122,21 @@ class LlamaDecoder(nn.Cell):
         return x[:, :self.V]
 
     def head_argmax(self, h):
-        """h [R, d] -> greedy tokens [R] int32. Under TP each rank sends its (max, index) pairs only."""
+        """h [R, d] -> greedy tokens [R] int32, -1 where a row's hidden state is not finite (activations past
+        the dtype's range: its argmax would be some token; h, not the logits: 1/85 of the check for the
+        default model, and a finite h's largest logit wins even where it overflows). Under TP each rank sends
+        its (max, index) pairs only."""
+        ok = finite_rows(h)  # [R] (the same on every rank)
         x = ops.dense(h, self.head)
         if self.tp == 1:
-            return ops.argmax(x, -1).astype(ms.int32)
+            return or_minus_one(ops.argmax(x, -1).astype(ms.int32), ok)
         R = h.shape[0]
         x = x.astype(ms.float32) + self.vocab_mask
         best, idx = ops.max(x, -1)  # [R] each: this rank's first maximum
         tok = (idx.astype(ms.int32) + self.vocab_start).astype(ms.float32)  # exact below 2**24
         pair = self.all_gather(ops.stack((best, tok), -1)).reshape(self.tp, R, 2)  # [tp, R, 2]
         r = ops.argmax(pair[:, :, 0], 0).reshape(1, R)  # first rank holding the max = first index
-        return ops.gather_elements(pair[:, :, 1], 0, r).reshape(R).astype(ms.int32)
+        return or_minus_one(ops.gather_elements(pair[:, :, 1], 0, r).reshape(R).astype(ms.int32), ok)
 
     def construct(self, ids, slots, pos, keys):
         """ids [B, T] int32 fed at positions pos[b].. of cache slot slots[b] (slots [B], pos [B] int32),
@@ -193,7 +197,8 @@ class GreedyStep(nn.Cell):
     """One greedy engine step for a (B, K) bucket: ids [B, K+1] = each row's last committed token and
     K drafts, fed at pos [B] of cache slots [B]; n_valid [B] caps each row's acceptance (padding rows
     and rows with fewer drafts); keys [W] the attention window (LlamaDecoder). Returns n_accepted [B]
-    and next [B] (recovered or bonus token). K = 0 is a plain decode step."""
+    and next [B] (recovered or bonus token; -1 where the logits of the position it comes from are not
+    finite: head_argmax). K = 0 is a plain decode step."""
 
     def __init__(self, decoder):
         super().__init__()
@@ -214,7 +219,7 @@ class SampleStep(nn.Cell):
     unused); u_acc [B, K] (K = 0: [B, 1], unused) and u_smp [B, K+1] uniforms in [0, 1);
     temperature, top_k (int32), top_p, penalty [B]; seen [B, V] float32 (1: token committed); counts
     [B, V] float32 (the output's tokens, counted) with presence, frequency [B]; keys [W] as GreedyStep.
-    Returns n_accepted [B], next [B], the logprobs of the tokens the step commits
+    Returns n_accepted [B], next [B] (-1 where a committed position's logits are not finite), the logprobs of the tokens the step commits
     (lp [B, K+1]: the accepted drafts, then next at index n_accepted; top_lp, top_id [B, K+1,
     TOP_LOGPROBS]: see token_logprobs), exact [B] bool (the top-k candidates held the row's kept set; when
     not, its outputs are redone on the host: graphs/exact.py) and the logits [B, K+1, V] for that.
@@ -243,13 +248,14 @@ class SampleStep(nn.Cell):
             n, nxt = ops.zeros((B,), ms.int32), sample(p.reshape(B, V), u_smp[:, 0])
         else:
             n, nxt = speculative_accept(p, q, drafts, n_valid, u_acc, u_smp)
+        at = iota(T).reshape(1, T)
         if T == 1:
             committed = nxt.reshape(B, 1)
         else:  # [B, T]: the drafts, next at index n (past it: unused)
-            at = iota(T).reshape(1, T)
             committed = ops.select(at == n.reshape(B, 1), ops.broadcast_to(nxt.reshape(B, 1), (B, T)),
                                    ops.concat((drafts, ids[:, :1]), 1))
-        return (n, nxt) + token_logprobs(logits, committed) + (exact, logits)
+        ok = ops.maximum(finite_rows(logits), (at > n.reshape(B, 1)).astype(ms.int32)).min(-1)  # [B]: up to n
+        return (n, or_minus_one(nxt, ok)) + token_logprobs(logits, committed) + (exact, logits)
 
 
 class Prefill(nn.Cell):
@@ -257,7 +263,7 @@ class Prefill(nn.Cell):
     real tokens lands in stale positions: masked, later overwritten); each row's next token is sampled
     after its index last [B] with u [B] and the row's sampling parameters (as SampleStep; temperature
     0 = greedy); keys [W] as GreedyStep. Only those B positions go through the LM head. Returns next [B]
-    int32, its logprobs (lp [B, 1], top_lp and top_id [B, 1, TOP_LOGPROBS]), exact [B] and the logits
+    int32 (-1 where its logits are not finite), its logprobs (lp [B, 1], top_lp and top_id [B, 1, TOP_LOGPROBS]), exact [B] and the logits
     [B, 1, V] (as SampleStep)."""
 
     def __init__(self, decoder, cap=TOPK_CAP):
@@ -271,4 +277,5 @@ class Prefill(nn.Cell):
         logits = self.decoder.head_logits(ops.gather(self.decoder(ids, slots, pos, keys), rows, 0)).reshape(B, 1, V)
         p, exact = process(logits, temperature, top_k, top_p, penalty, (seen > 0).reshape(B, 1, V), self.cap)
         nxt = sample(p.reshape(B, V), u)
-        return (nxt,) + token_logprobs(logits, nxt.reshape(B, 1)) + (exact, logits)
+        return (or_minus_one(nxt, finite_rows(logits).reshape(B)),) + token_logprobs(logits, nxt.reshape(B, 1)) + \
+            (exact, logits)

@@ -9,6 +9,7 @@ _RANGE, _CAST, _SCALAR, _SLICE = ops.Range(), ops.Cast(), ops.ScalarToTensor(), 
 _HALVES = {axis: ops.Split(axis, 2) for axis in (1, 2)}
 _FILL, _TOPK, _ARGMAX, _ONE_HOT = ops.FillV2(), ops.TopK(True), ops.Argmax(-1, ms.int64), ops.OneHot(-1)
 _ON, _OFF = Tensor(1.0, ms.float32), Tensor(0.0, ms.float32)
+_ISFINITE, _ALL = ops.IsFinite(), ops.ReduceAll()
 
 
 def iota(n):
@@ -48,3 +49,14 @@ def argmax(x):
 def one_hot(ids, depth):
     """ids [...] -> float32 [..., depth]: 1.0 at each id, else 0.0 (ops.one_hot(ids, depth, 1.0, 0.0))."""
     return _ONE_HOT(ids, depth, _ON, _OFF)
+
+
+def finite_rows(x):
+    """[..., V] -> [...] int32: 1 where every value along the last axis is finite (no inf, no NaN), else 0."""
+    return _CAST(_ALL(_ISFINITE(x), -1), ms.int32)
+
+
+def or_minus_one(tok, ok):
+    """tok where ok (int32 1/0, same shape), else -1: a token the engine refuses (its logits were not finite:
+    argmax and sampling of NaN give some token, as if it were the model's)."""
+    return (tok + 1) * ok - 1

@@ -242,7 +242,7 @@ class TargetModel:
             return self._run(kind, shape, *args, dry=True)
         *out, exact, logits = self._run(kind, shape, *args)
         out = [x.asnumpy() for x in out]
-        rows = np.flatnonzero(~exact.asnumpy())
+        rows = np.flatnonzero(~exact.asnumpy() & (out[kind != "prefill"] >= 0))  # (-1: not finite, said as it is)
         if len(rows):
             self.host_rows += len(rows)
             out = [np.array(x) for x in out]  # (changed in place)

@@ -332,7 +332,8 @@ class Api:
                     if timed_out or job.tag != tag:
                         job.why = "its timeout passed" if timed_out else "another choice of its request failed"
                 status, msg = {"error": (getattr(val, "status", 400), val),
-                               "fail": (500, f"internal error: {summary(val)}"),
+                               "fail": (500, one_line(str(val)) if isinstance(val, MindspecError)  # (said already:
+                                        else f"internal error: {summary(val)}"),  # a float16 overflow's)
                                "unavailable": (503, "the server is shutting down")}[kind]
                 if resp is not None:  # too late for a status code: a last event says what happened, in the
                     # API's error shape (OpenAI's SDK reads error.message from an object only)

@@ -502,6 +502,8 @@ class Output:
 
 def _body(item, r):
     """The record body of a finished engine Request: {"text", "token_ids", ...} or {"error"}."""
+    if isinstance(r.error, MindspecError):  # (its own words: a float16 overflow's)
+        return {"error": f"line {item.line}: {r.error}"}
     if r.error is not None:
         return {"error": f"line {item.line}: internal error: {summary(r.error)}"}  # (not MindSpore's C++ stack)
     res = r.result()

@@ -30,6 +30,7 @@ from collections import deque
 
 import numpy as np
 
+from .errors import MindspecError
 from .policy import fit
 from .sampling import ACCEPT, SAMPLE, uniforms
 from .sequence import FINISHED, PREFILL, RUNNING, WAITING
@@ -217,6 +218,9 @@ class Engine:
             r.pos += len(chunk)
             if r.pos == len(r.prompt_ids):  # the last chunk: its token is the first one generated
                 r.stats.target_calls += 1
+                if toks[i] < 0:
+                    self._not_finite(r, len(r.seq), events)
+                    continue
                 lp = [lps.at(i, 0, r.logprobs)] if r.logprobs is not None else None
                 events[r] = events.get(r, "") + r.commit([int(toks[i])], lp)
         for r in pre:
@@ -300,12 +304,23 @@ class Engine:
             r.stats.verify_s += t2 - t1
             if r.policy is not None:
                 self.dynamic.update(r.policy, n_valid[i], n)
+            if nxt[i] < 0:
+                self._not_finite(r, len(r.seq) + n, events)
+                continue
             lp = [lps[0].at(i, t, r.logprobs) for t in range(n + 1)] if r.logprobs is not None else None
             events[r] = events.get(r, "") + r.commit([int(t) for t in drafts[i, :n]] + [int(nxt[i])], lp)
             if self.proposer is not None and r.speculate:
                 self.proposer.update_candidate_strategy(r.row, r)
             if not r.done and r.pos >= self.target.max_seq:
                 events[r] += r.finish("length")  # the cache is full
+
+    def _not_finite(self, r, at, events):
+        """End r: the target's logits for its position `at` are not finite (found: a float16 model whose
+        activations overflow generated token 0 for ever, as the argmax of NaN)."""
+        dtype = self.target.dtype
+        fix = " (run it in float32: --dtype float32)" if dtype != "float32" else ""
+        _fail([r], MindspecError(f"the target's logits are not finite at position {at}: its activations leave "
+                                 f"{dtype}'s range{fix}"), events)
 
     def _may_draft(self):
         """request -> whether its draft may be fed its prompt now: not when it takes dynamic K and the policy

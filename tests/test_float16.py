@@ -196,3 +196,57 @@ def test_a_folded_weight_is_named_by_its_tensors():
         _Cast(np.float16)["gate_up.3"] = np.array([7e4])
     with pytest.raises(MindspecError, match=r"^weight lm_head\.weight times its model\.norm\.weight holds"):
         _Cast(np.float16)["head"] = np.array([7e4])
+
+
+def _hot(tiny_target, tmp_path):
+    """The tiny target with its MLPs scaled up: weights within float16's range, activations not (~3.5e6)."""
+    big = dict(tiny_target[1])
+    for i in range(2):
+        for name, scale in (("down_proj", 400), ("up_proj", 40), ("gate_proj", 40)):
+            big[f"model.layers.{i}.mlp.{name}.weight"] = big[f"model.layers.{i}.mlp.{name}.weight"] * scale
+    return make_tiny_checkpoint(tmp_path / "hot", base=big)[0]
+
+
+def test_every_graph_gives_minus_one_where_its_logits_are_not_finite(tiny_target, tmp_path):
+    """The graphs' side of the refusal below: greedy and sampling steps (K = 0 and K = 2) and a prefill chunk
+    give -1 for a row whose committed position's logits are not finite, beside a finite row of the tiny target's
+    own weights in another pipeline (the argmax of NaN was token 0)."""
+    from mindspec.graphs.runner import RowSampling
+    init_mindspore()
+    hot = TargetModel(Checkpoint(_hot(tiny_target, tmp_path)), max_seq=64, k_buckets=(2,), dtype="float16",
+                      batch_buckets=(1, 2), max_batch=2)
+    cool = TargetModel(Checkpoint(tiny_target[0]), max_seq=64, k_buckets=(2,), dtype="float16")
+    V = hot.cfg.vocab_size
+    assert hot.prefill([0], [0], [[5, 6, 7]], RowSampling.greedy(1)).tolist() == [-1]
+    assert cool.prefill([0], [0], [[5, 6, 7]], RowSampling.greedy(1))[0] >= 0
+    for K, s in ((0, None), (2, None), (0, RowSampling.greedy(2, 0, V)), (2, RowSampling.greedy(2, 2, V))):
+        ids = np.array([[5, 6, 7][:K + 1]] * 2)
+        acc, nxt = hot.step(ids, [0, 1], [3, 3], [K, K], s)
+        assert nxt.tolist() == [-1, -1] and acc.tolist() == [0, 0], (K, s is None)
+        acc, nxt = cool.step(ids[:1], [0], [3], [K], None if s is None else RowSampling.greedy(1, K, V))
+        assert nxt[0] >= 0
+
+
+def test_activations_beyond_float16s_range_end_the_request_with_one_line(tiny_target, drafts, tmp_path):
+    """A float16 probe's: weights within float16's range whose activations are not (the residual stream
+    reached 3.5e6) generated token 0 for ever, exit 0, "acceptance 1.0", and logprobs of bare NaN (not JSON).
+    A step whose committed position has non-finite logits now ends its request with one line, exit 2 (greedy,
+    speculative and sampled alike); float32 runs the model."""
+    model = _hot(tiny_target, tmp_path)
+    gen = [sys.executable, "-m", "mindspec", "generate", "--target", model, "--prompt-ids", "5,6,7,8,9",
+           "--max-new-tokens", "6", "--json", "--dtype", "float16"]
+    want = ("mindspec: error: the target's logits are not finite at position 5: its activations leave float16's "
+            "range (run it in float32: --dtype float32)")
+    for extra in (["--no-speculate"], ["--draft", drafts["float16"], "-k", "4", "--logprobs", "2"],
+                  ["--no-speculate", "--temperature", "0.8", "--seed", "1"]):
+        p = subprocess.run(gen + extra, capture_output=True, text=True, env=ENV, timeout=300)
+        assert (p.returncode, p.stdout, p.stderr.splitlines()) == (2, "", [want]), (extra, p.stderr[-3000:])
+    p = subprocess.run(gen[:-1] + ["float32", "--no-speculate"], capture_output=True, text=True, env=ENV, timeout=300)
+    assert p.returncode == 0 and set(json.loads(p.stdout)["token_ids"]) != {0}, p.stderr[-3000:]
+    # a batch job's line records it in those words (not "internal error: MindspecError: ..."), the others go on
+    (tmp_path / "in.jsonl").write_text('{"prompt_ids": [5, 6, 7]}\n')
+    p = subprocess.run([sys.executable, "-m", "mindspec", "batch", "--target", model, "--no-speculate", "--dtype",
+                        "float16", "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl"),
+                        "--max-new-tokens", "4"], capture_output=True, text=True, env=ENV, timeout=300)
+    assert p.returncode == 1 and json.loads((tmp_path / "out.jsonl").read_text())["error"] == \
+        "line 1: " + want[len("mindspec: error: "):].replace("position 5", "position 3"), p.stderr[-3000:]
