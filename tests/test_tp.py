@@ -9,6 +9,7 @@ not multiples of 4 either, so the padding paths run too."""
 import io
 import json
 import os
+import pickle
 import sys
 import time
 
@@ -66,6 +67,11 @@ def run_job(target, draft, out):
     res["generate_s"] = time.perf_counter() - t0 - res["load_s"]
     from mindspec.tp import share
     res["shared"] = share({"from": tp_rank(), "seed": 12345, "costs": [0.31, {"4": 1.25}], "pad": "x" * 300})
+    # a pickle of 2**24 + 4m + 1 bytes, which one float32 rounds down (a TP probe's: a server's queued requests
+    # past 16 MiB arrived cut, and a rank died; so did a batch job's resume of 243,000 finished ids)
+    big = "y" * (2 ** 24 + (1 - len(pickle.dumps("y" * 2 ** 24))) % 4)
+    assert len(pickle.dumps(big)) % 4 == 1
+    res["shared_big"] = share(big if tp_rank() == 0 else None) == big
     logits = pipe.target.logits(0, 0, LOGIT_IDS)  # [T, V]: the gathered vocabulary-parallel logits
     with open(f"{out}.rank{tp_rank()}.json", "w") as f:
         json.dump(res, f)
@@ -225,6 +231,7 @@ def test_tp_equals_tp1_and_reads_only_its_shard(pair, reference, n):
         assert res["batched"] == ref["batched"] == ref["target_only"], r
         assert np.abs(np.load(root / f"tp{n}.rank{r}.npy") - ref_logits).max() < 1e-4
         assert res["shared"] == dict(ref["shared"], **{"from": 0})  # rank 0's object, on every rank
+        assert res["shared_big"]
         # shard-by-shard: whole tensors read are the norm vectors only; the matrices come as slices
         assert set(res["read"]["whole_names"]) <= norms
         assert res["read"]["slice"] < total * 1.2 / n, (res["read"]["slice"], total)
