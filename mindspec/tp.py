@@ -459,7 +459,11 @@ def _who_died(job, msrun_log, ranks, rcs, n):
         pid = _read(os.path.join(job, f"rank{r}.pid"))
         if pid:
             pids[int(pid)] = r
-    found = re.findall(r"Worker process (\d+) exit with exception\. Error code: (-?\d+)", _read(msrun_log, "") or "")
+    log = _read(msrun_log, "") or ""
+    late = re.search(r"worker (\d+) is the first one timed out", log)  # (msrun's scheduler: it then ends the
+    if late:  # others, whose exits come first in its log: a TP probe's stopped rank 1 was told as rank 0's death)
+        return f"tensor-parallel rank {late[1]} of {n} stopped answering (stuck, stopped, or its host gone)"
+    found = re.findall(r"Worker process (\d+) exit with exception\. Error code: (-?\d+)", log)
     for pid, code in found:
         rank = pids.get(int(pid))
         code = int(code)

@@ -514,3 +514,21 @@ def test_rank0s_output_copied_to_a_text_stream_keeps_a_character_split_between_r
         f.write("é".encode()[:1])  # a character its rank never finished
     tail.close()
     assert out.getvalue() == "café ok\ufffd"
+
+
+def test_a_rank_that_stopped_answering_is_named_not_the_one_msrun_then_ended(tmp_path):
+    """A TP probe's: rank 1 stopped (SIGSTOP) was told as "rank 0 of 2 died (killed by signal 15)", the exit
+    msrun's scheduler logs first once it ends the ranks left; its own line names the rank that timed out."""
+    from mindspec.tp import _who_died
+    (tmp_path / "rank0.pid").write_text("3387")
+    (tmp_path / "rank1.pid").write_text("3388")
+    log = tmp_path / "msrun.log"
+    log.write_text(
+        "[ERROR] ME(3381): Worker process 3387 exit with exception. Error code: -15.\n"
+        "[ERROR] ME(3381): Scheduler process 3386 exit with exception.\n"
+        "RuntimeError: The total number of timed out node is 1. Timed out node list is: [const vector]{1}, worker 1 "
+        "is the first one timed out, please check its log.\n")
+    assert _who_died(str(tmp_path), str(log), [0, 1], {}, 2) == \
+        "tensor-parallel rank 1 of 2 stopped answering (stuck, stopped, or its host gone)"
+    log.write_text("[ERROR] ME(3381): Worker process 3388 exit with exception. Error code: -9.\n")
+    assert _who_died(str(tmp_path), str(log), [0, 1], {}, 2) == "tensor-parallel rank 1 of 2 died (killed by signal 9)"
