@@ -542,9 +542,12 @@ def _launch_tp(argv, args):
         check_shared_input(args.input, "--tp", "rank")
     # a batch job whose rank died could not go on (exit 1 would say: some lines failed); one replica of --dp
     # exits 1 still, its launcher counting what it left unfinished
-    died = (2, "; what it wrote is kept: run the same command again to resume") \
-        if args.cmd == "batch" and args.dp_replica is None else (1, "")
-    return tp.launch(argv, args.tp, topo=topo, device=args.device, product=args.cmd == "generate", died=died)
+    job = args.cmd == "batch" and args.dp_replica is None
+    died = (2, "; what it wrote is kept: run the same command again to resume") if job else (1, "")
+    stopped = (f"mindspec batch: stopped by a signal; what was written to {args.output} is kept: run the same "
+               "command again to resume") if job else ""  # (found silent: its ranks end before rank 0's summary)
+    return tp.launch(argv, args.tp, topo=topo, device=args.device, product=args.cmd == "generate", died=died,
+                     stopped=stopped)
 
 
 def _check_tp_heads(args):

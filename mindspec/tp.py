@@ -264,7 +264,8 @@ def _alive(pid):
 
 
 def launch(argv, n, script=None, timeout=CLUSTER_TIMEOUT, log_dir=None, grace=FAILURE_GRACE,
-           stdout=None, stderr=None, topo=None, device=None, stray=STRAY_GRACE, product=True, died=(1, "")):
+           stdout=None, stderr=None, topo=None, device=None, stray=STRAY_GRACE, product=True, died=(1, ""),
+           stopped=""):
     """Run `python -m mindspec ARGV` (or `python SCRIPT ARGV`) on n ranks under msrun; return rank 0's
     exit code, or non-zero with one line on stderr when a rank died. Rank 0's output is streamed to
     stdout/stderr (default: this process's). `topo` (several machines): this machine's share of the n
@@ -272,7 +273,8 @@ def launch(argv, n, script=None, timeout=CLUSTER_TIMEOUT, log_dir=None, grace=FA
     `stray`: seconds the other ranks may run on once rank 0 ended, before they are stopped and named.
     `product`: rank 0's stdout is what the command makes (generate's text): a failed write of it stops the
     job as at TP=1; otherwise (serve's "serving" line) what cannot be written is dropped. `died`: (exit code,
-    words after the line) when a rank died or was left running (a batch job: 2, and that it resumes)."""
+    words after the line) when a rank died or was left running (a batch job: 2, and that it resumes). `stopped`:
+    the line said when a signal stopped the job (exit 130; a batch job's ranks end before rank 0's summary)."""
     stdout, stderr = stdout or sys.stdout, stderr or sys.stderr
     n = int(n)
     if n < 1:
@@ -351,6 +353,8 @@ def launch(argv, n, script=None, timeout=CLUSTER_TIMEOUT, log_dir=None, grace=FA
         err.close()
     if interrupted:  # (its logs are a failed job's only)
         shutil.rmtree(job, ignore_errors=True)
+        if stopped:
+            print(stopped, file=stderr, flush=True)
         return 130
     if out.error is not None and product:  # said as at TP=1 (cli._exit_code): a reader gone, quietly; else one line
         shutil.rmtree(job, ignore_errors=True)

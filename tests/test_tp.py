@@ -442,12 +442,16 @@ def test_an_interrupted_job_leaves_no_job_directory_and_too_many_ranks_start_non
     target, draft = pair[:2]
     # a second Ctrl-C 10-50 ms after the first (the signals prober's) left the directory too; so did a
     # generate's ranks their temporary directory for MindSpore's compile dumps (mindspec.omdir), killed
+    (tmp_path / "in.jsonl").write_text("".join(f'{{"prompt_ids": [5, {i}], "max_new_tokens": 60}}\n' for i in range(40)))
+    out = tmp_path / "out.jsonl"
+    extra = {"serve": ["--port", "0"], "generate": [],
+             "batch": ["--input", str(tmp_path / "in.jsonl"), "--output", str(out), "--max-seq", "128"]}
     for cmd, sigs, role in (("serve", [signal.SIGINT], "MS_WORKER"), ("serve", [signal.SIGTERM], None),
-                            ("generate", [signal.SIGINT, signal.SIGINT], None)):
+                            ("generate", [signal.SIGINT, signal.SIGINT], None), ("batch", [signal.SIGTERM], None)):
         tmp = tmp_path / "-".join([cmd] + [s.name for s in sigs])
         tmp.mkdir()
         p = subprocess.Popen([sys.executable, "-m", "mindspec", cmd, "--target", target, "--draft", draft,
-                              "--tp", "2"] + (["--port", "0"] if cmd == "serve" else []),
+                              "--tp", "2"] + extra[cmd],
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                              env=dict(os.environ, TMPDIR=str(tmp), **({"MS_ROLE": role} if role else {})))
         deadline = time.time() + 240
@@ -459,6 +463,9 @@ def test_an_interrupted_job_leaves_no_job_directory_and_too_many_ranks_start_non
             time.sleep(0.02)
         assert p.wait(120) == 130, p.stderr.read()
         assert list(tmp.iterdir()) == [], list(tmp.iterdir())
+        if cmd == "batch":  # (a TP probe's: nothing at all was said; at TP=1 the summary)
+            assert p.stderr.read().splitlines()[-1:] == [f"mindspec batch: stopped by a signal; what was written to "
+                                                         f"{out} is kept: run the same command again to resume"]
     p = subprocess.run([sys.executable, "-m", "mindspec", "generate", "--target", target, "--draft", draft,
                         "--tp", "7", "--prompt-ids", "5"], capture_output=True, text=True, timeout=300,
                        env=dict(os.environ, TMPDIR=str(tmp_path), MS_ROLE="MS_SCHED"))
