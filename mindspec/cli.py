@@ -357,6 +357,8 @@ def cmd_batch(a):
 def launch_dp(argv, a):
     """`batch --dp N` in the user's process: N replicas, then the merge (mindspec.dp)."""
     from .dp import launch, replicas_here
+    if a.tp > 1:
+        _topology(a)  # (its flags' errors: else each replica says them)
     cfg, m = _check_model_paths(a)  # (else each replica says it)
     if a.max_seq:  # (else each replica sizes its cache to its lines)
         _check_size(a, cfg, m, replicas=len(replicas_here(a.dp, a.nodes, a.node_rank)))
@@ -523,11 +525,16 @@ def _dp_launcher(args):
 
 
 def _topology(args):
-    """Where this command's msrun ranks run: a data-parallel replica on this machine alone, else the
-    multi-node flags."""
+    """Where this command's msrun ranks run: a data-parallel replica on this machine alone (replica i on
+    --master-port + i, or a free port), else the multi-node flags."""
     from . import tp
-    if args.cmd == "batch" and args.dp > 1:
-        return tp.Topology(args.tp)
+    if args.cmd == "batch" and args.dp > 1:  # (a TP probe's: --master-port was ignored there)
+        port = args.master_port
+        if port is not None and not 1024 <= port <= 65536 - args.dp:
+            raise MindspecError(f"--master-port must be in 1024..{65536 - args.dp} with --dp {args.dp} (replica i "
+                                f"runs its msrun on --master-port + i), got {port}")
+        return tp.Topology(args.tp, master_port=0 if port is None or args.dp_replica is None
+                           else port + args.dp_replica)
     return tp.topology(args.tp, args.nodes, args.node_rank, args.master_addr, args.master_port)
 
 

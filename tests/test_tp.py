@@ -539,3 +539,17 @@ def test_a_rank_that_stopped_answering_is_named_not_the_one_msrun_then_ended(tmp
         "tensor-parallel rank 1 of 2 stopped answering (stuck, stopped, or its host gone)"
     log.write_text("[ERROR] ME(3381): Worker process 3388 exit with exception. Error code: -9.\n")
     assert _who_died(str(tmp_path), str(log), [0, 1], {}, 2) == "tensor-parallel rank 1 of 2 died (killed by signal 9)"
+
+
+def test_each_data_parallel_replica_runs_its_msrun_on_its_own_master_port():
+    """A TP probe's: `--dp 2 --tp 2 --master-port P` was accepted and ignored (each replica a free port), so an
+    operator could not keep msrun inside a firewall's range. Replica i now uses P + i."""
+    from mindspec.cli import _topology, parser
+    from mindspec.errors import MindspecError
+    argv = ["batch", "--input", "in.jsonl", "--output", "out.jsonl", "--dp", "2", "--tp", "2"]
+    for replica, port in ((0, 20000), (1, 20001)):
+        args = parser().parse_args(argv + ["--master-port", "20000", "--dp-replica", str(replica)])
+        assert _topology(args).master_port == port
+    assert _topology(parser().parse_args(argv + ["--dp-replica", "1"])).master_port == 0  # (a free one)
+    with pytest.raises(MindspecError, match=r"^--master-port must be in 1024\.\.65534 with --dp 2"):
+        _topology(parser().parse_args(argv + ["--master-port", "65535", "--dp-replica", "0"]))
