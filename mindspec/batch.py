@@ -96,9 +96,14 @@ def _descriptor(path):
 
 def check_shared_input(path, flag, who):
     """An input every replica (--dp) or rank (--tp) reads for itself: a regular file by its own path (a pipe,
-    or /dev/stdin from a file, reached each of them empty: their stdin is not the user's)."""
-    if os.path.exists(path) and not os.path.isfile(path):
+    or /dev/stdin from a file, reached each of them empty: their stdin is not the user's). Also refused here, at
+    once, as it would be by every one of them once started (found: 16 s under --tp): an input not readable."""
+    if os.path.exists(path) and not os.path.isfile(path):  # (first: a pipe would block the open below)
         raise MindspecError(f"{flag} needs its input as a regular file (every {who} reads it): {path} is not one")
+    try:
+        open(path, "rb").close()
+    except OSError as e:
+        raise MindspecError(f"cannot read input {path}: {e.strerror}") from None
     if _descriptor(path):
         raise MindspecError(f"{flag} needs its input by its file's own path (every {who} opens it): {path} is a "
                             "descriptor of this process")

@@ -545,8 +545,10 @@ def _launch_tp(argv, args):
     topo = _topology(args)  # (the layout's own errors first)
     _check_tp_heads(args)
     if args.cmd == "batch":
-        from .batch import check_shared_input
+        from .batch import check_free, check_shared_input
         check_shared_input(args.input, "--tp", "rank")
+        if args.dp_replica is None:  # (found: 24 s to say it under --tp, once every rank had started)
+            check_free(args.output)
     # a batch job whose rank died could not go on (exit 1 would say: some lines failed); one replica of --dp
     # exits 1 still, its launcher counting what it left unfinished
     job = args.cmd == "batch" and args.dp_replica is None

@@ -553,3 +553,26 @@ def test_each_data_parallel_replica_runs_its_msrun_on_its_own_master_port():
     assert _topology(parser().parse_args(argv + ["--dp-replica", "1"])).master_port == 0  # (a free one)
     with pytest.raises(MindspecError, match=r"^--master-port must be in 1024\.\.65534 with --dp 2"):
         _topology(parser().parse_args(argv + ["--master-port", "65535", "--dp-replica", "0"]))
+
+
+def test_a_tp_batch_refuses_an_output_in_use_or_a_missing_input_before_its_ranks_start(pair, tmp_path):
+    """A TP probe's: under --tp these came after every rank had started MindSpore (16-24 s); batch.md says a
+    second job on the same output exits 2 at once."""
+    import fcntl
+    import subprocess
+    target, draft = pair[:2]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text('{"prompt_ids": [5]}\n')
+    out.write_text("")
+    cmd = [sys.executable, "-m", "mindspec", "batch", "--target", target, "--draft", draft, "--tp", "2"]
+    with open(out) as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        p = subprocess.run(cmd + ["--input", str(inp), "--output", str(out)], capture_output=True, text=True,
+                           timeout=60, env=dict(os.environ, TMPDIR=str(tmp_path)))
+    assert p.returncode == 2 and p.stderr.startswith(f"mindspec: error: output {out} is in use by another job (pid "), \
+        p.stderr
+    p = subprocess.run(cmd + ["--input", str(tmp_path / "none.jsonl"), "--output", str(out)], capture_output=True,
+                       text=True, timeout=60, env=dict(os.environ, TMPDIR=str(tmp_path)))
+    assert (p.returncode, p.stderr) == (2, f"mindspec: error: cannot read input {tmp_path / 'none.jsonl'}: No such file "
+                                           "or directory\n")
+    assert not list(tmp_path.glob("mindspec-tp-*"))  # (no msrun job was started)
