@@ -3,7 +3,9 @@
 the disk for good. Before a warm-up writes an entry, the least recently used others go until the rest fits
 in $MINDSPEC_COMPILE_CACHE_GB (default 8). An entry in use (its lock held) or used in the last RECENT_S stays
 (a tensor-parallel rank decides whether an entry is whole before it locks it, with the other ranks); lock
-files stay, so two processes never lock different files of one entry."""
+files stay, so two processes never lock different files of one entry. Also MindSpore's cache switch, set by
+each compile for itself (compile_env)."""
+import contextlib
 import fcntl
 import os
 import shutil
@@ -16,6 +18,30 @@ DEFAULT_GB = 8.0
 RECENT_S = 600
 MIN_FREE = 256 << 20  # bytes a disk must have free for a warm-up to write an entry
 FULL = 16 << 20  # free bytes left after a graph's save under which its files may have been cut short
+
+
+@contextlib.contextmanager
+def compile_env(path):
+    """MindSpore's compile cache (read per compile) on at `path` for what compiles inside, off without one;
+    the host's settings back after. A host's MS_COMPILER_CACHE_ENABLE=1 turned it on for every graph: a
+    `python -c` script crashed on it (MindSpore opens sys.argv[0]), and it maps cached files to graphs by
+    compile order (graphs/runner.py, TargetModel.warmup). `False`: untouched (nothing compiles)."""
+    if path is False:
+        yield
+        return
+    saved = {name: os.environ.get(name) for name in ("MS_COMPILER_CACHE_ENABLE", "MS_COMPILER_CACHE_PATH")}
+    if path:
+        os.environ.update(MS_COMPILER_CACHE_ENABLE="1", MS_COMPILER_CACHE_PATH=path)
+    else:
+        os.environ.pop("MS_COMPILER_CACHE_ENABLE", None)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def free_bytes(path):

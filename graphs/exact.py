@@ -32,24 +32,33 @@ def _logprob(logits, tokens):
 def redo_step(rows, logits, ids, n_valid, q, u_acc, u_smp, temperature, top_k, top_p, penalty, seen, counts, presence,
               frequency, out):
     """SampleStep's outputs out = [n [B], next [B], lp [B, T], top_lp, top_id] (numpy, changed in place)
-    for rows, from logits [B, T, V] and the step's inputs (as SampleStep's, numpy)."""
+    for rows, from logits [B, T, V] and the step's inputs (as SampleStep's, numpy). As the graph, next = -1
+    where the position it would come from has logits that are not finite (a float16 overflow: the graph's
+    check covers its own n, which the host's may pass); drafts from there on are not verified."""
     T = ids.shape[1]
     for b in rows:
         drafts, prev = ids[b, 1:], list(np.flatnonzero(seen[b]))
+        fin = np.isfinite(logits[b]).all(-1)  # [T]
+        bad = int(np.argmin(fin)) if not fin.all() else T  # the first position that is not finite
+        upto = min(int(n_valid[b]), bad)
+        x = np.where(fin[:, None], logits[b], 0.0)  # (from `bad` on nothing committed reads them: not NaN's warnings)
         fed = np.zeros((T, counts.shape[1]))  # [T, V]: the output's counts at each position, drafts included
         fed[np.arange(1, T), drafts] = 1
         fed = np.cumsum(fed, 0) + counts[b]
-        p = _p(logits[b], [prev + list(drafts[:i]) for i in range(T)], temperature[b], top_k[b], top_p[b],
-               penalty[b], upto=n_valid[b], counts=fed, presence=presence[b],
+        p = _p(x, [prev + list(drafts[:i]) for i in range(T)], temperature[b], top_k[b], top_p[b],
+               penalty[b], upto=upto, counts=fed, presence=presence[b],
                frequency=frequency[b])  # (a one-row decode, widened to dummy drafts: position 0 alone)
         if T == 1:
             n, nxt = 0, sample(p[0], u_smp[b, 0])
         else:  # (n does not depend on the sample uniform, which is the one of the stopping point n)
-            n, _ = speculative_accept(p, q[b], drafts, u_acc[b], u_smp[b, 0], n_valid[b])
-            n, nxt = speculative_accept(p, q[b], drafts, u_acc[b], u_smp[b, n], n_valid[b])
+            n, _ = speculative_accept(p, q[b], drafts, u_acc[b], u_smp[b, 0], upto)
+            n, nxt = speculative_accept(p, q[b], drafts, u_acc[b], u_smp[b, n], upto)
+        if n == bad:
+            out[0][b], out[1][b] = n, -1
+            continue
         committed = np.concatenate([drafts, ids[b, :1]]) if T > 1 else np.array([nxt])
         committed[n] = nxt
-        out[0][b], out[1][b], out[2][b] = n, nxt, _logprob(logits[b], committed)
+        out[0][b], out[1][b], out[2][b] = n, nxt, _logprob(x, committed)
 
 
 def redo_prefill(rows, logits, u, temperature, top_k, top_p, penalty, seen, out):

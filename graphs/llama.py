@@ -29,7 +29,7 @@ import mindspore as ms
 from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
 from .fuse import fused_weights, rope_rows
-from .prims import finite_rows, halves, heads, iota, or_minus_one
+from .prims import finite_or_zero, finite_rows, halves, heads, iota, or_minus_one
 from .sampling import (NEG, TOPK_CAP, greedy_accept, output_counts, process, sample, seen_mask, speculative_accept,
                        token_logprobs, wide)
 from .tp import shard_plan, tp_rank, tp_size
@@ -123,9 +123,9 @@ class LlamaDecoder(nn.Cell):
 
     def head_argmax(self, h):
         """h [R, d] -> greedy tokens [R] int32, -1 where a row's hidden state is not finite (activations past
-        the dtype's range: its argmax would be some token; h, not the logits: 1/85 of the check for the
-        default model, and a finite h's largest logit wins even where it overflows). Under TP each rank sends
-        its (max, index) pairs only."""
+        the dtype's range: its argmax would be some token). h, not the logits: 1/85 of the check for the
+        default model; a finite h's logits are NaN-free, and one past float16's range (+inf) is its row's
+        largest, the first such one taken. Under TP each rank sends its (max, index) pairs only."""
         ok = finite_rows(h)  # [R] (the same on every rank)
         x = ops.dense(h, self.head)
         if self.tp == 1:
@@ -169,6 +169,7 @@ class LlamaDecoder(nn.Cell):
             a = a.reshape(B, T, self.N) * cos + a_rot.reshape(B, T, self.N) * sin
             a = a.reshape(B, T, self.H + 2 * self.KV, self.D).transpose(0, 2, 1, 3)
             q, k, v = heads(a, self.H, self.KV)  # [B, H|KV|KV, T, D]
+            k, v = finite_or_zero(k), finite_or_zero(v)  # (an overflowing position's: see finite_or_zero)
             kc = ops.gather(ops.scatter_update(self.k_cache[i], idx, k), rows, 0)  # [B, KV, W, D]
             vc = ops.gather(ops.scatter_update(self.v_cache[i], idx, v), rows, 0)
             # GQA without copying the cache per head: the G query heads of a KV head become extra rows
@@ -197,7 +198,7 @@ class GreedyStep(nn.Cell):
     """One greedy engine step for a (B, K) bucket: ids [B, K+1] = each row's last committed token and
     K drafts, fed at pos [B] of cache slots [B]; n_valid [B] caps each row's acceptance (padding rows
     and rows with fewer drafts); keys [W] the attention window (LlamaDecoder). Returns n_accepted [B]
-    and next [B] (recovered or bonus token; -1 where the logits of the position it comes from are not
+    and next [B] (recovered or bonus token; -1 where the hidden state of the position it comes from is not
     finite: head_argmax). K = 0 is a plain decode step."""
 
     def __init__(self, decoder):

@@ -9,7 +9,7 @@ _RANGE, _CAST, _SCALAR, _SLICE = ops.Range(), ops.Cast(), ops.ScalarToTensor(), 
 _HALVES = {axis: ops.Split(axis, 2) for axis in (1, 2)}
 _FILL, _TOPK, _ARGMAX, _ONE_HOT = ops.FillV2(), ops.TopK(True), ops.Argmax(-1, ms.int64), ops.OneHot(-1)
 _ON, _OFF = Tensor(1.0, ms.float32), Tensor(0.0, ms.float32)
-_ISFINITE, _ALL = ops.IsFinite(), ops.ReduceAll()
+_ISFINITE, _ALL, _SELECT, _ZEROS = ops.IsFinite(), ops.ReduceAll(), ops.Select(), ops.ZerosLike()
 
 
 def iota(n):
@@ -60,3 +60,10 @@ def or_minus_one(tok, ok):
     """tok where ok (int32 1/0, same shape), else -1: a token the engine refuses (its logits were not finite:
     argmax and sampling of NaN give some token, as if it were the model's)."""
     return (tok + 1) * ok - 1
+
+
+def finite_or_zero(x):
+    """x with each inf or NaN made 0: what a row writes into its KV cache. A masked cache position still
+    enters attention's p @ V as 0 * v, which is NaN for v NaN: one overflowing position (float16) made the
+    positions before it in its call, and every later request in its slot, not finite."""
+    return _SELECT(_ISFINITE(x), x, _ZEROS(x))

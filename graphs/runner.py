@@ -1,7 +1,6 @@
 """TargetModel: the compiled target graphs over a slotted KV cache. It keeps no per-request state:
 the engine says, per call, which slot each row uses and at which position (rollback = the engine
 moving that integer)."""
-import contextlib
 import fcntl
 import hashlib
 import os
@@ -88,30 +87,6 @@ def _pin_cache_dependencies():
             saved[mod] = mod._get_compile_cache_dep_files
             mod._get_compile_cache_dep_files = lambda: list(files)
     return lambda: [setattr(mod, "_get_compile_cache_dep_files", f) for mod, f in saved.items()]
-
-
-@contextlib.contextmanager
-def _compile_cache(path):
-    """MindSpore's compile cache (read per compile) on at `path` for what compiles inside, off without one;
-    the host's settings back after. A host's MS_COMPILER_CACHE_ENABLE=1 turned it on for every graph: a
-    `python -c` script crashed on it (MindSpore opens sys.argv[0]), and it maps cached files to graphs by
-    compile order (warmup). `False`: untouched (nothing compiles)."""
-    if path is False:
-        yield
-        return
-    saved = {name: os.environ.get(name) for name in ("MS_COMPILER_CACHE_ENABLE", "MS_COMPILER_CACHE_PATH")}
-    if path:
-        os.environ.update(MS_COMPILER_CACHE_ENABLE="1", MS_COMPILER_CACHE_PATH=path)
-    else:
-        os.environ.pop("MS_COMPILER_CACHE_ENABLE", None)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 @dataclass
@@ -225,7 +200,7 @@ class TargetModel:
         fresh = key not in self.compiled
         _COMPILES += fresh
         t = time.perf_counter()
-        with _compile_cache(self._caching if fresh else False):
+        with cache_budget.compile_env(self._caching if fresh else None):  # (its first run: cache off)
             out = self.cells[kind].compile(*args) if dry else self.cells[kind](*args)
         if dry or fresh:  # the first run of a graph compiled dry builds what compile left: not compile time
             self.compile_s += time.perf_counter() - t

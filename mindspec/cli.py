@@ -547,14 +547,15 @@ def _launch_tp(argv, args):
     if args.cmd == "batch":
         from .batch import check_free, check_shared_input
         check_shared_input(args.input, "--tp", "rank")
-        if args.dp_replica is None:  # (found: 24 s to say it under --tp, once every rank had started)
-            check_free(args.output)
+        if args.dp_replica is None and topo.node_rank == 0:  # (found: 24 s to say it under --tp, once every rank
+            check_free(args.output)  # had started; another node's ranks never lock it, rank 0 may hold it already)
     # a batch job whose rank died could not go on (exit 1 would say: some lines failed); one replica of --dp
     # exits 1 still, its launcher counting what it left unfinished
     job = args.cmd == "batch" and args.dp_replica is None
     died = (2, "; what it wrote is kept: run the same command again to resume") if job else (1, "")
+    # a stop ends the ranks before rank 0 prints its summary (found: nothing said); node 0 writes the output
     stopped = (f"mindspec batch: stopped by a signal; what was written to {args.output} is kept: run the same "
-               "command again to resume") if job else ""  # (found silent: its ranks end before rank 0's summary)
+               "command again to resume") if job and topo.node_rank == 0 else ""
     return tp.launch(argv, args.tp, topo=topo, device=args.device, product=args.cmd == "generate", died=died,
                      stopped=stopped)
 

@@ -58,8 +58,9 @@ def completion_logprobs(pipe, tokens, offset=0):
     for i, text, (lp, top) in tokens:
         out["tokens"].append(pipe.tokenizer.decode([i]))
         out["token_logprobs"].append(lp)
-        # the token's own entry too: OpenAI's "up to logprobs+1 elements", as vLLM's
-        out["top_logprobs"].append({**{pipe.tokenizer.decode([j]): x for j, x in top}, out["tokens"][-1]: lp})
+        # the token's own entry first: OpenAI's "up to logprobs+1 elements", as vLLM's (whose top entries win
+        # a text two ids decode to)
+        out["top_logprobs"].append({out["tokens"][-1]: lp, **{pipe.tokenizer.decode([j]): x for j, x in top}})
         out["text_offset"].append(offset)
         offset += len(text)
     return out

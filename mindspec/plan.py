@@ -524,8 +524,8 @@ def add_parser(subparsers):
     p.add_argument("--dtype", type=_dtype(TARGET_DTYPES), default="fp16",
                    help="target weights: fp16 (default), bf16 or fp32 (float16, ... too)")
     p.add_argument("--draft-dtype", type=_dtype(DRAFT_DTYPES), default=None,
-                   help="draft weights: fp16, fp32, or for the cpu profile q8, q4, int8 (default: --dtype; an .onnx "
-                        "draft is measured from its files)")
+                   help="draft weights: fp16, or for the cpu profile fp32, q8, q4, int8 (default: fp16 for the ascend "
+                        "profile, --dtype for cpu; an .onnx draft is measured from its files)")
     p.add_argument("--draft-profile", choices=("ascend", "cpu"), default=None,
                    help="how a draft given by numbers or a checkpoint runs: ascend (default: its KV cache "
                         "double-buffered on every device) or cpu")

@@ -798,3 +798,35 @@ def test_a_parked_row_whose_draft_read_its_prompt_in_other_pieces_is_not_reused_
     pieces.clear()
     got = pipe.generate(**kw)
     assert [p for p in pieces if p[0] < 71] == fresh_pieces and got.token_ids == fresh.token_ids
+
+
+def test_a_row_whose_logits_are_not_finite_ends_alone_and_its_slot_is_not_cached(pipe, alone, monkeypatch):
+    """A review's: the decode's side of the float16 refusal (test_float16 reaches the prompt's): a verify call
+    whose `next` is -1 for one row (the graphs' word for logits that are not finite) ends that row with one
+    line naming the position, offers its slot as no cached prefix, and the other rows give their own tokens."""
+    eng = pipe.engine
+    real = pipe.target.step
+    hit = []
+
+    def overflowing(ids, slots, pos, n_valid, s=None, **kw):
+        out = real(ids, slots, pos, n_valid, s, **kw)
+        if out is None:  # (a compile)
+            return out
+        acc, nxt, *rest = out
+        if not hit and len(ids) > 1:  # the first call of several rows: its first row's position overflows
+            hit.append((int(pos[0]) + 1 + int(acc[0]), slots[0]))
+            nxt = np.array(nxt)
+            nxt[0] = -1
+        return (acc, nxt, *rest)
+
+    monkeypatch.setattr(pipe.target, "step", overflowing)
+    eng.cached.clear()
+    eng.parked.clear()
+    res = pipe.generate_many([dict(prompt_ids=p, max_new_tokens=n, k=2) for p, n in zip(PROMPTS[:3], MAX_NEW[:3])])
+    monkeypatch.undo()
+    bad = [i for i, r in enumerate(res) if r.finish_reason == "error"]
+    assert len(bad) == 1 and hit, [r.finish_reason for r in res]
+    assert res[bad[0]].error == (f"MindspecError: the target's logits are not finite at position {hit[0][0]}: its "
+                                 "activations leave float32's range")
+    assert [r.token_ids for i, r in enumerate(res) if i != bad[0]] == [a for i, a in enumerate(alone[:3]) if i != bad[0]]
+    assert hit[0][1] not in eng.cached  # (its K/V past the overflow are NaN)

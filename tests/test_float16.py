@@ -250,3 +250,28 @@ def test_activations_beyond_float16s_range_end_the_request_with_one_line(tiny_ta
                         "--max-new-tokens", "4"], capture_output=True, text=True, env=ENV, timeout=300)
     assert p.returncode == 1 and json.loads((tmp_path / "out.jsonl").read_text())["error"] == \
         "line 1: " + want[len("mindspec: error: "):].replace("position 5", "position 3"), p.stderr[-3000:]
+
+
+def test_one_overflowing_position_spoils_neither_the_positions_before_it_nor_its_slots_next_request(tiny_target,
+                                                                                                    tmp_path):
+    """A review's, then found while testing it: a token whose float16 activations overflow (here 77: its
+    embedding at float16's largest value) wrote NaN K/V, and attention's p @ V made every position of its call
+    (0 * NaN: masked positions too) and every later request in its slot not finite. So a draft proposing it
+    ended a request target-only would have finished. Non-finite K/V are now written as 0: the positions before
+    it, a rejected draft's step and the slot's next request are as without it."""
+    from mindspec.graphs.runner import RowSampling
+    init_mindspore()
+    w = dict(tiny_target[1])
+    w["model.embed_tokens.weight"] = w["model.embed_tokens.weight"].copy()
+    w["model.embed_tokens.weight"][77] = 65504.0
+    w["model.layers.0.mlp.down_proj.weight"] = w["model.layers.0.mlp.down_proj.weight"] * 8
+    m = TargetModel(Checkpoint(make_tiny_checkpoint(tmp_path / "edge", base=w)[0]), max_seq=64, k_buckets=(2,),
+                    dtype="float16")
+    V = m.cfg.vocab_size
+    assert np.isfinite(m.logits(0, 0, [5, 6, 9, 7, 8, 77, 3])).all(-1).tolist() == [True] * 5 + [False, True]
+    assert m.prefill([0], [0], [[5, 6, 77]], RowSampling.greedy(1)).tolist() == [-1]
+    first = m.prefill([0], [0], [[5, 6]], RowSampling.greedy(1))  # the same slot, its position 2 was NaN's
+    assert first[0] >= 0 and first[0] != 77
+    for s in (None, RowSampling.greedy(1, 2, V)):  # the draft 77 rejected: the step as with another draft
+        steps = [m.step(np.array([[int(first[0]), d, 3]]), [0], [2], [2], s) for d in (77, 78)]
+        assert [(int(a[0]), int(n[0])) for a, n in steps] == [(0, int(steps[1][1][0]))] * 2 and steps[1][1][0] >= 0

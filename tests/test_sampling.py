@@ -657,3 +657,34 @@ def test_min_tokens_names_the_limit_the_request_set():
     with pytest.raises(RequestError, match=r"^min_tokens must be an integer in \[0, 2147483648\], got -1$"):
         parse({"prompt": "Hi", "min_tokens": -1})
     assert parse({"prompt": "Hi", "min_tokens": 2, "max_tokens": 2})["min_tokens"] == 2
+
+
+def test_host_redo_gives_minus_one_where_its_committed_position_is_not_finite():
+    """A review's: the host redo (rows the graph's top-k candidates could not hold) read positions past the
+    graph's own n, and sampled token 0 from NaN there (with numpy's warnings on the server's stderr). As the
+    graph: next = -1 where the position it comes from is not finite; from finite positions, as before."""
+    import warnings
+    V, T = 6, 3
+    logits = np.tile(np.array([[0.0, 2.0, 1.0, 0.5, 0.1, 0.2]]), (1, T, 1))  # [1, T, V]
+    logits[0, 2] = np.nan  # the position after two drafts
+
+    def redo(drafts, n_valid, bad=None):
+        x = logits.copy()
+        if bad is not None:
+            x[0, :] = logits[0, 0]
+            x[0, bad] = np.nan
+        q = np.full((1, T - 1, V), 1.0 / V)
+        out = [np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros((1, T), np.float32), None, None]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # (numpy's invalid-value warnings: none)
+            redo_step([0], x, np.array([[1] + drafts]), np.array([n_valid]), q, np.zeros((1, T - 1)),
+                      np.full((1, T), 0.5), np.array([1.0]), np.array([0]), np.array([1.0]), np.array([1.0]),
+                      np.zeros((1, V)), np.zeros((1, V)), np.zeros(1), np.zeros(1), out)
+        return int(out[0][0]), int(out[1][0])
+
+    assert redo([1, 2], 2) == (2, -1)  # both drafts kept (u = 0): next would come from the NaN position
+    n, nxt = redo([1, 2], 1)  # one valid draft: next from position 1, finite
+    assert n == 1 and nxt >= 0
+    assert redo([1, 2], 2, bad=0)[1] == -1
+    n, nxt = redo([1, 2], 2, bad=1)  # the first draft kept, the second position not finite
+    assert (n, nxt) == (1, -1)
