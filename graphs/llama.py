@@ -123,9 +123,9 @@ class LlamaDecoder(nn.Cell):
 
     def head_argmax(self, h):
         """h [R, d] -> greedy tokens [R] int32, -1 where a row's hidden state is not finite (activations past
-        the dtype's range: its argmax would be some token). h, not the logits: 1/85 of the check for the
-        default model; a finite h's logits are NaN-free, and one past float16's range (+inf) is its row's
-        largest, the first such one taken. Under TP each rank sends its (max, index) pairs only."""
+        the dtype's range, the decoder's mark included: its argmax would be some token). h, not the logits:
+        1/85 of the check for the default model (a logit past float16's range from a finite h, +inf, wins its
+        row's argmax, the first such one). Under TP each rank sends its (max, index) pairs only."""
         ok = finite_rows(h)  # [R] (the same on every rank)
         x = ops.dense(h, self.head)
         if self.tp == 1:
@@ -156,6 +156,7 @@ class LlamaDecoder(nn.Cell):
         idx = base + qpos.reshape(B, 1, T)  # [B, KV, T]: the cache row of cache[slot[b], h, qpos[b, t]]
         rows = base + keys.reshape(1, 1, W)  # [B, KV, W]: the window of the rows' slots
         x = self.embed_tokens(ids.reshape(-1))  # [B*T, d]
+        ok = ops.ones((B, T), ms.int32)
         for i in range(self.L):
             w_qkv, w_o, w_gu, w_down = self.w[4 * i:4 * i + 4]
             qkv = ops.dense(self.norm(x), w_qkv, self.b[i]) if self.qkv_bias else ops.dense(self.norm(x), w_qkv)
@@ -167,6 +168,7 @@ class LlamaDecoder(nn.Cell):
                 a_rot = ops.concat((-x2, x1), -1).reshape(B * T, self.N)  # rotate_half per head
             # RoPE as x*cos + rotate_half(x)*sin (v: cos 1, sin 0)
             a = a.reshape(B, T, self.N) * cos + a_rot.reshape(B, T, self.N) * sin
+            ok = ok * finite_rows(a)  # [B, T]: q, k, v finite in every layer so far
             a = a.reshape(B, T, self.H + 2 * self.KV, self.D).transpose(0, 2, 1, 3)
             q, k, v = heads(a, self.H, self.KV)  # [B, H|KV|KV, T, D]
             k, v = finite_or_zero(k), finite_or_zero(v)  # (an overflowing position's: see finite_or_zero)
@@ -179,7 +181,9 @@ class LlamaDecoder(nn.Cell):
             x = x + self.reduce(ops.dense(o, w_o))
             g, u = halves(ops.dense(self.norm(x), w_gu), 1)  # [B*T, I] each
             x = x + self.reduce(ops.dense(ops.silu(g) * u, w_down))
-        return self.norm(x)
+        # a position whose q/k/v overflowed (its K/V written as 0) ends not finite, as one whose residual did:
+        # + log(1) = + 0 leaves the others exact, + log(0) = -inf marks it (the checks read h or the logits)
+        return self.norm(x + ops.log(ok.astype(x.dtype)).reshape(B * T, 1))
 
 
 class Logits(nn.Cell):
@@ -264,7 +268,7 @@ class Prefill(nn.Cell):
     real tokens lands in stale positions: masked, later overwritten); each row's next token is sampled
     after its index last [B] with u [B] and the row's sampling parameters (as SampleStep; temperature
     0 = greedy); keys [W] as GreedyStep. Only those B positions go through the LM head. Returns next [B]
-    int32 (-1 where its logits are not finite), its logprobs (lp [B, 1], top_lp and top_id [B, 1, TOP_LOGPROBS]), exact [B] and the logits
+    int32 (-1 where a real position's hidden state or its logits are not finite), its logprobs (lp [B, 1], top_lp and top_id [B, 1, TOP_LOGPROBS]), exact [B] and the logits
     [B, 1, V] (as SampleStep)."""
 
     def __init__(self, decoder, cap=TOPK_CAP):
@@ -275,8 +279,11 @@ class Prefill(nn.Cell):
         B, C = ids.shape
         V = seen.shape[1]
         rows = iota(B) * C + last  # [B]: each row's last real token
-        logits = self.decoder.head_logits(ops.gather(self.decoder(ids, slots, pos, keys), rows, 0)).reshape(B, 1, V)
+        h = self.decoder(ids, slots, pos, keys)  # [B*C, d]
+        logits = self.decoder.head_logits(ops.gather(h, rows, 0)).reshape(B, 1, V)
         p, exact = process(logits, temperature, top_k, top_p, penalty, (seen > 0).reshape(B, 1, V), self.cap)
         nxt = sample(p.reshape(B, V), u)
-        return (or_minus_one(nxt, finite_rows(logits).reshape(B)),) + token_logprobs(logits, nxt.reshape(B, 1)) + \
-            (exact, logits)
+        # every real position of the chunk finite (its K/V stay in the cache for what follows), and the logits
+        late = (iota(C).reshape(1, C) > last.reshape(B, 1)).astype(ms.int32)
+        ok = ops.maximum(finite_rows(h).reshape(B, C), late).min(-1) * finite_rows(logits).reshape(B)
+        return (or_minus_one(nxt, ok),) + token_logprobs(logits, nxt.reshape(B, 1)) + (exact, logits)

@@ -217,7 +217,9 @@ class TargetModel:
             return self._run(kind, shape, *args, dry=True)
         *out, exact, logits = self._run(kind, shape, *args)
         out = [x.asnumpy() for x in out]
-        rows = np.flatnonzero(~exact.asnumpy() & (out[kind != "prefill"] >= 0))  # (-1: not finite, said as it is)
+        # (a prefill's -1: a prompt position not finite, which its last logits do not show; a step's: redone,
+        # the host's n may stop before the graph's did)
+        rows = np.flatnonzero(~exact.asnumpy() & ((out[0] >= 0) if kind == "prefill" else True))
         if len(rows):
             self.host_rows += len(rows)
             out = [np.array(x) for x in out]  # (changed in place)

@@ -30,7 +30,7 @@ from collections import deque
 
 import numpy as np
 
-from .errors import MindspecError
+from .errors import NotFinite
 from .policy import fit
 from .sampling import ACCEPT, SAMPLE, uniforms
 from .sequence import FINISHED, PREFILL, RUNNING, WAITING
@@ -216,11 +216,11 @@ class Engine:
         toks, lps = out if want_lp else (out, None)
         for i, (r, chunk) in enumerate(zip(fed, chunks)):
             r.pos += len(chunk)
+            if toks[i] < 0:  # (any chunk's: its K/V stay for what follows)
+                self._not_finite(r, f"in prompt positions {r.pos - len(chunk)}-{r.pos - 1}", events)
+                continue
             if r.pos == len(r.prompt_ids):  # the last chunk: its token is the first one generated
                 r.stats.target_calls += 1
-                if toks[i] < 0:
-                    self._not_finite(r, len(r.seq), events)
-                    continue
                 lp = [lps.at(i, 0, r.logprobs)] if r.logprobs is not None else None
                 events[r] = events.get(r, "") + r.commit([int(toks[i])], lp)
         for r in pre:
@@ -305,7 +305,7 @@ class Engine:
             if r.policy is not None:
                 self.dynamic.update(r.policy, n_valid[i], n)
             if nxt[i] < 0:
-                self._not_finite(r, len(r.seq) + n, events)
+                self._not_finite(r, f"at position {len(r.seq) + n}", events)
                 continue
             lp = [lps[0].at(i, t, r.logprobs) for t in range(n + 1)] if r.logprobs is not None else None
             events[r] = events.get(r, "") + r.commit([int(t) for t in drafts[i, :n]] + [int(nxt[i])], lp)
@@ -314,13 +314,13 @@ class Engine:
             if not r.done and r.pos >= self.target.max_seq:
                 events[r] += r.finish("length")  # the cache is full
 
-    def _not_finite(self, r, at, events):
-        """End r: the target's logits for its position `at` are not finite (found: a float16 model whose
-        activations overflow generated token 0 for ever, as the argmax of NaN)."""
+    def _not_finite(self, r, where, events):
+        """End r: the target's activations `where` (at a position, in prompt positions) are not finite (found:
+        a float16 model whose activations overflow generated token 0 for ever, as the argmax of NaN)."""
         dtype = self.target.dtype
         fix = " (run it in float32: --dtype float32)" if dtype != "float32" else ""
-        _fail([r], MindspecError(f"the target's logits are not finite at position {at}: its activations leave "
-                                 f"{dtype}'s range{fix}"), events)
+        _fail([r], NotFinite(f"the target's activations are not finite {where}: they leave {dtype}'s range{fix}"),
+              events)
 
     def _may_draft(self):
         """request -> whether its draft may be fed its prompt now: not when it takes dynamic K and the policy

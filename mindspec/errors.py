@@ -16,6 +16,11 @@ class MindspecError(Exception):
         super().__init__(message, *args)
 
 
+class NotFinite(MindspecError):
+    """A request whose target activations left the dtype's range (float16): its own, said to its caller; the
+    engine works (a server's health does not count it)."""
+
+
 def summary(e):
     """An exception in one line: its type and the first line of words in its message (MindSpore's kernel
     errors open with a "----" / "- Kernel error:" banner and go on with a C++ call stack), at most 300

@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 
-from .errors import MindspecError, summary
+from .errors import MindspecError, NotFinite, summary
 from .formats import pieces
 from .metrics import Metrics
 from .mindie_config import QUEUE_DELAY_US
@@ -217,8 +217,8 @@ class App:
         tokens in a step of their own) change nothing, so a fault in the decode call alone still counts
         although every prefill works."""
         failed, last = self.engine_state
-        # (not a request's own, said in words: a float16 overflow its prompt led to; the engine works)
-        errors = [r.error for r, _ in events if r.finish_reason == "error" and not isinstance(r.error, MindspecError)]
+        # (not a request's own: a float16 overflow its prompt led to; the engine works)
+        errors = [r.error for r, _ in events if r.finish_reason == "error" and not isinstance(r.error, NotFinite)]
         if errors:
             self.metrics.engine_errors.inc()
             self.engine_state = failed + 1, summary(errors[-1])

@@ -826,7 +826,7 @@ def test_a_row_whose_logits_are_not_finite_ends_alone_and_its_slot_is_not_cached
     monkeypatch.undo()
     bad = [i for i, r in enumerate(res) if r.finish_reason == "error"]
     assert len(bad) == 1 and hit, [r.finish_reason for r in res]
-    assert res[bad[0]].error == (f"MindspecError: the target's logits are not finite at position {hit[0][0]}: its "
-                                 "activations leave float32's range")
+    assert res[bad[0]].error == (f"NotFinite: the target's activations are not finite at position {hit[0][0]}: they "
+                                 "leave float32's range")
     assert [r.token_ids for i, r in enumerate(res) if i != bad[0]] == [a for i, a in enumerate(alone[:3]) if i != bad[0]]
-    assert hit[0][1] not in eng.cached  # (its K/V past the overflow are NaN)
+    assert hit[0][1] not in eng.cached  # (its K/V past the overflow are not the model's)

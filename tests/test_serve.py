@@ -2093,18 +2093,21 @@ def test_a_port_that_cannot_be_listened_on_is_one_error_not_a_hang(port, words):
 
 
 def test_a_request_that_ended_in_words_is_no_engine_failure():
-    """A review's: a float16 overflow its prompt led to (a MindspecError, said to its client) counted as a
-    failed engine step, so FAILED_STEPS such prompts turned /health to 503 though the engine works; a call
-    that raised (RuntimeError) still counts."""
+    """A review's: a float16 overflow its prompt led to (NotFinite, said to its client) counted as a failed
+    engine step, so FAILED_STEPS such prompts turned /health to 503 though the engine works; a call that
+    raised (RuntimeError), or another MindspecError (ranks that disagree), still counts."""
     from types import SimpleNamespace
+    from mindspec.errors import NotFinite
     from mindspec.serve import App, FAILED_STEPS
     app = App({})
-    said = SimpleNamespace(finish_reason="error", error=MindspecError("the target's logits are not finite at "
-                                                                      "position 5"), output=[])
+    said = SimpleNamespace(finish_reason="error", error=NotFinite("the target's activations are not finite at "
+                                                                  "position 5"), output=[])
     for _ in range(FAILED_STEPS + 1):
         app._account([(said, "")])
     assert app.engine_state == (0, None) and app.failing() is None
-    raised = SimpleNamespace(finish_reason="error", error=RuntimeError("a kernel fault"), output=[])
-    for _ in range(FAILED_STEPS):
-        app._account([(raised, "")])
-    assert app.engine_state[0] == FAILED_STEPS and app.failing() is not None
+    for error in (RuntimeError("a kernel fault"), MindspecError("the tensor-parallel ranks disagree")):
+        app.engine_state = (0, None)
+        raised = SimpleNamespace(finish_reason="error", error=error, output=[])
+        for _ in range(FAILED_STEPS):
+            app._account([(raised, "")])
+        assert app.engine_state[0] == FAILED_STEPS and app.failing() is not None
