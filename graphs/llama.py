@@ -156,7 +156,6 @@ class LlamaDecoder(nn.Cell):
         idx = base + qpos.reshape(B, 1, T)  # [B, KV, T]: the cache row of cache[slot[b], h, qpos[b, t]]
         rows = base + keys.reshape(1, 1, W)  # [B, KV, W]: the window of the rows' slots
         x = self.embed_tokens(ids.reshape(-1))  # [B*T, d]
-        ok = ops.ones((B, T), ms.int32)
         for i in range(self.L):
             w_qkv, w_o, w_gu, w_down = self.w[4 * i:4 * i + 4]
             qkv = ops.dense(self.norm(x), w_qkv, self.b[i]) if self.qkv_bias else ops.dense(self.norm(x), w_qkv)
@@ -168,7 +167,10 @@ class LlamaDecoder(nn.Cell):
                 a_rot = ops.concat((-x2, x1), -1).reshape(B * T, self.N)  # rotate_half per head
             # RoPE as x*cos + rotate_half(x)*sin (v: cos 1, sin 0)
             a = a.reshape(B, T, self.N) * cos + a_rot.reshape(B, T, self.N) * sin
-            ok = ok * finite_rows(a)  # [B, T]: q, k, v finite in every layer so far
+            # a position whose q/k/v overflowed (its K/V written as 0 below) is marked in the residual, as one
+            # whose residual overflowed: + log(1) = + 0 leaves the others exact, + log(0) = -inf marks it,
+            # before the row-parallel reduce so every rank marks it (a rank's heads are its own)
+            mark = ops.log(finite_rows(a).astype(x.dtype)).reshape(B * T, 1)
             a = a.reshape(B, T, self.H + 2 * self.KV, self.D).transpose(0, 2, 1, 3)
             q, k, v = heads(a, self.H, self.KV)  # [B, H|KV|KV, T, D]
             k, v = finite_or_zero(k), finite_or_zero(v)  # (an overflowing position's: see finite_or_zero)
@@ -178,12 +180,10 @@ class LlamaDecoder(nn.Cell):
             s = self.f32(self.qk_t(q.reshape(B, self.KV, self.G * T, self.D), kc)) + mask  # [B, KV, G*T, W]
             o = ops.matmul(self.narrow(ops.softmax(s, -1)), vc)  # [B, KV, G*T, D]
             o = o.reshape(B, self.H, T, self.D).transpose(0, 2, 1, 3).reshape(B * T, self.H * self.D)
-            x = x + self.reduce(ops.dense(o, w_o))
+            x = x + self.reduce(ops.dense(o, w_o) + mark)
             g, u = halves(ops.dense(self.norm(x), w_gu), 1)  # [B*T, I] each
             x = x + self.reduce(ops.dense(ops.silu(g) * u, w_down))
-        # a position whose q/k/v overflowed (its K/V written as 0) ends not finite, as one whose residual did:
-        # + log(1) = + 0 leaves the others exact, + log(0) = -inf marks it (the checks read h or the logits)
-        return self.norm(x + ops.log(ok.astype(x.dtype)).reshape(B * T, 1))
+        return self.norm(x)
 
 
 class Logits(nn.Cell):
@@ -224,9 +224,9 @@ class SampleStep(nn.Cell):
     unused); u_acc [B, K] (K = 0: [B, 1], unused) and u_smp [B, K+1] uniforms in [0, 1);
     temperature, top_k (int32), top_p, penalty [B]; seen [B, V] float32 (1: token committed); counts
     [B, V] float32 (the output's tokens, counted) with presence, frequency [B]; keys [W] as GreedyStep.
-    Returns n_accepted [B], next [B] (-1 where a committed position's logits are not finite), the logprobs of the tokens the step commits
-    (lp [B, K+1]: the accepted drafts, then next at index n_accepted; top_lp, top_id [B, K+1,
-    TOP_LOGPROBS]: see token_logprobs), exact [B] bool (the top-k candidates held the row's kept set; when
+    Returns n_accepted [B], next [B] (-1 where a committed position's logits are not finite), the
+    logprobs of the tokens the step commits (lp [B, K+1]: the accepted drafts, then next at index
+    n_accepted; top_lp, top_id [B, K+1, TOP_LOGPROBS]: see token_logprobs), exact [B] bool (the top-k candidates held the row's kept set; when
     not, its outputs are redone on the host: graphs/exact.py) and the logits [B, K+1, V] for that.
     penalties: whether counts, presence and frequency are applied (graphs of their own, for the runs that ask:
     a [B, K+1, V] count and four passes over it measured 5-17% of a call of 8 rows at K = 8 when every
@@ -268,8 +268,8 @@ class Prefill(nn.Cell):
     real tokens lands in stale positions: masked, later overwritten); each row's next token is sampled
     after its index last [B] with u [B] and the row's sampling parameters (as SampleStep; temperature
     0 = greedy); keys [W] as GreedyStep. Only those B positions go through the LM head. Returns next [B]
-    int32 (-1 where a real position's hidden state or its logits are not finite), its logprobs (lp [B, 1], top_lp and top_id [B, 1, TOP_LOGPROBS]), exact [B] and the logits
-    [B, 1, V] (as SampleStep)."""
+    int32 (-1 where a real position's hidden state or its logits are not finite), its logprobs (lp [B, 1],
+    top_lp and top_id [B, 1, TOP_LOGPROBS]), exact [B] and the logits [B, 1, V] (as SampleStep)."""
 
     def __init__(self, decoder, cap=TOPK_CAP):
         super().__init__()

@@ -66,5 +66,5 @@ def finite_or_zero(x):
     """x with each inf or NaN made 0: what a row writes into its KV cache. A masked cache position still
     enters attention's p @ V as 0 * v, which is NaN for v NaN: one overflowing position (float16) made the
     positions before it in its call, and every later request in its slot, not finite. (The position itself
-    is marked by the decoder, and refused where it is committed or read as a prompt.)"""
+    is marked in the residual by the decoder, and refused where it is committed or read as a prompt.)"""
     return _SELECT(_ISFINITE(x), x, _ZEROS(x))
