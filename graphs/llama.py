@@ -166,21 +166,18 @@ class LlamaDecoder(nn.Cell):
                 x1, x2 = halves(a.reshape(B * T, self.H + 2 * self.KV, self.D), 2)
                 a_rot = ops.concat((-x2, x1), -1).reshape(B * T, self.N)  # rotate_half per head
             # RoPE as x*cos + rotate_half(x)*sin (v: cos 1, sin 0)
-            a = a.reshape(B, T, self.N) * cos + a_rot.reshape(B, T, self.N) * sin
-            # a position whose q/k/v overflowed (its K/V written as 0 below) is marked in the residual, as one
-            # whose residual overflowed: + log(1) = + 0 leaves the others exact, + log(0) = -inf marks it,
-            # before the row-parallel reduce so every rank marks it (a rank's heads are its own)
-            mark = ops.log(finite_rows(a).astype(x.dtype)).reshape(B * T, 1)
+            # (q, k, v of an overflowing position as 0: see finite_or_zero; one select over the three, not
+            # a check of each: per-layer kernels cost a one-row call 15-30%)
+            a = finite_or_zero(a.reshape(B, T, self.N) * cos + a_rot.reshape(B, T, self.N) * sin)
             a = a.reshape(B, T, self.H + 2 * self.KV, self.D).transpose(0, 2, 1, 3)
             q, k, v = heads(a, self.H, self.KV)  # [B, H|KV|KV, T, D]
-            k, v = finite_or_zero(k), finite_or_zero(v)  # (an overflowing position's: see finite_or_zero)
             kc = ops.gather(ops.scatter_update(self.k_cache[i], idx, k), rows, 0)  # [B, KV, W, D]
             vc = ops.gather(ops.scatter_update(self.v_cache[i], idx, v), rows, 0)
             # GQA without copying the cache per head: the G query heads of a KV head become extra rows
             s = self.f32(self.qk_t(q.reshape(B, self.KV, self.G * T, self.D), kc)) + mask  # [B, KV, G*T, W]
             o = ops.matmul(self.narrow(ops.softmax(s, -1)), vc)  # [B, KV, G*T, D]
             o = o.reshape(B, self.H, T, self.D).transpose(0, 2, 1, 3).reshape(B * T, self.H * self.D)
-            x = x + self.reduce(ops.dense(o, w_o) + mark)
+            x = x + self.reduce(ops.dense(o, w_o))
             g, u = halves(ops.dense(self.norm(x), w_gu), 1)  # [B*T, I] each
             x = x + self.reduce(ops.dense(ops.silu(g) * u, w_down))
         return self.norm(x)

@@ -65,6 +65,7 @@ def or_minus_one(tok, ok):
 def finite_or_zero(x):
     """x with each inf or NaN made 0: what a row writes into its KV cache. A masked cache position still
     enters attention's p @ V as 0 * v, which is NaN for v NaN: one overflowing position (float16) made the
-    positions before it in its call, and every later request in its slot, not finite. (The position itself
-    is marked in the residual by the decoder, and refused where it is committed or read as a prompt.)"""
+    positions before it in its call, and every later request in its slot, not finite. (An overflow of the
+    residual stays in the position's hidden state, refused where it is committed or read as a prompt; one of
+    q/k/v alone with a finite residual goes unseen.)"""
     return _SELECT(_ISFINITE(x), x, _ZEROS(x))
