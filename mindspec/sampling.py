@@ -60,7 +60,7 @@ class SamplingParams:
             if 0 < (getattr(self, name) or 0) < MIN_TEMPERATURE:
                 object.__setattr__(self, name, 0.0)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer))
-                                      or not -2 ** 63 <= self.seed < 2 ** 64):  # (PyTorch's manual_seed's, vLLM's)
+                                      or not -2 ** 63 <= self.seed < 2 ** 64):  # (the range of PyTorch's manual_seed, vLLM's)
             raise MindspecError(f"seed must be an integer in [-2**63, 2**64), got {shown(self.seed)}")
 
     @property
