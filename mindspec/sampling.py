@@ -59,8 +59,9 @@ class SamplingParams:
         for name in ("temperature", "draft_temperature"):
             if 0 < (getattr(self, name) or 0) < MIN_TEMPERATURE:
                 object.__setattr__(self, name, 0.0)
+        # (the range of PyTorch's manual_seed, as vLLM takes it)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer))
-                                      or not -2 ** 63 <= self.seed < 2 ** 64):  # (the range of PyTorch's manual_seed, vLLM's)
+                                      or not -2 ** 63 <= self.seed < 2 ** 64):
             raise MindspecError(f"seed must be an integer in [-2**63, 2**64), got {shown(self.seed)}")
 
     @property

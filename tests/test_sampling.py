@@ -97,8 +97,8 @@ def test_sampling_params_draft_and_flags():
 def test_sampling_params_normalise_tiny_temperatures_vllm_top_k_and_the_seed_bound():
     """Found by mutation testing: a draft_temperature below MIN_TEMPERATURE is stored as 0.0 like the
     target's (not only once for_draft() re-checks it), top_k -1 (vLLM's off) is stored as 0, and the
-    seeds accepted are those of PyTorch's manual_seed (vLLM's), OpenAI's int64 and TGI's u64: [-2**63, 2**64) (found: -1 refused
-    on OpenAI's routes), a negative one its 64-bit two's complement (2**64 is refused: see
+    seeds accepted are those of PyTorch's manual_seed (vLLM's), OpenAI's int64 and TGI's u64: [-2**63, 2**64)
+    (found: -1 refused on OpenAI's routes), a negative one its 64-bit two's complement (2**64 is refused: see
     test_bad_sampling_params_raise_one_line)."""
     from mindspec.sampling import MIN_TEMPERATURE
     p = SamplingParams(1.0, draft_temperature=MIN_TEMPERATURE / 10)
