@@ -47,6 +47,7 @@ class Engine:
         self.prefix_cache = prefix_cache
         self._empty()
         self.writes = target.writes  # the target's graph runs when this engine last ran one
+        self.decodes = 0  # draft + verify calls that worked (a server's health: serve.App._account)
 
     def _empty(self):
         """No request, every slot free, nothing cached."""
@@ -93,8 +94,8 @@ class Engine:
                 if pre:
                     self._catch_up(pre, events)
                 running = [r for r in self.rows if r.state == RUNNING]
-                if running:
-                    self._guard(running, events, lambda: self._decode(running, events))
+                if running and self._guard(running, events, lambda: self._decode(running, events)):
+                    self.decodes += 1
             self._release()
         except Exception as e:  # noqa: BLE001 - bookkeeping between the calls failed: see _restart
             self._restart(e, events)
@@ -197,11 +198,13 @@ class Engine:
 
     def _guard(self, reqs, events, fn):
         """A failing call (a graph error) ends the requests it carried, with the error; the engine
-        and the other requests go on."""
+        and the other requests go on. Returns whether the call worked."""
         try:
             fn()
         except Exception as e:  # noqa: BLE001 - reported to those requests' callers
             _fail(reqs, e, events)
+            return False
+        return True
 
     # ---- the work of a step
 

@@ -168,9 +168,10 @@ class App:
         self.warming = False
         if eng.waiting and len(eng.rows) >= t.ready_rows():
             self._load_next()  # a request waits for a larger batch's graphs: one a step, the rows go on between
+        decodes = eng.decodes
         events = eng.step()
         if account:
-            self._account(events)
+            self._account(events, decoded=eng.decodes > decodes)
         for req, text in events:
             if text:
                 on_event(req.id, "text", (text, req))
@@ -209,13 +210,12 @@ class App:
                   "need them", file=sys.stderr, flush=True)
             return False
 
-    def _account(self, events):
+    def _account(self, events, decoded):
         """Count engine steps failing in a row (rank 0's worker). A step fails when a request ended in it
         with an error (the engine ends the rows of a target or draft call that raised), even if other rows
-        went on; it succeeds when none did and a request ended normally or got tokens from a draft + verify
-        call (beyond its first token, which the prefill gives). Other steps (a prompt chunk, aborts, first
-        tokens in a step of their own) change nothing, so a fault in the decode call alone still counts
-        although every prefill works."""
+        went on; it succeeds when none did and its draft + verify call worked (decoded). Other steps (a
+        prompt chunk, aborts, requests that ended at the first token their prompt call gave) change
+        nothing, so a fault in the decode call alone still counts although every prefill works."""
         failed, last = self.engine_state
         # (not a request's own: a float16 overflow its prompt led to; the engine works)
         errors = [r.error for r, _ in events if r.finish_reason == "error" and not isinstance(r.error, NotFinite)]
@@ -225,8 +225,7 @@ class App:
             if failed + 1 == FAILED_STEPS:
                 print(f"mindspec: unhealthy: {self.failing()}; /health answers 503 until a step succeeds",
                       file=sys.stderr, flush=True)
-        elif failed and any(r.finish_reason in ("stop", "length") or (r.finish_reason is None and len(r.output) > 1)
-                            for r, _ in events):
+        elif failed and decoded:
             self.engine_state = 0, None
             if failed >= FAILED_STEPS:
                 print("mindspec: healthy again: an engine step succeeded", file=sys.stderr, flush=True)

@@ -300,10 +300,12 @@ def test_a_requests_timeout_ends_it(server, pipe):
         dict(ref, mindspec=mock.ANY)
 
 
-def test_a_timeout_after_the_first_text_ends_the_stream_with_an_error_event(pipe):
+def test_a_timeout_after_the_first_text_ends_the_stream_with_an_error_event(pipe, capsys):
     """The review's: the stream case of a timeout was left to timing. Here no engine runs behind the endpoints:
     the test hands the request its first text, then nothing, and the stream ends with OpenAI's error event and no
-    [DONE]; the row is cancelled, its log line saying why."""
+    [DONE]; the row is cancelled, its log line saying why. /metrics and the access log count the stream as the
+    504 its last event says (a later review's: they said 200, the status line's, so no stream that failed after
+    its first text was ever counted as failed)."""
     app = ready_app(pipe)
     with bare(app) as base:
         got = {}
@@ -318,6 +320,10 @@ def test_a_timeout_after_the_first_text_ends_the_stream_with_an_error_event(pipe
         assert status == 200 and evs[0]["choices"][0]["text"] == "Hi" and len(evs) == 2, text
         assert evs[1]["error"]["message"] == "the request did not finish within its timeout of 1 s"
         assert job.cancelled.wait(5) and job.why == "its timeout passed"
+        m = _metrics(base)
+        assert m[("mindspec_requests_total", (("endpoint", "completions"), ("status", "504")))] == 1, m
+        assert (("mindspec_requests_total", (("endpoint", "completions"), ("status", "200")))) not in m, m
+    assert '"POST /v1/completions" 504\n' in capsys.readouterr().err
 
 
 def test_greedy_with_a_repetition_penalty_is_the_targets_own(server, pipe):
@@ -2103,11 +2109,31 @@ def test_a_request_that_ended_in_words_is_no_engine_failure():
     said = SimpleNamespace(finish_reason="error", error=NotFinite("the target's activations are not finite at "
                                                                   "position 5"), output=[])
     for _ in range(FAILED_STEPS + 1):
-        app._account([(said, "")])
+        app._account([(said, "")], decoded=False)
     assert app.engine_state == (0, None) and app.failing() is None
     for error in (RuntimeError("a kernel fault"), MindspecError("the tensor-parallel ranks disagree")):
         app.engine_state = (0, None)
         raised = SimpleNamespace(finish_reason="error", error=error, output=[])
         for _ in range(FAILED_STEPS):
-            app._account([(raised, "")])
+            app._account([(raised, "")], decoded=False)
         assert app.engine_state[0] == FAILED_STEPS and app.failing() is not None
+
+
+def test_requests_that_end_at_their_first_token_do_not_hide_a_failing_decode():
+    """A review's: with the draft + verify call raising and every prompt call working, a request of
+    max_tokens 1 (or one whose first token is EOS) ended "length" in a step with no decode and counted as a
+    step that succeeded: alternated with the requests that failed, /health never said 503 (a load balancer's
+    check of one token kept the server in rotation). Only a decode call that worked makes a server healthy
+    again; a failure, and no decode, change nothing in between."""
+    from types import SimpleNamespace
+    from mindspec.serve import App, FAILED_STEPS
+    app = App({})
+    raised = SimpleNamespace(finish_reason="error", error=RuntimeError("a kernel fault"), output=[])
+    first_only = SimpleNamespace(finish_reason="length", error=None, output=[7])
+    for _ in range(2 * FAILED_STEPS):
+        app._account([(raised, "")], decoded=False)
+        app._account([(first_only, "x")], decoded=False)  # (its prompt call's token)
+    assert app.engine_state[0] == 2 * FAILED_STEPS and app.failing() is not None
+    running = SimpleNamespace(finish_reason=None, error=None, output=[7, 8, 9])
+    app._account([(running, "yz")], decoded=True)
+    assert app.engine_state == (0, None) and app.failing() is None
