@@ -13,6 +13,7 @@ from aiohttp import HttpVersion11, web
 from . import __version__
 from .errors import MindspecError, is_int, is_number, one_line, shown, summary
 from .formats import TGI, OpenAI, openai_error, tgi_error
+from .http import ENDED_WITH, said
 from .request import RequestError, int_list, loads, make, parse, prompt_cut
 from .spec import TOP_LOGPROBS
 
@@ -221,7 +222,7 @@ class Api:
             resp = self.error(500, f"internal error: {summary(e)}", family)
         if resp.status >= 400 and not request.content.is_eof():
             _close_unread(request, resp)
-        self.metrics.answered(name, resp.status)
+        self.metrics.answered(name, said(resp))
         return resp
 
     def _check_key(self, request):
@@ -339,6 +340,7 @@ class Api:
                     # API's error shape (OpenAI's SDK reads error.message from an object only)
                     await resp.write(_event(self.error_body(status, msg, fmt.family, getattr(val, "param", None))[1]))
                     await resp.write_eof()
+                    resp[ENDED_WITH] = status
                     return resp
                 return self.error(status, msg, fmt.family, getattr(val, "param", None))
             if not stream:

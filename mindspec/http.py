@@ -26,6 +26,13 @@ from .formats import openai_error
 
 
 VERSION_SENT = web.RequestKey("version_sent", str)  # a request line's HTTP version other than 1.0 and 1.1
+ENDED_WITH = "ended_with"  # a response's: the status of the error event that ended its stream (see said)
+
+
+def said(resp):
+    """The status resp gave its client: a stream's 200, or the status of the error event it ended with (the
+    access log and /metrics count it as that)."""
+    return resp.get(ENDED_WITH, resp.status)
 IDLE_S = 1.0  # seconds a connection waits for a request before it may be closed to make room for another
 
 
@@ -240,7 +247,7 @@ class HttpServer:
             except asyncio.CancelledError:  # (its client left: /metrics counts a 499, so does the log; or the
                 self._log(request, 503 if self.stopping else 499)  # server stops)
                 raise
-        self._log(request, resp.status)
+        self._log(request, said(resp))
         return resp
 
     @staticmethod
