@@ -40,7 +40,8 @@ class DraftProposer:
         from q, the draft's distribution processed as the target's (SamplingParams.for_draft) with the
         row's own DRAFT uniforms. A row stops at its count (what the target can verify of it: its cache's
         room, its tokens left; so a row near the draft cache's end never writes past it) or before its
-        first draft under its confidence cut. Returns (drafts [n, k] int64, q [n, k, V] float32 or None,
+        first draft under its confidence cut, or where its logits are not finite (a float16 draft past its
+        range: its q would be NaN, its tokens rejected). Returns (drafts [n, k] int64, q [n, k, V] float32 or None,
         made [n] int: the drafts each row made, zeros past them), n = the Request rows, in order."""
         live = [i for i, r in enumerate(rows) if r is not None]
         m, V, k = len(rows), self.vocab_size, max(counts)
@@ -55,6 +56,9 @@ class DraftProposer:
                 if i >= made[j]:
                     continue
                 r = rows[row]
+                if not np.isfinite(logits[j]).all():
+                    made[j] = i
+                    continue
                 tok, q_i = self._one(r, logits[j], i, drafts[j, :i], need_q)
                 if r.draft_min_conf is not None and stop_early(_confidence(r.params, logits[j], q_i),
                                                                r.draft_min_conf):

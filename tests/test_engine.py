@@ -830,3 +830,30 @@ def test_a_row_whose_logits_are_not_finite_ends_alone_and_its_slot_is_not_cached
                                  "leave float32's range")
     assert [r.token_ids for i, r in enumerate(res) if i != bad[0]] == [a for i, a in enumerate(alone[:3]) if i != bad[0]]
     assert hit[0][1] not in eng.cached  # (its K/V past the overflow are not the model's)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_a_draft_whose_logits_are_not_finite_drafts_nothing(pipe, alone, monkeypatch, bad):
+    """A review's: a float16 draft that overflows gives NaN (or inf) logits. The output stayed the target's, but
+    only through NaN comparing false inside the acceptance graph (a backend where it compared true would
+    have accepted the draft's token 0 every time); the confidence cut never stopped such a row (NaN < t is
+    false), so it drafted and was rejected K times a step; and numpy warned on stderr. Now such a row makes
+    no draft: greedy rows give the target's tokens, a seeded row its own text, with nothing said on stderr."""
+    import warnings
+    session = pipe.engine.proposer.session
+    real = session.forward
+
+    def overflowing(*a, **kw):
+        out = real(*a, **kw).copy()
+        out[:, 3] = bad
+        return out
+
+    kw = [dict(prompt_ids=PROMPTS[0], max_new_tokens=MAX_NEW[0], k=4, draft_min_conf=0.1),
+          dict(prompt_ids=PROMPTS[1], max_new_tokens=MAX_NEW[1], k=4, temperature=1.0, seed=5)]
+    sampled = pipe.generate(**dict(kw[1], k=None), speculate=False)
+    monkeypatch.setattr(session, "forward", overflowing)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = pipe.generate_many(kw)
+    assert got[0].token_ids == alone[0] and got[1].token_ids == sampled.token_ids
+    assert [g.stats["drafted"] for g in got] == [0, 0], [g.stats for g in got]
