@@ -263,38 +263,18 @@ class Engine:
         room = self.target.max_seq if self.proposer is None else min(self.target.max_seq, self.proposer.max_seq)
         caps = [min(room - r.pos, r.max_new_tokens - len(r.output)) - 1 for r in running]
         n_valid = self._choose(running, caps)
-        if self.proposer is not None and max(n_valid):
-            # a drafting row whose draft fell far behind (a skipped prompt whose catch-up now pays) sits this
-            # step out and catches up, at most DRAFT_CATCHUP tokens a step, as a new row does
-            lag = {r.row: r.seq[self.proposer.cached(r.row):] for r, n in zip(running, n_valid) if n}
-            behind = {row: toks[:DRAFT_CATCHUP] for row, toks in lag.items() if len(toks) > DRAFT_CATCHUP}
-            self.proposer.prefill(behind)
-            n_valid = [0 if r.row in behind else n for r, n in zip(running, n_valid)]
-        K = max(n_valid)
-        drafts = np.zeros((len(running), K), np.int64)
-        q = None
         want_lp = any(r.logprobs is not None for r in running)  # only the sampling graph has whole logits
         need_q = want_lp or any(not r.params.plain_greedy for r in running)
-        if K:
-            who, counts = [None] * len(self.rows), [0] * len(self.rows)
-            for r, n in zip(running, n_valid):
-                who[r.row], counts[r.row] = (r, n) if n else (None, 0)
-            drafting = [r for r in running if who[r.row] is not None]
-            d, dq, made = self.proposer.get_candidates(who, counts, need_q)
-            q = np.zeros((len(running), K, self.proposer.vocab_size), np.float32) if need_q else None
-            for j, r in enumerate(drafting):
-                i = running.index(r)
-                drafts[i] = d[j]
-                n_valid[i] = int(made[j])  # (fewer after a confidence cut)
-                if need_q:
-                    q[i] = dq[j]
-            # after confidence cuts: verify the smallest bucket that holds what is left (none: a plain decode)
-            K = next((b for b in self.target.k_buckets if b >= max(n_valid)), K) if max(n_valid) else 0
-            drafts, q = drafts[:, :K], (q[:, :K] if q is not None and K else None)
+        try:
+            drafts, q, n_valid = self._propose(running, n_valid, need_q)
+            failed = None
+        except Exception as e:  # noqa: BLE001 - raised below, once every rank has heard (under TP)
+            drafts, q, failed = np.zeros((len(running), 0), np.int64), None, e
+        K = drafts.shape[1]
         t1 = time.perf_counter()
         ids = np.concatenate([np.array([[r.seq[-1]] for r in running]), drafts], 1)  # [n, K+1]
         slots, pos = [r.slot for r in running], [r.pos for r in running]
-        same_on_every_rank("the tokens to verify", ids, slots, pos, n_valid)  # (under TP)
+        same_on_every_rank("the tokens to verify", ids, slots, pos, n_valid, failed=failed)  # (under TP)
         s = self._sampling(running, K, q=q) if need_q else None
         acc, nxt, *lps = self.target.step(ids, slots, pos, n_valid, s, logprobs=want_lp)
         t2 = time.perf_counter()
@@ -316,6 +296,39 @@ class Engine:
                 self.proposer.update_candidate_strategy(r.row, r)
             if not r.done and r.pos >= self.target.max_seq:
                 events[r] += r.finish("length")  # the cache is full
+
+    def _propose(self, running, n_valid, need_q):
+        """The draft's proposals for the running rows, each up to its n_valid [n]: (drafts [n, K] int64, q [n, K,
+        V] float32 or None, n_valid [n], lowered by confidence cuts and for rows that catch up first); K the
+        smallest bucket that holds them (0: a plain decode)."""
+        K = max(n_valid) if self.proposer is not None else 0
+        if K:
+            # a drafting row whose draft fell far behind (a skipped prompt whose catch-up now pays) sits this
+            # step out and catches up, at most DRAFT_CATCHUP tokens a step, as a new row does
+            lag = {r.row: r.seq[self.proposer.cached(r.row):] for r, n in zip(running, n_valid) if n}
+            behind = {row: toks[:DRAFT_CATCHUP] for row, toks in lag.items() if len(toks) > DRAFT_CATCHUP}
+            self.proposer.prefill(behind)
+            n_valid = [0 if r.row in behind else n for r, n in zip(running, n_valid)]
+            K = max(n_valid)
+        drafts = np.zeros((len(running), K), np.int64)
+        q = None
+        if K:
+            who, counts = [None] * len(self.rows), [0] * len(self.rows)
+            for r, n in zip(running, n_valid):
+                who[r.row], counts[r.row] = (r, n) if n else (None, 0)
+            drafting = [r for r in running if who[r.row] is not None]
+            d, dq, made = self.proposer.get_candidates(who, counts, need_q)
+            q = np.zeros((len(running), K, self.proposer.vocab_size), np.float32) if need_q else None
+            for j, r in enumerate(drafting):
+                i = running.index(r)
+                drafts[i] = d[j]
+                n_valid[i] = int(made[j])  # (fewer after a confidence cut)
+                if need_q:
+                    q[i] = dq[j]
+            # after confidence cuts: verify the smallest bucket that holds what is left (none: a plain decode)
+            K = next((b for b in self.target.k_buckets if b >= max(n_valid)), K) if max(n_valid) else 0
+            drafts, q = drafts[:, :K], (q[:, :K] if q is not None and K else None)
+        return drafts, q, n_valid
 
     def _not_finite(self, r, where, events):
         """End r: the target's activations `where` (at a position, in prompt positions) are not finite (found:

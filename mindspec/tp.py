@@ -509,16 +509,21 @@ def share(obj):
     return pickle.loads(got)  # noqa: S301 - bytes from rank 0 of this very job
 
 
-def same_on_every_rank(what, *arrays):
+def same_on_every_rank(what, *arrays, failed=None):
     """Raise MindspecError where the ranks hold different integer arrays: a checksum c < m per rank, one
-    AllReduce of [c, c²] (all equal exactly when n·Σc² = (Σc)²; m as large as float32 keeps that exact,
-    2896 at TP=2, so a difference goes unseen once in m checks). The replicated draft is trusted to propose
-    the same tokens on every rank; a rank whose draft file, onnxruntime build or processor differs would
-    verify other tokens than the rest: every rank's output garbage, until the ranks' calls no longer
-    match and one dies inside a collective."""
+    AllReduce of [c, c², failed] (all equal exactly when n·Σc² = (Σc)²; m as large as float32 keeps that
+    exact, 2896 at TP=2, so a difference goes unseen once in m checks). The replicated draft is trusted to
+    propose the same tokens on every rank; a rank whose draft file, onnxruntime build or processor differs
+    would verify other tokens than the rest: every rank's output garbage, until the ranks' calls no longer
+    match and one dies inside a collective. failed: the exception that kept this rank from making the
+    arrays (its draft call raised: its host's memory, its device), raised here once every rank knows, the
+    others raising a MindspecError: every rank ends the same rows and skips the same call, where one rank
+    alone skipping it left the rest waiting in its collectives."""
     from mindspec.graphs.tp import all_reduce_sum, tp_size
     n = tp_size()
     if n == 1:  # (every decode step calls this)
+        if failed is not None:
+            raise failed
         return
     import math
     import zlib
@@ -526,7 +531,12 @@ def same_on_every_rank(what, *arrays):
     import numpy as np
     data = b"".join(np.ascontiguousarray(a, np.int64).tobytes() for a in arrays)
     c = zlib.crc32(data) % math.isqrt((2 ** 24 - 1) // n)
-    s = all_reduce_sum(np.array([c, c * c], np.float32))  # n·c² < 2**24: every sum exact in float32
+    s = all_reduce_sum(np.array([c, c * c, failed is not None], np.float32))  # n·c² < 2**24: exact in float32
+    if failed is not None:
+        raise failed
+    if s[2]:
+        raise MindspecError(f"{int(s[2])} of the {n} tensor-parallel ranks could not make {what} (the draft call "
+                            "raised: the rank's log says why)")
     if int(s[0]) ** 2 != n * int(s[1]):
         raise MindspecError(f"the tensor-parallel ranks disagree on {what}: every host needs the same draft file, "
                             "onnxruntime build and kind of processor")

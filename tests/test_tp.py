@@ -126,10 +126,24 @@ def drafts_job(target, draft, out):
     from mindspec.graphs.tp import tp_rank
     pipe = mindspec.load(target=target, draft=os.environ["TP_TEST_DRAFTS"].split(",")[tp_rank()], k=4,
                          max_seq=128, buckets=(4,))
+    if os.environ.get("TP_TEST_FAULT") and tp_rank() == 1:  # this host's draft call raises, once
+        prop = pipe.engine.proposer
+        real, calls = prop.get_candidates, []
+
+        def faulty(*a, **kw):
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError("onnxruntime: failed to allocate memory on this host")
+            return real(*a, **kw)
+        prop.get_candidates = faulty
     try:
         res = {"greedy": pipe.generate(prompt_ids=PROMPTS[1], max_new_tokens=NEW_TOKENS).token_ids}
     except MindspecError as e:
         res = {"greedy": str(e)}
+    except RuntimeError as e:
+        res = {"greedy": f"RuntimeError: {e}"}
+    if os.environ.get("TP_TEST_FAULT"):  # then every rank goes on
+        res["after"] = pipe.generate(prompt_ids=PROMPTS[1], max_new_tokens=NEW_TOKENS).token_ids
     with open(f"{out}.rank{tp_rank()}.json", "w") as f:
         json.dump(res, f)
 
@@ -285,6 +299,22 @@ def test_ranks_whose_drafts_differ_stop_with_one_error(pair):
         res = json.load(open(root / f"drafts.rank{r}.json"))
         assert res["greedy"] == ("the tensor-parallel ranks disagree on the tokens to verify: every host needs "
                                  "the same draft file, onnxruntime build and kind of processor"), (r, res)
+
+
+def test_a_draft_call_that_raises_on_one_rank_ends_its_request_on_every_rank(pair, reference):
+    """A review's: a draft call raising on one host alone (its memory, its device) ended the rows on that rank,
+    which skipped the verify call the others were inside of: the job hung in a collective until a timeout
+    (half an hour on Ascend), or died. Now the ranks agree on it before the call: the request ends with an
+    error on every rank (that rank's own words, the others' naming it), and the next request is exact."""
+    target, draft, _, root = pair
+    code, out, err = launch(2, pair, {"TP_TEST_JOB": "drafts", "TP_TEST_DRAFTS": f"{draft},{draft}",
+                                      "TP_TEST_FAULT": "1"}, name="fault")
+    assert code == 0, (code, out, err[-3000:])
+    res = [json.load(open(root / f"fault.rank{r}.json")) for r in range(2)]
+    assert res[0]["greedy"] == ("1 of the 2 tensor-parallel ranks could not make the tokens to verify (the draft "
+                                "call raised: the rank's log says why)"), res
+    assert res[1]["greedy"] == "RuntimeError: onnxruntime: failed to allocate memory on this host", res
+    assert res[0]["after"] == res[1]["after"] == reference[0]["speculative"][1]
 
 
 def test_a_rank_whose_host_lacks_the_draft_ends_the_job_with_its_own_error(pair):
