@@ -22,6 +22,7 @@ import queue
 import sys
 import threading
 import time
+import traceback
 
 from .errors import MindspecError, NotFinite, summary
 from .formats import pieces
@@ -248,7 +249,18 @@ class App:
 
     def _events(self, rid, kind, val):
         """Rank 0's on_event: hand the request's progress to its HTTP handler (runs on the worker, which
-        alone may read the request)."""
+        alone may read the request). A bug in doing so fails that request alone (it ended the worker's loop,
+        and the server); a row still running is aborted at the next turn (live and cancelled)."""
+        try:
+            self._event(rid, kind, val)
+        except Exception as e:  # noqa: BLE001 - a bug: that request's 500, not the worker's end
+            traceback.print_exc()
+            job = self.live.get(rid) if kind == "text" else self.live.pop(rid, None)
+            if job is not None:
+                job.cancelled.set()
+                job.put(("fail", e))
+
+    def _event(self, rid, kind, val):
         job = self.live.get(rid)
         if job is None:
             return

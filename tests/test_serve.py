@@ -2137,3 +2137,31 @@ def test_requests_that_end_at_their_first_token_do_not_hide_a_failing_decode():
     running = SimpleNamespace(finish_reason=None, error=None, output=[7, 8, 9])
     app._account([(running, "yz")], decoded=True)
     assert app.engine_state == (0, None) and app.failing() is None
+
+
+def test_a_bug_in_handing_a_request_its_answer_fails_that_request_alone(pipe, monkeypatch):
+    """A review's: the worker turns each step's events into what a request's HTTP handler sends (its pieces,
+    its metrics); a bug raising there ended the worker's loop and with it the server (every client a 503
+    "shutting down", the process gone). Now that request gets a one-line 500 and the server goes on, the
+    next request exact."""
+    import mindspec.serve as serve_module
+    ref = pipe.generate(prompt_ids=IDS, max_new_tokens=N, speculate=False).text
+    real, raised = serve_module.pieces, []
+
+    def buggy(*a, **kw):
+        if not raised:
+            raised.append(1)
+            raise TypeError("a bug")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(serve_module, "pieces", buggy)
+    base = _free_base()
+    body = {"prompt": IDS, "max_tokens": N}
+
+    def check():
+        status, text = call(base, "/v1/completions", body)
+        assert status == 500 and json.loads(text)["error"]["message"] == "internal error: TypeError: a bug", text
+        assert raised and post(base, "/v1/completions", body)["choices"][0]["text"] == ref
+        assert call(base, "/health") == (200, "")
+
+    _serve_in_process(pipe, monkeypatch, base, check)
