@@ -190,8 +190,8 @@ class App:
         except Exception as e:  # noqa: BLE001 - a graph that does not compile must not stop the requests running
             if self.tp:
                 raise
-            print(f"mindspec: the graphs for batches larger than {t.ready_rows()} did not compile ({summary(e)}); "
-                  f"serving up to {t.ready_rows()} at once", file=sys.stderr, flush=True)
+            _log(f"mindspec: the graphs for batches larger than {t.ready_rows()} did not compile ({summary(e)}); "
+                 f"serving up to {t.ready_rows()} at once")
             return False
 
     def _warm_next(self):
@@ -207,8 +207,8 @@ class App:
                 raise
             self.warm_failed = True
             self.pipe.engine.reset()  # (idle: nothing runs; what the slots cached may be half overwritten)
-            print(f"mindspec: an idle first run of a graph failed ({summary(e)}); no more are run before requests "
-                  "need them", file=sys.stderr, flush=True)
+            _log(f"mindspec: an idle first run of a graph failed ({summary(e)}); no more are run before requests "
+                 "need them")
             return False
 
     def _account(self, events, decoded):
@@ -224,12 +224,11 @@ class App:
             self.metrics.engine_errors.inc()
             self.engine_state = failed + 1, summary(errors[-1])
             if failed + 1 == FAILED_STEPS:
-                print(f"mindspec: unhealthy: {self.failing()}; /health answers 503 until a step succeeds",
-                      file=sys.stderr, flush=True)
+                _log(f"mindspec: unhealthy: {self.failing()}; /health answers 503 until a step succeeds")
         elif failed and decoded:
             self.engine_state = 0, None
             if failed >= FAILED_STEPS:
-                print("mindspec: healthy again: an engine step succeeded", file=sys.stderr, flush=True)
+                _log("mindspec: healthy again: an engine step succeeded")
 
     def failing(self):
         """Why the server is unhealthy (one line), or None: FAILED_STEPS engine steps failed in a row."""
@@ -269,8 +268,7 @@ class App:
                 del self.live[rid]
                 self._probing = False
                 if kind != "end" or val.finish_reason == "error":
-                    print(f"mindspec: health probe failed: {summary(val if kind != 'end' else val.error)}",
-                          file=sys.stderr, flush=True)
+                    _log(f"mindspec: health probe failed: {summary(val if kind != 'end' else val.error)}")
             return
         if kind == "text":
             delta, req = val
@@ -282,7 +280,7 @@ class App:
         if kind == "error":
             return job.put(("error", val))
         if kind == "fail":
-            print(f"mindspec: request {rid} failed: {summary(val)}", file=sys.stderr, flush=True)
+            _log(f"mindspec: request {rid} failed: {summary(val)}")
             return job.put(("fail", val))
         res = val.result()
         now = time.perf_counter()
@@ -291,12 +289,11 @@ class App:
             self.metrics.finish(len(val.prompt_ids) if job.tag == 0 else None, res,
                                 val.first_at and val.first_at - job.t0, now - job.t0)
         if res.finish_reason == "error":
-            print(f"mindspec: request {rid} failed: {val.error}", file=sys.stderr)
+            _log(f"mindspec: request {rid} failed: {val.error}")
             return job.put(("fail", val.error))
         if res.finish_reason == "abort":
             n = len(val.output)
-            print(f"mindspec: request {rid} aborted after {n} token{'s' * (n != 1)}: {job.why}",
-                  file=sys.stderr, flush=True)
+            _log(f"mindspec: request {rid} aborted after {n} token{'s' * (n != 1)}: {job.why}")
         else:
             every = pieces(val, 0, len(res.text), final=True)
             job.put(("done", (val.prompt_ids, res, every[job.sent:], every)))
@@ -394,7 +391,14 @@ def serve(load, defaults, host="127.0.0.1", port=1025, model_name=None, tp=False
         finally:
             app.stop()
             http.stop()
-    print("mindspec: server stopped", file=sys.stderr)
+    _log("mindspec: server stopped")
+
+
+def _log(line):
+    """One line on stderr in one write: the HTTP thread logs each request meanwhile (print writes a line's
+    text and its newline apart, and lines were joined under load)."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 def _say(line):

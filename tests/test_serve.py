@@ -1416,6 +1416,41 @@ def test_a_request_aborted_before_its_first_token_is_not_a_finished_generation(p
     assert (aborted([]), aborted([5])) == (0, 1)
 
 
+def test_the_workers_log_lines_are_written_whole(pipe, monkeypatch):
+    """A chaos probe's: under load the worker's "request N aborted" line and the HTTP thread's access line
+    were joined on one line of stderr (print writes a line's text and its newline apart, and the other thread
+    wrote between them). Each line is now one write."""
+    from types import SimpleNamespace
+    from mindspec.request import make, parse
+    from mindspec.serve import _Job
+    writes = []
+
+    class Recorder:
+        def write(self, s):
+            writes.append(s)
+            return len(s)
+
+        def flush(self):
+            pass
+
+    app = ready_app(pipe)
+    r = make(pipe, parse({"prompt_ids": IDS, "max_tokens": 4}))
+    r.commit([5])
+    r.finish("abort")
+    app.live[1] = _Job(1, {}, lambda fn, ev: None, None, 0)
+    app.live[1].why = "the client went away"
+    monkeypatch.setattr(sys, "stderr", Recorder())
+    app._events(1, "end", r)
+    for _ in range(3):  # unhealthy, then healthy again
+        app._account([(SimpleNamespace(finish_reason="error", error=RuntimeError("a fault"), output=[]), "")],
+                     decoded=False)
+    app._account([], decoded=True)
+    assert writes == ["mindspec: request 1 aborted after 1 token: the client went away\n",
+                      "mindspec: unhealthy: the engine failed 3 steps in a row; last error: RuntimeError: a fault; "
+                      "/health answers 503 until a step succeeds\n",
+                      "mindspec: healthy again: an engine step succeeded\n"], writes
+
+
 def _count(app, reason):
     return app.metrics.finished.labels(reason)._value.get()
 
