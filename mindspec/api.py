@@ -9,6 +9,7 @@ import re
 import traceback
 
 from aiohttp import HttpVersion11, web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from . import __version__
 from .errors import MindspecError, is_int, is_number, one_line, shown, summary
@@ -285,6 +286,8 @@ class Api:
             await asyncio.wait_for(read(), self.read_timeout)
         except asyncio.TimeoutError:
             raise RequestError(f"the request body did not arrive within {self.read_timeout:g} s", 408) from None
+        except HttpProcessingError as e:  # (a chunk that does not parse: http._Protocol._to_the_body)
+            raise RequestError(one_line(f"bad chunked body: {e.message}")) from None
         try:
             body = loads(data) if data else None
         except ValueError as e:

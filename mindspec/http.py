@@ -44,6 +44,7 @@ class _Protocol(RequestHandler):
     request, sent, watchdog = None, 0, None  # the latest request; the bytes written for those before it
     _seen = b""  # the last bytes received (a head's end may span two reads)
     _held = b""  # received, not yet parsed: past aiohttp's queue of pipelined requests
+    _broken = False  # a body failed to parse: nothing after it is (see _to_the_body)
 
     def connection_made(self, transport):
         super().connection_made(transport)
@@ -83,10 +84,25 @@ class _Protocol(RequestHandler):
                 super().data_received(piece)
             finally:
                 self._close, self._force_close = self._close or closing[0], self._force_close or closing[1]
+            self._to_the_body()
+
+    def _to_the_body(self):
+        """A body that fails to parse (a chunk size "ZZ") arrives after its head, fed alone: aiohttp's parser
+        then queues its 400 as a message of its own, behind the request still waiting for that body (a 408 at
+        the read timeout, a chaos probe's). The error goes to that body's reader (api: a 400 naming it)."""
+        if not self._messages or not isinstance(self._messages[-1][0], _ErrInfo):
+            return
+        waiting = [p for p in [m[1] for m in list(self._messages)[:-1]] +
+                   ([self.request.content] if self.request is not None else []) if not p.is_eof()]
+        if waiting:
+            waiting[0].set_exception(self._messages.pop()[0].exc)
+            self._broken = True  # (nothing after it is parsed)
 
     def _past_last(self):
         """Whether what arrives now follows the connection's last request (a malformed one, or one whose head
         said so, its body all there): not to be parsed."""
+        if self._broken:
+            return True
         if self._messages:
             msg, payload = self._messages[-1]
             return isinstance(msg, _ErrInfo) or (getattr(msg, "should_close", False) and payload.is_eof())

@@ -1826,6 +1826,31 @@ def test_health_says_503_while_the_engine_keeps_failing(pipe, monkeypatch):
     _serve_in_process(pipe, monkeypatch, base, check, max_batch=1, max_queue=4, read_timeout=10)
 
 
+def test_a_chunked_body_that_does_not_parse_is_a_400_at_once(server):
+    """A chaos probe's: a chunk size of "ZZ" or "-5" (the head fed to aiohttp's parser alone, its body after)
+    left the request waiting for a body that never came: a 408 "did not arrive within 3 s" after the read
+    timeout (30 s by default). Now a 400 at once, naming what is wrong, and the connection closes."""
+    import socket
+    base = server[0]
+    host, port = base.rsplit("/", 1)[1].split(":")
+    for bad, words in ((b"ZZ", "Invalid character in chunk size"), (b"-5", "Invalid character in chunk size"),
+                       (b"1;\x00", "Invalid character in chunk extensions name")):
+        t0 = time.perf_counter()
+        with socket.create_connection((host, int(port)), timeout=30) as c:
+            c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Transfer-Encoding: chunked\r\n\r\n" + bad + b"\r\nabc\r\n0\r\n\r\n")
+            got = b""
+            while chunk := c.recv(65536):
+                got += chunk
+        took = time.perf_counter() - t0
+        head, _, text = got.decode().partition("\r\n\r\n")
+        assert head.startswith("HTTP/1.1 400") and "Connection: close" in head, got
+        msg = json.loads(text)["error"]["message"]
+        assert msg.startswith(f"bad chunked body: {words}: b'{bad.decode()[:2]}") and "\n" not in msg, msg
+        assert took < 2.5, took  # (the read timeout is 3 s)
+    assert post(base, "/v1/completions", {"prompt": IDS, "max_tokens": 2})["choices"][0]["finish_reason"] == "length"
+
+
 def test_http_head_options_chunked_and_limits(server):
     """HEAD and OPTIONS, a chunked body, a body that never arrives (408 after --read-timeout), headers
     that never end (closed), and the connection limit (--max-connections: 503 beyond)."""
