@@ -266,6 +266,29 @@ def test_max_connections_admits_that_many_and_a_connection_beyond_gets_one_503_a
     assert sorted(capfd.readouterr().err.splitlines()) == [f'mindspec: 127.0.0.1 "GET {p}" 200' for p in sorted(paths)]
 
 
+def test_a_connection_refused_at_max_connections_sees_its_503_while_it_still_sends(capfd):
+    """A chaos probe's: the 503 beyond --max-connections was written and the socket closed at once; a client
+    whose request (a 60 kB body) was still on its way met a reset, and most such clients lost the 503 (a
+    broken pipe). The refused connection now reads and drops what comes, and closes when its client does."""
+    paths, errors, release = [], [], threading.Event()
+    with serving(holding(paths, release), max_connections=1, on_error=errors.append) as port:
+        with connect(port) as first:
+            first.sendall(b"GET /slow1 HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert wait_for(lambda: len(paths) == 1, 10)
+            for _ in range(3):
+                with connect(port) as late:
+                    time.sleep(0.3)  # (the 503 sent before any byte of the request)
+                    body = b"x" * 60_000  # (its head, then its body: as http.client sends them)
+                    late.sendall(b"POST /late HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body))
+                    time.sleep(0.3)
+                    late.sendall(body)  # (was: BrokenPipeError or ConnectionResetError)
+                    got = read_all(late)
+                assert got.startswith(b"HTTP/1.1 503 Service Unavailable\r\n") and got.count(b"HTTP/1.") == 1, got
+            release.set()
+            assert answer(first) == "HTTP/1.1 200 OK"
+    assert paths == ["/slow1"] and errors == [503] * 3
+
+
 def test_at_max_connections_the_longest_idle_connection_makes_room_for_a_new_one(capfd):
     """Found by a server probe: 1000 idle sockets (a client pool's keep-alive connections, or an attacker's that
     send nothing) filled --max-connections, and /health got 503 until they timed out 30 s later. At the limit,
