@@ -10,7 +10,7 @@ import sys
 from .errors import MindspecError
 from .request import SEED_ENV, stop_strings
 from .device import CHOICES, DEVICE_ENV, check_device_env, check_tp, detect_device
-from .spec import DTYPES
+from .spec import DTYPES, K_BUCKETS, SpecConfig
 from .mindie_config import QUEUE_DELAY_US
 from . import signals, stdout
 from .omdir import OmDir
@@ -31,12 +31,15 @@ def _ids(text):
 
 
 def _k(text):
+    """-k's value, checked while parsing (a server's was refused after it bound its port, a newcomer's)."""
     if text == "auto":
         return text
     try:
-        return int(text)
+        return SpecConfig.check_k(int(text), K_BUCKETS)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not an integer or auto: {text!r}") from None
+    except MindspecError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def cmd_export(a):
@@ -150,7 +153,8 @@ def add_sampling_args(p):
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="HF's: the logit of each token the prompt or output holds divided by it (> 0; 1 = off)")
     p.add_argument("--presence-penalty", type=float, default=0.0,
                    help="OpenAI's: subtracted from the logit of each token the output holds (-2..2; 0 = off)")
     p.add_argument("--frequency-penalty", type=float, default=0.0,

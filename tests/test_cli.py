@@ -348,6 +348,9 @@ def test_bad_requests(pair):
     _expect_error(gen + ["--prompt-ids", ",".join(["5"] * 80), "--max-seq", "64"], "does not fit")
     _expect_error(gen + ["--prompt-ids", "5", "-k", "0"], "k must be between")
     _expect_error(gen + ["--prompt-ids", "5", "-k", "9"], "k must be between")
+    # (a newcomer's: serve bound its port and said "listening on ..." first)
+    _expect_error(["serve", "--port", "0", "--target", target, "--draft", draft, "-k", "9"],
+                  'argument -k: k must be between 1 and the largest K bucket 8 (or "auto"), got 9')
     code, _, err = run(*gen, "--prompt-ids", "5", "--max-new-tokens", "0")  # refused while parsing
     assert code == 2 and "--max-new-tokens: must be an integer >= 1, got '0'" in err
     code, _, err = run(*gen, "--prompt-ids", "5,x")
