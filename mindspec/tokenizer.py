@@ -46,7 +46,7 @@ def _template_file(model_dir):
 
 class Tokenizer:
     def __init__(self, model_dir):
-        from tokenizers import Tokenizer as _HFTokenizer
+        from tokenizers import Tokenizer as _HFTokenizer, decoders
         path = os.path.join(model_dir, "tokenizer.json")
         if not os.path.exists(path):
             raise MindspecError(f"tokenizer.json not found: {path}")
@@ -56,6 +56,9 @@ class Tokenizer:
         except Exception as e:  # tokenizers raises a bare Exception on bad JSON
             raise MindspecError(f"tokenizer.json is not a valid tokenizer: {path} "
                                 f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+        # (known now: token_bytes may run as the interpreter shuts down, a stream's requests ending, and an
+        # import then raises)
+        self._byte_level = isinstance(self._tok.decoder, decoders.ByteLevel)
         cfg = {}
         cfg_path = os.path.join(model_dir, "tokenizer_config.json")
         if os.path.exists(cfg_path):
@@ -147,8 +150,7 @@ class Tokenizer:
             return text.encode("utf-8")
         if (m := re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)) is not None:
             return bytes([int(m.group(1), 16)])
-        from tokenizers import decoders
-        if isinstance(self._tok.decoder, decoders.ByteLevel) and all(c in UNBYTE for c in piece):
+        if self._byte_level and all(c in UNBYTE for c in piece):
             return bytes(UNBYTE[c] for c in piece)
         return text.encode("utf-8")
 

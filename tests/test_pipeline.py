@@ -466,6 +466,21 @@ def test_a_stream_left_open_by_a_thread_that_ended_is_named_not_waited_for(pipe)
     s.close()
 
 
+def test_a_stream_left_half_read_at_the_scripts_end_exits_quietly(tiny_target, noisy_draft, tmp_path):
+    """A newcomer's: a script that read one event of a stream and ended printed "Exception ignored in
+    <generator ...>" and an ImportError traceback: the stream's requests end aborted as the interpreter shuts
+    down, and their pending text (a character cut short) looked up how to spell a byte-level token with an
+    import, which shutdown refuses."""
+    import subprocess
+    import sys
+    code = ("import sys, mindspec\npipe = mindspec.load(sys.argv[1], sys.argv[2], k=4, max_seq=64)\n"
+            "g = pipe.stream([pipe.request(prompt='hi', max_new_tokens=30)], 1)\nnext(g)\nprint('end of script')\n")
+    p = subprocess.run([sys.executable, "-c", code, tiny_target[0], noisy_draft], capture_output=True, text=True,
+                       timeout=300, env=dict(os.environ, MINDSPEC_HOME=str(tmp_path)))
+    assert (p.returncode, p.stdout) == (0, "end of script\n"), p.stderr[-3000:]
+    assert "Traceback" not in p.stderr and "Exception ignored" not in p.stderr, p.stderr[-3000:]
+
+
 def test_a_stream_closed_half_way_ends_its_requests_aborted(pipe):
     """The library probe's: the requests of a stream closed half-way (or left by a Ctrl-C) said done False and
     finish_reason "length" (4 of 12 tokens), the one never started too."""
