@@ -428,6 +428,13 @@ def cmd_plan(a):
     if a.seq_len is not None and positions is not None and a.seq_len > positions:  # (found: planned, where
         raise MindspecError(f"--seq-len {a.seq_len} exceeds the model's {positions} positions (its "  # generate
                             f"max_position_embeddings)")  # refuses such a sequence)
+    if a.draft and not os.path.isdir(a.draft):  # an exported draft holds as many positions as it was exported for
+        from mindspec.export.manifest import read_manifest
+        drafted = read_manifest(a.draft, sha=False)["max_seq"]
+        if a.seq_len is not None and a.seq_len > drafted:  # (found: planned, where generate refuses it)
+            raise MindspecError(f"--seq-len {a.seq_len} is more than the {drafted} positions the draft was exported "
+                                "for (mindspec export --max-seq)")
+        positions = min(positions or SEQ_LEN, drafted)
     seq_len = a.seq_len if a.seq_len is not None else min(SEQ_LEN, positions or SEQ_LEN)
     if a.target and a.draft and not os.path.isdir(a.draft):  # (a pair no command would run: found planned)
         from mindspec.export import read_pair_manifest
@@ -534,7 +541,7 @@ def add_parser(subparsers):
     p.add_argument("--device-mem", required=True, help="memory per device, e.g. 64GB or 64GiB")
     p.add_argument("--reserve", type=float, default=0.0, help="fraction of each device held back (default 0)")
     p.add_argument("--seq-len", type=int, help=f"tokens of one sequence (default {SEQ_LEN}, or the target "
-                                                "checkpoint's positions if fewer)")
+                                                "checkpoint's or the exported draft's positions if fewer)")
     p.add_argument("--device-bw", default="1.6TB/s", help="memory bandwidth per device (default 1.6TB/s)")
     p.add_argument("--allreduce-us", type=float, default=10.0, help="latency of one small AllReduce (default 10)")
     p.add_argument("--device-tflops", type=float, default=280.0, help="peak dense TFLOPS per device (default 280)")

@@ -276,6 +276,20 @@ def test_shapes_from_checkpoint_and_exported_draft(tiny_target, tmp_path, capsys
                  capsys)
 
 
+def test_seq_len_is_within_the_drafts_positions(tiny_target, tmp_path, capsys):
+    """A drafts probe's: a draft exported for 64 positions was planned with 128-token sequences (and with the
+    default 4096), which generate and serve then refuse."""
+    onnx_path = str(tmp_path / "short.onnx")
+    export_draft(tiny_target[0], onnx_path, layers=1, max_seq=64)
+    args = ["plan", "--target", tiny_target[0], "--draft", onnx_path, "--dtype", "fp32", "--device-mem", "1GB",
+            "--json"]
+    assert run_plan(args, capsys)[1]["seq_len"] == 64
+    assert run_plan(args + ["--seq-len", "64"], capsys)[1]["seq_len"] == 64
+    with pytest.raises(MindspecError, match=r"^--seq-len 128 is more than the 64 positions the draft was exported "
+                                            r"for \(mindspec export --max-seq\)$"):
+        run_plan(args + ["--seq-len", "128"], capsys)
+
+
 WRAPPER = """
 import argparse, sys
 from mindspec import plan
