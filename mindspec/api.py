@@ -118,9 +118,9 @@ def _at_most(body, name, limit, why):
         raise RequestError(f"{name}: {n} items, at most {limit} ({why})", param=name)
 
 
-def _prompt(p, limit, cut=None):
+def _prompt(p, pipe, cut=None):
     """OpenAI's prompt as the flat request's {"prompt": text} or {"prompt_ids": ids}; a list of ids that
-    leaves none of the `limit` positions for the answer is refused unread, in Pipeline.request's words,
+    leaves none of the pipeline's positions for the answer is refused unread, in Pipeline.request's words,
     unless `cut` (truncate_prompt_tokens) keeps its last ids only."""
     if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
         p = p[0]  # a batch of one prompt
@@ -133,8 +133,8 @@ def _prompt(p, limit, cut=None):
         raise RequestError("prompt must be a string or a list of token ids (one prompt per request)", param="prompt")
     if prompt_cut("truncate_prompt_tokens", cut) is not None:  # (the ids before the cut are not read)
         p = p[-cut:]
-    if len(p) >= limit:
-        raise RequestError(f"prompt is {len(p)} tokens; it does not fit max_seq {limit}", param="prompt")
+    if len(p) >= pipe.max_positions:
+        raise RequestError(f"prompt is {len(p)} tokens; it does not fit {pipe.max_seq_said}", param="prompt")
     if not p or not int_list(p):
         raise RequestError("prompt must be a string or a non-empty list of integer token ids", param="prompt")
     return {"prompt_ids": p}
@@ -502,7 +502,7 @@ class Api:
             flat["messages"] = body.get("messages")
             flat["max_completion_tokens"] = body.get("max_completion_tokens")  # (both given: refused by parse)
         else:
-            flat.update(_prompt(body.get("prompt"), self.app.pipe.max_positions, body.get("truncate_prompt_tokens")))
+            flat.update(_prompt(body.get("prompt"), self.app.pipe, body.get("truncate_prompt_tokens")))
         lp = _logprobs(body, chat)
         if lp is not None:
             flat["logprobs"] = lp

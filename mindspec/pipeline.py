@@ -160,6 +160,13 @@ class Pipeline:
         return self.fixed_max_seq or min(self.cfg.max_position_embeddings,
                                          self.manifest["max_seq"] if self.manifest else float("inf"))
 
+    @property
+    def max_seq_said(self):
+        """max_positions as a refusal says it: whose limit it is, when the draft's export set it."""
+        n, m = self.max_positions, self.manifest
+        draft = not self.fixed_max_seq and m and m["max_seq"] < self.cfg.max_position_embeddings
+        return f"max_seq {n}" + (" (the positions the draft was exported for)" if draft else "")
+
     # ---- model setup
 
     def _check_draft(self, path):
@@ -302,7 +309,7 @@ class Pipeline:
         limit = self.max_positions
         ids = self.encode(prompt, prompt_ids, chat, limit)
         if len(ids) + 1 > limit:
-            raise MindspecError(f"prompt is {len(ids)} tokens; it does not fit max_seq {limit}")
+            raise MindspecError(f"prompt is {len(ids)} tokens; it does not fit {self.max_seq_said}")
         # (the target's cache is rounded up to a prefill chunk: a request still ends at the pair's limit)
         r = Request(ids, params, min(max_new_tokens, limit - len(ids)), stop=stop, eos=self.eos, k=k,
                     speculate=speculate and self.draft_path is not None, tokenizer=self.tokenizer,
