@@ -638,9 +638,10 @@ class Progress:
 
     def _line(self, speed, acc):
         t = self.tally
-        n, done, failed, now = len(t.state), t.count("done"), t.count("failed"), t.now_done + t.now_failed
+        n, done, failed = len(t.state), t.count("done"), t.count("failed")
         left = n - done - failed
-        eta = _eta(left * t.seconds() / now) if now and left and t.t0 is not None else "-"
+        # (by the lines generated: a bad line's error record is written at once, and 300 of them said ETA 0m00s)
+        eta = _eta(left * t.seconds() / t.now_done) if t.now_done and left and t.t0 is not None else "-"
         return (f"mindspec batch: {done + failed}/{n} lines ({failed} failed), "
                 f"{f'{speed:.1f}' if speed is not None else '-'} tok/s, "
                 f"acceptance {f'{acc:.2f}' if acc is not None else '-'}, ETA {eta}")

@@ -1577,3 +1577,18 @@ def test_an_internal_error_is_recorded_in_one_line():
                        "mindspore/ccsrc/runtime/graph_scheduler/actor/kernel_actor.cc:995 ExecuteLaunchKernelTask\n")
     assert B._body(SimpleNamespace(line=3), SimpleNamespace(error=err)) == {
         "error": "line 3: internal error: RuntimeError: Launch kernel failed: Default/AllReduce-op47"}
+
+
+def test_the_progress_eta_goes_by_the_lines_generated_not_the_bad_lines_written_at_once():
+    """A batch probe's: 300 bad lines (their error records written at once) and 300 good ones said "ETA 0m00s"
+    with the good ones all left: the rate counted the bad lines as work done."""
+    from types import SimpleNamespace
+    items = [SimpleNamespace(rid=i) for i in range(1, 601)]
+    t = B.Tally(items, done=set(), errors=set())
+    for item in items[:300]:
+        t.add(item, {"error": f"line {item.rid}: not valid JSON"})
+    t.add(items[300], dict(OK))
+    t.t0 = time.monotonic() - 10.0
+    t.t1 = t.t0 + 10.0  # 10 s of generation, one line generated: 299 left
+    line = B.Progress(t, bar=False)._line(None, None)
+    assert line == "mindspec batch: 301/600 lines (300 failed), - tok/s, acceptance -, ETA 49m50s", line
