@@ -6,6 +6,7 @@ import asyncio
 import hmac
 import json
 import re
+import sys
 import traceback
 
 from aiohttp import HttpVersion11, web
@@ -218,8 +219,8 @@ class Api:
         except asyncio.CancelledError:  # the client left while we waited (aiohttp's handler cancellation)
             self.metrics.answered(name, 499)
             raise
-        except Exception as e:  # a bug: log it, answer one line, keep serving
-            traceback.print_exc()
+        except Exception as e:  # a bug: log it (one write: the worker logs meanwhile), answer one line, keep serving
+            sys.stderr.write(traceback.format_exc())
             resp = self.error(500, f"internal error: {summary(e)}", family)
         if resp.status >= 400 and not request.content.is_eof():
             _close_unread(request, resp)

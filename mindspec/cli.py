@@ -154,7 +154,8 @@ def add_sampling_args(p):
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
     p.add_argument("--repetition-penalty", type=float, default=1.0,
-                   help="HF's: the logit of each token the prompt or output holds divided by it (> 0; 1 = off)")
+                   help="HF's: a positive logit of each token the prompt or output holds is divided by it, a "
+                        "negative one multiplied (0.01..100; 1 = off)")
     p.add_argument("--presence-penalty", type=float, default=0.0,
                    help="OpenAI's: subtracted from the logit of each token the output holds (-2..2; 0 = off)")
     p.add_argument("--frequency-penalty", type=float, default=0.0,

@@ -245,7 +245,8 @@ class Engine:
                 if stop > d:
                     catch[r.row] = r.prompt_ids[d:stop]
             if catch:  # (a guard over no row would swallow an error unsaid)
-                self._guard([r for r in pre if r.row in catch], events, lambda: self.proposer.prefill(catch, aligned))
+                self._guard([r for r in pre if r.row in catch], events,
+                            lambda: _on_every_rank("a prompt's catch-up", self.proposer.prefill, catch, aligned))
             for r in (r for r in pre if r.row in aligned):  # (a prompt its draft skips is read later, in other pieces)
                 r.draft_read = self.proposer.cached(r.row)
         for r in pre:
@@ -394,6 +395,17 @@ class Engine:
             u_smp=np.stack([uniforms(sd, st, K + 1, SAMPLE) for sd, st in zip(seeds, start)]),
             seen=seen, q=q, counts=counts, presence=np.array([x.presence_penalty for x in p], np.float32),
             frequency=np.array([x.frequency_penalty for x in p], np.float32))
+
+
+def _on_every_rank(what, fn, *args):
+    """fn(*args), a failure of it raised on every tensor-parallel rank (one AllReduce under TP): one rank alone
+    ending its requests would skip the collectives the others then wait in."""
+    try:
+        fn(*args)
+        failed = None
+    except Exception as e:  # noqa: BLE001 - raised once every rank has heard
+        failed = e
+    same_on_every_rank(what, failed=failed)
 
 
 def _fail(reqs, e, events):

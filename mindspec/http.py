@@ -26,7 +26,7 @@ from .formats import openai_error
 
 
 VERSION_SENT = web.RequestKey("version_sent", str)  # a request line's HTTP version other than 1.0 and 1.1
-ENDED_WITH = "ended_with"  # a response's: the status of the error event that ended its stream (see said)
+ENDED_WITH = web.ResponseKey("ended_with", int)  # the status of the error event that ended a stream (see said)
 
 
 def said(resp):
@@ -99,6 +99,7 @@ class _Protocol(RequestHandler):
         if waiting:
             waiting[0].set_exception(self._messages.pop()[0].exc)
             self._broken = True  # (nothing after it is parsed)
+            self._lingering_time = 0.0  # (aiohttp's read of an unread body after the answer would raise it again)
 
     def refuse(self, answer):
         """Send answer (a 503 at --max-connections) before any request is read, and close. Not at once: a socket
@@ -207,7 +208,8 @@ class _Server(web.Server):
 
     def connection_made(self, handler, transport):
         super().connection_made(handler, transport)
-        if self.max_connections and len(self._connections) > self.max_connections:
+        # (those refused, lingering a moment, are not counted: a review's, they cost the next client its place)
+        if self.max_connections and sum(not h._refused for h in self._connections) > self.max_connections:
             # the idle longest makes room, as nginx does; not one idle under IDLE_S, whose next request may be in
             # the kernel's buffer unparsed (a pool's POST, reset, is not retried)
             idle = [(t, h) for h in self._connections if h is not handler and (t := h.idle_since()) is not None

@@ -61,7 +61,7 @@ import threading
 import time
 from typing import NamedTuple
 
-from .errors import MindspecError
+from .errors import MindspecError, summary
 from .stdout import StdoutError
 
 ENV_JOB = "MINDSPEC_TP_JOB"  # the launcher's job directory: rank 0's stdout/stderr/exit code, pids
@@ -519,7 +519,7 @@ def same_on_every_rank(what, *arrays, failed=None):
     arrays (its draft call raised: its host's memory, its device), raised here once every rank knows, the
     others raising a MindspecError: every rank ends the same rows and skips the same call, where one rank
     alone skipping it left the rest waiting in its collectives."""
-    from mindspec.graphs.tp import all_reduce_sum, tp_size
+    from mindspec.graphs.tp import all_reduce_sum, tp_rank, tp_size
     n = tp_size()
     if n == 1:  # (every decode step calls this)
         if failed is not None:
@@ -532,11 +532,13 @@ def same_on_every_rank(what, *arrays, failed=None):
     data = b"".join(np.ascontiguousarray(a, np.int64).tobytes() for a in arrays)
     c = zlib.crc32(data) % math.isqrt((2 ** 24 - 1) // n)
     s = all_reduce_sum(np.array([c, c * c, failed is not None], np.float32))  # n·c² < 2**24: exact in float32
-    if failed is not None:
+    if failed is not None:  # (said here: a server's or batch job's other ranks answer nobody)
+        sys.stderr.write(f"mindspec: tensor-parallel rank {tp_rank()}: the draft call for {what} raised: "
+                         f"{summary(failed)}\n")
         raise failed
     if s[2]:
-        raise MindspecError(f"{int(s[2])} of the {n} tensor-parallel ranks could not make {what} (the draft call "
-                            "raised: the rank's log says why)")
+        raise MindspecError(f"the draft call for {what} raised on {int(s[2])} of the {n} tensor-parallel ranks "
+                            "(that rank's log says why)")
     if int(s[0]) ** 2 != n * int(s[1]):
         raise MindspecError(f"the tensor-parallel ranks disagree on {what}: every host needs the same draft file, "
                             "onnxruntime build and kind of processor")

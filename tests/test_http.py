@@ -287,6 +287,22 @@ def test_a_connection_refused_at_max_connections_sees_its_503_while_it_still_sen
             release.set()
             assert answer(first) == "HTTP/1.1 200 OK"
     assert paths == ["/slow1"] and errors == [503] * 3
+    # (a review's: lingering, a refused connection still counted: the next client, with nobody else connected,
+    # got a 503 too)
+    paths.clear()
+    release.clear()
+    with serving(holding(paths, release), max_connections=1, on_error=errors.append) as port:
+        with connect(port) as first:
+            first.sendall(b"GET /slow1 HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert wait_for(lambda: len(paths) == 1, 10)
+            with connect(port) as refused:  # (left open: it lingers)
+                assert refused.recv(12) == b"HTTP/1.1 503"
+                release.set()
+                assert answer(first) == "HTTP/1.1 200 OK"
+                first.close()
+                time.sleep(0.5)  # (its close seen by the server; the refused one lingers 2 s)
+                with connect(port) as third:
+                    assert get(third, "/3") == "HTTP/1.1 200 OK"
 
 
 def test_at_max_connections_the_longest_idle_connection_makes_room_for_a_new_one(capfd):

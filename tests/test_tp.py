@@ -126,24 +126,33 @@ def drafts_job(target, draft, out):
     from mindspec.graphs.tp import tp_rank
     pipe = mindspec.load(target=target, draft=os.environ["TP_TEST_DRAFTS"].split(",")[tp_rank()], k=4,
                          max_seq=128, buckets=(4,))
-    if os.environ.get("TP_TEST_FAULT") and tp_rank() == 1:  # this host's draft call raises, once
+    if os.environ.get("TP_TEST_FAULT") and tp_rank() == 1:  # this host's draft calls raise: a proposal, a catch-up
         prop = pipe.engine.proposer
-        real, calls = prop.get_candidates, []
+        real, real_feed, calls = prop.get_candidates, prop.prefill, []
 
         def faulty(*a, **kw):
             calls.append(1)
             if len(calls) == 2:
                 raise RuntimeError("onnxruntime: failed to allocate memory on this host")
             return real(*a, **kw)
-        prop.get_candidates = faulty
-    try:
-        res = {"greedy": pipe.generate(prompt_ids=PROMPTS[1], max_new_tokens=NEW_TOKENS).token_ids}
-    except MindspecError as e:
-        res = {"greedy": str(e)}
-    except RuntimeError as e:
-        res = {"greedy": f"RuntimeError: {e}"}
+
+        def faulty_feed(chunks, *a):
+            if any(ids[:1] == PROMPTS[2][:1] for ids in chunks.values()):
+                raise RuntimeError("onnxruntime: failed to allocate memory for a prompt")
+            return real_feed(chunks, *a)
+        prop.get_candidates, prop.prefill = faulty, faulty_feed
+
+    def generate(ids):
+        try:
+            return pipe.generate(prompt_ids=ids, max_new_tokens=NEW_TOKENS).token_ids
+        except MindspecError as e:
+            return str(e)
+        except RuntimeError as e:
+            return f"RuntimeError: {e}"
+    res = {"greedy": generate(PROMPTS[1])}
     if os.environ.get("TP_TEST_FAULT"):  # then every rank goes on
-        res["after"] = pipe.generate(prompt_ids=PROMPTS[1], max_new_tokens=NEW_TOKENS).token_ids
+        res["catch_up"] = generate(PROMPTS[2])
+        res["after"] = generate(PROMPTS[1])
     with open(f"{out}.rank{tp_rank()}.json", "w") as f:
         json.dump(res, f)
 
@@ -305,15 +314,20 @@ def test_a_draft_call_that_raises_on_one_rank_ends_its_request_on_every_rank(pai
     """A review's: a draft call raising on one host alone (its memory, its device) ended the rows on that rank,
     which skipped the verify call the others were inside of: the job hung in a collective until a timeout
     (half an hour on Ascend), or died. Now the ranks agree on it before the call: the request ends with an
-    error on every rank (that rank's own words, the others' naming it), and the next request is exact."""
+    error on every rank (that rank's own words, the others' naming it), and the next request is exact; so does
+    a prompt's catch-up feed raising on one rank (a review's)."""
     target, draft, _, root = pair
     code, out, err = launch(2, pair, {"TP_TEST_JOB": "drafts", "TP_TEST_DRAFTS": f"{draft},{draft}",
                                       "TP_TEST_FAULT": "1"}, name="fault")
     assert code == 0, (code, out, err[-3000:])
     res = [json.load(open(root / f"fault.rank{r}.json")) for r in range(2)]
-    assert res[0]["greedy"] == ("1 of the 2 tensor-parallel ranks could not make the tokens to verify (the draft "
-                                "call raised: the rank's log says why)"), res
+    assert res[0]["greedy"] == ("the draft call for the tokens to verify raised on 1 of the 2 tensor-parallel "
+                                "ranks (that rank's log says why)"), res
     assert res[1]["greedy"] == "RuntimeError: onnxruntime: failed to allocate memory on this host", res
+    # (a review's: a prompt's catch-up feed raising on one rank split the ranks the same way)
+    assert res[0]["catch_up"] == ("the draft call for a prompt's catch-up raised on 1 of the 2 tensor-parallel "
+                                  "ranks (that rank's log says why)"), res
+    assert res[1]["catch_up"] == "RuntimeError: onnxruntime: failed to allocate memory for a prompt", res
     assert res[0]["after"] == res[1]["after"] == reference[0]["speculative"][1]
 
 
