@@ -59,6 +59,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from typing import NamedTuple
 
 from .errors import MindspecError, summary
@@ -683,10 +684,19 @@ def fail(e):
 
 def run_worker(fn, n=None):
     """One rank of a `launch`ed command: init_worker(n), then rc = fn() (a MindspecError: fail), recorded
-    for the launcher."""
+    for the launcher. Any other exception's traceback goes to the rank's log (rank 0's stderr is the user's):
+    most often a collective that failed because another rank died or stopped, which the launcher names in
+    one line (found: ~90 lines of Python and C++ stack first)."""
     init_worker(n)
+    crash = None
     try:
         rc = fn()
     except MindspecError as e:
         rc = fail(e)
-    return worker_exit(rc)
+    except Exception:  # noqa: BLE001 - logged below, the launcher's line says what ended the job
+        rc, crash = 1, traceback.format_exc()
+    rc = worker_exit(rc)
+    if crash is not None:
+        sys.stderr.write(crash)  # (after worker_exit: into msrun's log of this rank, under a launcher)
+        sys.stderr.flush()
+    return rc

@@ -166,10 +166,22 @@ def stuck_job(target, draft, out):
         time.sleep(300)
 
 
+def stopped_job(target, draft, out):
+    """Rank 1 stops itself (SIGSTOP) while rank 0 waits for it in a collective (a server's idle share)."""
+    import signal
+    from mindspec.graphs.tp import tp_rank
+    from mindspec.tp import share
+    signal.alarm(300)
+    if tp_rank():
+        os.kill(os.getpid(), signal.SIGSTOP)
+    share("a turn")
+
+
 def worker_main(argv):
     from mindspec import tp
     target, draft, out = argv
-    job_fn = {"prepare": prepare_job, "drafts": drafts_job, "stuck": stuck_job}.get(os.environ.get("TP_TEST_JOB"),
+    job_fn = {"prepare": prepare_job, "drafts": drafts_job, "stuck": stuck_job,
+              "stopped": stopped_job}.get(os.environ.get("TP_TEST_JOB"),
                                                                                     run_job)
 
     def job():
@@ -351,6 +363,17 @@ def test_a_rank_left_running_after_rank_0_ended_is_stopped_and_named(pair):
     assert code == 1, err
     assert err.startswith("mindspec: error: tensor-parallel rank 1 of 2 was still running 2 s after rank 0 "
                           "ended; the job was stopped (logs: "), err
+
+
+def test_a_rank_stopped_while_rank_0_waits_in_a_collective_is_named_in_one_line(pair):
+    """The TP server prober's: rank 1 stopped (SIGSTOP) while an idle server's rank 0 waited in its turn's
+    collective: MindSpore raised there after its timeout, and ~90 lines of Python and C++ stack reached the
+    user's terminal before the launcher's line. Rank 0's traceback now goes to its log only."""
+    code, _, err = launch(2, pair, {"TP_TEST_JOB": "stopped"}, name="stopped")
+    assert code == 1, err
+    assert "Traceback" not in err and "Call Stack" not in err, err[-3000:]
+    assert err.splitlines()[-1].startswith("mindspec: error: tensor-parallel rank 1 of 2 stopped answering "
+                                           "(stuck, stopped, or its host gone); the job was stopped (logs: "), err
 
 
 def test_tp_refuses_more_ranks_than_heads(pair):
