@@ -72,7 +72,7 @@ def test_a_sampled_rows_draft_calls_are_the_same_in_a_one_row_session_and_in_a_b
         other = other[2:]
     split = DraftSession(draft, max_seq=64, max_batch=3).forward([ids, ids[:1]])[0]  # not alone: split
     joint = DraftSession(draft, max_seq=64, max_batch=1).forward([ids])[0]
-    assert np.abs(split - joint).max() > 0.01  # what `alone` is for (q8)
+    assert np.abs(split - joint).max() > 1e-3  # what `alone` is for (q8: ~0.6, 0.008 on an AVX2-only CPU)
 
 
 def test_default_pair_reexports_an_old_draft(tmp_path, monkeypatch):

@@ -50,13 +50,17 @@ def test_top_k_keeps_ties_and_top_p_keeps_the_smallest_set():
 
 def test_top_p_boundary_a_mass_of_exactly_top_p_before_a_token_drops_it():
     """Token i is kept when the mass ranked before it is < top_p, not <=: at a mass of exactly top_p the
-    set is already complete (found by mutation testing: <= kept one token too many). The masses are
-    exact in float64 here."""
-    logp = np.log([0.5, 0.3, 0.15, 0.05])  # masses before each token: 0, 0.5, 0.8, 0.95 exactly
+    set is already complete (found by mutation testing: <= kept one token too many). The masses are the ones
+    the code compares, as this CPU's exp rounds them (0.5 + 0.3 came out exactly 0.8 with AVX-512's numpy, not
+    on an AVX2-only CPU); a top_p one float above a mass keeps that token."""
+    logp = np.log([0.5, 0.3, 0.15, 0.05])  # ranked already; masses before each token: ~0, 0.5, 0.8, 0.95
+    e = np.exp(logp - logp.max())
+    ps = e / e.sum()
+    before = np.cumsum(ps) - ps  # (process_logits' own arithmetic)
     keep = lambda top_p: (process_logits(logp, 1.0, top_p=top_p) > 0).tolist()  # noqa: E731
-    assert keep(0.5) == [True, False, False, False]
-    assert keep(0.8) == [True, True, False, False]
-    assert keep(0.95) == [True, True, True, False]
+    for i in (1, 2, 3):
+        assert keep(before[i]) == [j < i for j in range(4)], (i, before[i])
+        assert keep(np.nextafter(before[i], 1.0)) == [j <= i for j in range(4)], (i, before[i])
 
 
 def test_top_k_one_below_the_vocabulary_removes_exactly_one_token():
