@@ -38,8 +38,18 @@ def jit_level(device):
     return level
 
 
+_STARTED_BY = None  # the process that set MindSpore up (kept across a fork: a child sees its parent's)
+
+
 def init_mindspore(device=None):
-    """GRAPH_MODE on the detected (or given) device, at its jit level."""
+    """GRAPH_MODE on the detected (or given) device, at its jit level. Refused in a process forked from one that
+    did it (a library prober's: the child's first graph call hung for ever, deaf to SIGTERM)."""
+    global _STARTED_BY
+    if _STARTED_BY not in (None, os.getpid()):
+        raise MindspecError(f"MindSpore was set up by process {_STARTED_BY}, and a process forked from it cannot "
+                            "use it again (its threads do not survive a fork: it would hang): start children with "
+                            "multiprocessing's \"spawn\" method, or fork before loading")
+    _STARTED_BY = os.getpid()
     device = detect_device(device)
     ms.set_context(mode=ms.GRAPH_MODE)
     level = jit_level(device)

@@ -466,6 +466,32 @@ def test_a_stream_left_open_by_a_thread_that_ended_is_named_not_waited_for(pipe)
     s.close()
 
 
+def test_a_pipeline_loaded_in_a_child_forked_after_loading_is_refused_not_hung(tiny_target, noisy_draft, tmp_path):
+    """A library prober's: a parent's pipeline used in a forked child was refused, but a new one loaded there hung
+    on its first call for ever (MindSpore's threads do not survive a fork), deaf to SIGTERM."""
+    import subprocess
+    import sys
+    code = ("import os, signal, sys, mindspec\n"
+            "pipe = mindspec.load(sys.argv[1], sys.argv[2], max_seq=64)\n"
+            "pipe.generate(prompt_ids=[5, 6], max_new_tokens=2)\n"
+            "pid = os.fork()\n"
+            "if pid == 0:\n"
+            "    signal.alarm(120)  # (a hang ends)\n"
+            "    try:\n"
+            "        mindspec.load(sys.argv[1], sys.argv[2], max_seq=64).generate(prompt_ids=[5, 6], max_new_tokens=2)\n"
+            "        print('the child ran', flush=True)\n"
+            "    except mindspec.MindspecError as e:\n"
+            "        print(e, flush=True)\n"
+            "    os._exit(0)\n"
+            "os.waitpid(pid, 0)\n")
+    p = subprocess.run([sys.executable, "-c", code, tiny_target[0], noisy_draft], capture_output=True, text=True,
+                       timeout=300, env=dict(os.environ, MINDSPEC_HOME=str(tmp_path)))
+    assert p.returncode == 0 and p.stdout.startswith("MindSpore was set up by process "), (p.stdout, p.stderr[-2000:])
+    assert p.stdout.endswith(", and a process forked from it cannot use it again (its threads do not survive a "
+                             "fork: it would hang): start children with multiprocessing's \"spawn\" method, or fork "
+                             "before loading\n"), p.stdout
+
+
 def test_a_stream_left_half_read_at_the_scripts_end_exits_quietly(tiny_target, noisy_draft, tmp_path):
     """A newcomer's: a script that read one event of a stream and ended printed "Exception ignored in
     <generator ...>" and an ImportError traceback: the stream's requests end aborted as the interpreter shuts
