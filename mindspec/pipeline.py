@@ -118,6 +118,7 @@ class Pipeline:
         self.target = self.proposer = self.engine = self.manifest = self.draft_path = None
         self._turn, self._holder = threading.Lock(), None  # run(): one call at a time, threads take turns (_stream)
         self._pid = os.getpid()  # (_check_process)
+        self._mark = object()  # on the requests this pipeline makes (_check_stream)
         self.prefix_cache = bool(prefix_cache)  # a new request reuses the K/V of a prefix a finished one left (engine.py)
         self.set_draft(draft)
         self._check_k(k)
@@ -314,7 +315,7 @@ class Pipeline:
         r = Request(ids, params, min(max_new_tokens, limit - len(ids)), stop=stop, eos=self.eos, k=k,
                     speculate=speculate and self.draft_path is not None, tokenizer=self.tokenizer,
                     draft_min_conf=draft_min_conf, request_id=request_id)
-        r.logprobs = logprobs
+        r.logprobs, r.made_by = logprobs, self._mark
         return r
 
     @_graphs
@@ -403,6 +404,10 @@ class Pipeline:
                                 "pipeline is open: call it after that one ends (or close the stream)")
         self._check_holder()
         _check_call("run and stream", reqs, max_batch)  # (0 rows waited for ever)
+        # (another pipeline's request holds its tokenizer and EOS, its ids checked against its vocabulary: found
+        # reaching a smaller model's graph as a raw Gather error)
+        if any(getattr(r, "made_by", None) is not self._mark for r in reqs):
+            raise MindspecError("a request runs on the pipeline that made it: make it with this pipeline's request()")
         if len({id(r) for r in reqs}) < len(reqs):  # (its second turn never came: a spin)
             raise MindspecError("the same request is given twice: make one per generation")
         if any(r.state != WAITING or r.output or r.pos for r in reqs):  # (it went on after its old output)

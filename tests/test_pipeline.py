@@ -492,6 +492,22 @@ def test_a_pipeline_loaded_in_a_child_forked_after_loading_is_refused_not_hung(t
                              "before loading\n"), p.stdout
 
 
+def test_a_request_runs_on_the_pipeline_that_made_it(pipe, tmp_path):
+    """A library prober's: a request made by one pipeline ran on another unchecked, with the first one's tokenizer,
+    EOS and vocabulary check (ids of a 320-token vocabulary reached a 260-token model's graph: a raw Gather error
+    with MindSpore's C++ stack)."""
+    from conftest import make_tiny_checkpoint
+    small = make_tiny_checkpoint(tmp_path / "small", vocab=260)[0]
+    other = mindspec.load(target=small, draft=False, max_seq=64)
+    r = pipe.request(prompt_ids=[300, 310, 319], max_new_tokens=4)
+    for call in (lambda: list(other.stream([r])), lambda: other.run([r])):
+        with pytest.raises(mindspec.MindspecError, match=r"^a request runs on the pipeline that made it: make it "
+                                                         r"with this pipeline's request\(\)$"):
+            call()
+    assert r.output == [] and len(other.generate(prompt_ids=[5, 6], max_new_tokens=2).token_ids) == 2
+    assert pipe.run([r])[0].output  # (its own pipeline runs it)
+
+
 def test_a_stream_left_half_read_at_the_scripts_end_exits_quietly(tiny_target, noisy_draft, tmp_path):
     """A newcomer's: a script that read one event of a stream and ended printed "Exception ignored in
     <generator ...>" and an ImportError traceback: the stream's requests end aborted as the interpreter shuts
