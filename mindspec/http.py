@@ -27,14 +27,14 @@ from .formats import openai_error
 
 VERSION_SENT = web.RequestKey("version_sent", str)  # a request line's HTTP version other than 1.0 and 1.1
 ENDED_WITH = web.ResponseKey("ended_with", int)  # the status of the error event that ended a stream (see said)
+IDLE_S = 1.0  # seconds a connection waits for a request before it may be closed to make room for another
+LINGER_S = 2.0  # seconds a connection refused at --max-connections reads (and drops) what its client still sends
 
 
 def said(resp):
     """The status resp gave its client: a stream's 200, or the status of the error event it ended with (the
     access log and /metrics count it as that)."""
     return resp.get(ENDED_WITH, resp.status)
-IDLE_S = 1.0  # seconds a connection waits for a request before it may be closed to make room for another
-LINGER_S = 2.0  # seconds a connection refused at --max-connections reads (and drops) what its client still sends
 
 
 def _json_error(status, message):
