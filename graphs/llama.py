@@ -223,8 +223,9 @@ class SampleStep(nn.Cell):
     [B, V] float32 (the output's tokens, counted) with presence, frequency [B]; keys [W] as GreedyStep.
     Returns n_accepted [B], next [B] (-1 where a committed position's logits are not finite), the
     logprobs of the tokens the step commits (lp [B, K+1]: the accepted drafts, then next at index
-    n_accepted; top_lp, top_id [B, K+1, TOP_LOGPROBS]: see token_logprobs), exact [B] bool (the top-k candidates held the row's kept set; when
-    not, its outputs are redone on the host: graphs/exact.py) and the logits [B, K+1, V] for that.
+    n_accepted; top_lp, top_id [B, K+1, TOP_LOGPROBS]: see token_logprobs), exact [B] bool (the top-k
+    candidates held the row's kept set; when not, its outputs are redone on the host: graphs/exact.py) and the
+    logits [B, K+1, V] for that.
     penalties: whether counts, presence and frequency are applied (graphs of their own, for the runs that ask:
     a [B, K+1, V] count and four passes over it measured 5-17% of a call of 8 rows at K = 8 when every
     sampling graph held them, 0-7% of the calls that ask for them)."""

@@ -251,22 +251,21 @@ class App:
         alone may read the request). A bug in doing so fails that request alone (it ended the worker's loop,
         and the server); a row still running is aborted at the next turn (live and cancelled)."""
         job = self.live.get(rid)  # (before: _event takes an ending request out of live, then may fail)
+        if job is None:
+            return
         try:
-            self._event(rid, kind, val)
+            self._event(rid, job, kind, val)
         except Exception as e:  # noqa: BLE001 - a bug: that request's 500, not the worker's end
-            if job is not None and kind != "text":
+            if kind != "text":
                 self.live.pop(rid, None)
                 self._probing = self._probing and not job.probe
-            if job is not None and not job.probe:
+            if not job.probe:
                 job.why = f"its answer failed ({summary(e)})"
                 job.cancelled.set()
                 job.put(("fail", e))
             _log(traceback.format_exc().rstrip())
 
-    def _event(self, rid, kind, val):
-        job = self.live.get(rid)
-        if job is None:
-            return
+    def _event(self, rid, job, kind, val):
         if job.probe:
             if kind != "text":
                 del self.live[rid]
