@@ -361,16 +361,16 @@ def launch(argv, n, script=None, timeout=CLUSTER_TIMEOUT, log_dir=None, grace=FA
         shutil.rmtree(job, ignore_errors=True)
         e = out.error
         raise e if isinstance(e, (BrokenPipeError, StdoutError)) else StdoutError(e.errno, e.strerror)
-    rcs = _rcs(job, topo.ranks)
-    if rcs.get(0) or (len(rcs) == topo.local and set(rcs.values()) <= {0, 1}):
+    rcs, crashed = _rcs(job, topo.ranks), _crashes(job, topo.ranks)
+    if not crashed and (rcs.get(0) or (len(rcs) == topo.local and set(rcs.values()) <= {0, 1})):
         # the job ended itself: rank 0's code (1: a batch job with failed lines; else an error it printed
         # itself), or on a node without rank 0 that of its own ranks, which ran in lock step with rank 0
         shutil.rmtree(job, ignore_errors=True)
         return rcs.get(0, max(rcs.values()))
     said = _rank_error(job, topo.ranks)  # a rank that failed with a one-line error: its own words, its code
     what = f"tensor-parallel rank {said[0]} of {n}: {said[1]}" if said else \
-        f"tensor-parallel rank {stuck[0]} of {n} was still running {stray:g} s after rank 0 ended" if stuck else \
-        _who_died(job, msrun_log, topo.ranks, rcs, n)
+        f"tensor-parallel rank {stuck[0]} of {n} was still running {stray:g} s after rank 0 ended" \
+        if stuck and not crashed else _who_died(job, msrun_log, topo.ranks, rcs, n, crashed)
     print(f"mindspec: error: {what}; the job was stopped (logs: {log_dir}){'' if said else died[1]}", file=stderr,
           flush=True)
     return rcs.get(said[0], 2) if said else died[0]
@@ -449,6 +449,17 @@ def _all_exited(job, ranks):
     return not any(pid and _alive(pid) for pid in pids)
 
 
+def _crashes(job, ranks):
+    """{rank: its exception in one line} of the ranks that raised (run_worker), the first to raise first."""
+    found = {}
+    for r in ranks:
+        path = os.path.join(job, f"rank{r}.crash")
+        line = _read(path)
+        if line:
+            found[r] = (os.path.getmtime(path), line)
+    return {r: line for r, (_, line) in sorted(found.items(), key=lambda item: item[1][0])}
+
+
 def _rank_error(job, ranks):
     """(rank, line) of the first rank that recorded a one-line error (fail), or None."""
     for r in ranks:
@@ -458,7 +469,11 @@ def _rank_error(job, ranks):
     return None
 
 
-def _who_died(job, msrun_log, ranks, rcs, n):
+def _who_died(job, msrun_log, ranks, rcs, n, crashed=None):
+    """The words for what ended the job. `crashed` ({rank: line}): the ranks that raised. A rank raising is
+    most often a collective that gave up on another rank, so a rank that died or stopped answering is named
+    before it (found: MindSpore's collective time-out, before msrun's heartbeat one, named nothing)."""
+    crashed = crashed or {}
     pids = {}
     for r in ranks:
         pid = _read(os.path.join(job, f"rank{r}.pid"))
@@ -472,9 +487,17 @@ def _who_died(job, msrun_log, ranks, rcs, n):
     for pid, code in found:
         rank = pids.get(int(pid))
         code = int(code)
+        if rank in crashed:
+            continue  # (its exit code 1 is its own raise)
         how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
         name = f"rank {rank}" if rank is not None else f"a rank (pid {pid})"
         return f"tensor-parallel {name} of {n} died ({how})"
+    silent = [r for r in ranks if r not in rcs and r not in crashed]
+    if crashed and silent:
+        return f"tensor-parallel rank {silent[0]} of {n} stopped answering (stuck, stopped, or its host gone)"
+    if crashed:
+        rank, line = next(iter(crashed.items()))
+        return f"tensor-parallel rank {rank} of {n} failed: {line} (its log has the traceback)"
     bad = [r for r, rc in sorted(rcs.items()) if rc]
     if bad:
         return f"tensor-parallel rank {bad[0]} of {n} exited with code {rcs[bad[0]]}"
@@ -674,12 +697,17 @@ def fail(e):
     rank 0's stderr: a rank whose host lacks a file or holds a broken one is named with its own words, not
     as a rank that "died" (found: "rank 1 of 2 died (exit code 1)", the cause in msrun's log only)."""
     print(f"mindspec: error: {e}", file=sys.stderr, flush=True)
+    _keep("error", str(e).replace("\n", " "))
+    return 2
+
+
+def _keep(kind, line):
+    """In a launched rank: `line` in the job directory as rank<r>.<kind>, for the launcher's last line."""
     job = os.environ.get(ENV_JOB)
     if job and is_worker():
         from mindspec.graphs.tp import tp_rank
-        with open(os.path.join(job, f"rank{tp_rank()}.error"), "w", encoding="utf-8") as f:
-            f.write(str(e).replace("\n", " "))
-    return 2
+        with open(os.path.join(job, f"rank{tp_rank()}.{kind}"), "w", encoding="utf-8") as f:
+            f.write(line)
 
 
 def run_worker(fn, n=None):
@@ -693,8 +721,9 @@ def run_worker(fn, n=None):
         rc = fn()
     except MindspecError as e:
         rc = fail(e)
-    except Exception:  # noqa: BLE001 - logged below, the launcher's line says what ended the job
+    except Exception as e:  # noqa: BLE001 - logged below, the launcher's line says what ended the job
         rc, crash = 1, traceback.format_exc()
+        _keep("crash", summary(e))
     rc = worker_exit(rc)
     if crash is not None:
         sys.stderr.write(crash)  # (after worker_exit: into msrun's log of this rank, under a launcher)

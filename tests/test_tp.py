@@ -177,12 +177,25 @@ def stopped_job(target, draft, out):
     share("a turn")
 
 
+def crash_job(target, draft, out):
+    """Rank 0 raises what MindSpore raises when its collective timed out (it can come before msrun's own
+    heartbeat time-out); with TP_TEST_STOP rank 1 has stopped (SIGSTOP) first, else it ends well."""
+    import signal
+    from mindspec.graphs.tp import tp_rank
+    signal.alarm(300)
+    if tp_rank() and os.environ.get("TP_TEST_STOP"):
+        os.kill(os.getpid(), signal.SIGSTOP)
+    if not tp_rank():
+        time.sleep(1)  # (rank 1 stopped)
+        raise RuntimeError("Ring ReduceScatter wait receiving [1,2] failed.\n----\nC++ Call Stack: (For framework "
+                           "developers)")
+
+
 def worker_main(argv):
     from mindspec import tp
     target, draft, out = argv
     job_fn = {"prepare": prepare_job, "drafts": drafts_job, "stuck": stuck_job,
-              "stopped": stopped_job}.get(os.environ.get("TP_TEST_JOB"),
-                                                                                    run_job)
+              "stopped": stopped_job, "crash": crash_job}.get(os.environ.get("TP_TEST_JOB"), run_job)
 
     def job():
         job_fn(target, draft, out)
@@ -374,6 +387,24 @@ def test_a_rank_stopped_while_rank_0_waits_in_a_collective_is_named_in_one_line(
     assert "Traceback" not in err and "Call Stack" not in err, err[-3000:]
     assert err.splitlines()[-1].startswith("mindspec: error: tensor-parallel rank 1 of 2 stopped answering "
                                            "(stuck, stopped, or its host gone); the job was stopped (logs: "), err
+
+
+def test_a_rank_0_that_raised_is_never_a_quiet_exit_code_1(pair):
+    """CI's: MindSpore's collective time-out can come before msrun's heartbeat one; rank 0 then raised, wrote
+    exit code 1 as a batch job with failed lines does, and the launcher returned 1 saying nothing (two C++ log
+    lines the user's last words). Rank 0 raising names the rank that stopped answering, or rank 0's own
+    error when every other rank ended well; the traceback is in its log."""
+    code, _, err = launch(2, pair, {"TP_TEST_JOB": "crash", "TP_TEST_STOP": "1"}, name="crash_stopped")
+    assert code == 1, err
+    assert "Traceback" not in err and "Call Stack" not in err, err[-3000:]
+    assert err.splitlines()[-1].startswith("mindspec: error: tensor-parallel rank 1 of 2 stopped answering "
+                                           "(stuck, stopped, or its host gone); the job was stopped (logs: "), err
+    code, _, err = launch(2, pair, {"TP_TEST_JOB": "crash"}, name="crash_alone")
+    assert code == 1, err
+    assert "Traceback" not in err, err[-3000:]
+    assert err.splitlines()[-1].startswith("mindspec: error: tensor-parallel rank 0 of 2 failed: RuntimeError: "
+                                           "Ring ReduceScatter wait receiving [1,2] failed. (its log has the "
+                                           "traceback); the job was stopped (logs: "), err
 
 
 def test_tp_refuses_more_ranks_than_heads(pair):
