@@ -272,7 +272,7 @@ class Pipeline:
                 raise MindspecError(f"prompt must be a string, got {type(prompt).__name__}")
             checked_text("prompt", prompt)
             text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
-            ids = self.tokenizer.encode(text, limit)
+            ids = self.tokenizer.encode(text, limit, self.max_seq_said if limit == self.max_positions else None)
         if not ids:
             raise MindspecError("the prompt is empty")
         return ids

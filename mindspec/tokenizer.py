@@ -115,14 +115,14 @@ class Tokenizer:
                  and not any(a.lstrip or a.rstrip for a in tok.get_added_tokens_decoder().values()))
         return 1 if tight else 4
 
-    def encode(self, text, limit=None):
+    def encode(self, text, limit=None, said=None):
         """Ids of `text`; special tokens written in it (e.g. "<|im_start|>") become their ids.
         BOS (self.prefix) is prepended as transformers would, unless the text already starts with it
         (chat templates often write it themselves). limit: a text that cannot fit `limit` tokens whatever
         it says is refused before the tokenizer runs (a 4 MB prompt is seconds of it): more characters than
-        `limit` longest tokens hold, times _slack."""
+        `limit` longest tokens hold, times _slack. said: how the refusal names that limit (max_seq LIMIT)."""
         if limit is not None and len(text) > self._slack * limit * self._longest:
-            raise MindspecError(f"prompt is {len(text)} characters; it does not fit max_seq {limit}")
+            raise MindspecError(f"prompt is {len(text)} characters; it does not fit {said or f'max_seq {limit}'}")
         # (encode_batch lets go of the GIL while it works, encode does not: a server's long prompt, tokenized on
         # a worker thread, stalled the engine's thread for seconds all the same)
         ids = self._tok.encode_batch([text], add_special_tokens=False)[0].ids

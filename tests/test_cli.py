@@ -448,6 +448,9 @@ def test_generate_refuses_what_cannot_fit_before_loading(pair):
     # (a drafts probe's: "it does not fit max_seq 32", a max_seq nobody gave, the draft not named)
     _expect_error(["generate", "--target", target, "--draft", short, "--prompt-ids", ",".join(["5"] * 32)],
                   "prompt is 32 tokens; it does not fit max_seq 32 (the positions the draft was exported for)")
+    # (the same for a text refused on its length before the tokenizer runs: it still said "max_seq 32")
+    _expect_error(["generate", "--target", target, "--draft", short, "--prompt", "a" * 5000],
+                  "prompt is 5000 characters; it does not fit max_seq 32 (the positions the draft was exported for)")
     assert not (d / "huge.out.jsonl").exists()
     # the CLI prober's: a cache that fit, with the graphs' workspace that did not: `bench --batch-sizes 100000`
     # was killed by the kernel (19 GB resident, exit 137). Address space capped: a miss fails, not the machine.
