@@ -80,6 +80,9 @@ STRAY_GRACE = 30  # s: after rank 0 ended, how long the others may still run (in
 # comes only after every rank has loaded its weights and compiled: a 70B load takes minutes, and a rank that
 # compiles a graph the others already have makes them wait in a collective. A user's own values win.
 HCCL_TIMEOUTS = {"HCCL_CONNECT_TIMEOUT": "1800", "HCCL_EXEC_TIMEOUT": "1800"}
+# MindSpore's ranks learn that every rank joined from their heartbeat's answer, sent every 3-5 s by default: every
+# 1 s starts a job ~2 s sooner (a no-op TP=2 job on 2 CPU cores: 11.4 s -> 9.5 s)
+HEARTBEAT = {"MS_RETRY_INTERVAL_LOWER": "1", "MS_RETRY_INTERVAL_UPPER": "1"}
 IDENTITY = ("MS_ROLE", "MS_WORKER_NUM", "MS_SCHED_HOST", "MS_SCHED_PORT", "MS_NODE_ID", "RANK_ID", "DEVICE_ID",
             "RANK_SIZE")  # what msrun sets per job and rank: never inherited from another job
 
@@ -145,13 +148,15 @@ def msrun_command(msrun, topo, task, log_dir, timeout=CLUSTER_TIMEOUT, bind_core
 def launcher_env(env, bin_dir, job, launcher_pid, topo=None):
     """The environment msrun (and so every rank) gets: the venv first on PATH (msrun starts a bare `python`),
     the job's directory and launcher, this machine's place among the nodes, no other job's identity, HCCL
-    time-outs for slow loads."""
+    time-outs for slow loads, a 1 s heartbeat."""
     topo = topo or Topology(1)
     out = {k: v for k, v in env.items() if k not in IDENTITY}
     out.update(PATH=bin_dir + os.pathsep + env.get("PATH", ""), **{ENV_JOB: job, ENV_LAUNCHER: str(launcher_pid),
                                                                    ENV_NODES: f"{topo.node_rank}/{topo.nodes}"})
     for k, v in HCCL_TIMEOUTS.items():
         out.setdefault(k, v)
+    if not set(HEARTBEAT) & set(env):  # (a user's bound kept alone: a lower above the upper is undefined)
+        out.update(HEARTBEAT)
     out.setdefault("MS_OM_PATH", os.path.join(job, "om"))  # a rank's compile dumps (mindspec.omdir): kept or
     return out                                             # removed with the job's logs, killed ranks or not
 
