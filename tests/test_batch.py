@@ -407,7 +407,8 @@ def test_an_openai_batch_file_is_refused_before_anything_loads(setup, tmp_path):
 
 
 def _interrupt(setup, tmp_path, inp, out, sig, wait, tag):
-    """Start a job (no compile cache: MindSpore compiles), `wait()`, send `sig`: (exit code, stderr)."""
+    """Start a job, its home the tag's (a new tag: no compile cache, MindSpore compiles), `wait()`, send `sig`:
+    (exit code, stderr)."""
     env = dict(os.environ, MINDSPEC_HOME=str(tmp_path / f"home{tag}"), TMPDIR=str(tmp_path / "tmp"),
                MINDSPEC_PROGRESS_S="3600")  # compiling takes long enough for a progress line: not tested here
     p = subprocess.Popen(command(setup, out, inp, ["--max-new-tokens", "40"]),
@@ -447,8 +448,8 @@ def test_interrupt_keeps_what_was_written_and_says_so(setup, tmp_path):
         _check_interrupted(tmp_path, out, code, err)
     # the dp prober's: Ctrl-C twice (50 ms apart) printed "Exception ignored in: <function Cell.__del__ ...>
     # KeyboardInterrupt" tracebacks after the summary in 5 of 8 runs (the second landed in the shutdown)
-    for n in range(3):
-        code, err = _interrupt(setup, tmp_path, inp, out, [signal.SIGINT] * 2, after_two_more, f"2x{n}")
+    for n in range(3):  # (one home for the three: the first compiles, the others load what it compiled)
+        code, err = _interrupt(setup, tmp_path, inp, out, [signal.SIGINT] * 2, after_two_more, "2x")
         _check_interrupted(tmp_path, out, code, err)
 
 
