@@ -366,13 +366,13 @@ def launch(argv, n, script=None, timeout=CLUSTER_TIMEOUT, log_dir=None, grace=FA
         shutil.rmtree(job, ignore_errors=True)
         e = out.error
         raise e if isinstance(e, (BrokenPipeError, StdoutError)) else StdoutError(e.errno, e.strerror)
-    rcs, crashed = _rcs(job, topo.ranks), _crashes(job, topo.ranks)
+    rcs, crashed = _rcs(job, topo.ranks), _kept(job, topo.ranks, "crash")
     if not crashed and (rcs.get(0) or (len(rcs) == topo.local and set(rcs.values()) <= {0, 1})):
         # the job ended itself: rank 0's code (1: a batch job with failed lines; else an error it printed
         # itself), or on a node without rank 0 that of its own ranks, which ran in lock step with rank 0
         shutil.rmtree(job, ignore_errors=True)
         return rcs.get(0, max(rcs.values()))
-    said = _rank_error(job, topo.ranks)  # a rank that failed with a one-line error: its own words, its code
+    said = next(iter(_kept(job, topo.ranks, "error").items()), None)  # a one-line error: its words, its code
     what = f"tensor-parallel rank {said[0]} of {n}: {said[1]}" if said else \
         f"tensor-parallel rank {stuck[0]} of {n} was still running {stray:g} s after rank 0 ended" \
         if stuck and not crashed else _who_died(job, msrun_log, topo.ranks, rcs, n, crashed)
@@ -454,24 +454,16 @@ def _all_exited(job, ranks):
     return not any(pid and _alive(pid) for pid in pids)
 
 
-def _crashes(job, ranks):
-    """{rank: its exception in one line} of the ranks that raised (run_worker), the first to raise first."""
-    found = {}
+def _kept(job, ranks, kind):
+    """{rank: line} of the ranks that kept a line as rank<r>.<kind> (_keep), the first written first: "error" a
+    one-line error (fail), "crash" an exception raised (run_worker)."""
+    found = []
     for r in ranks:
-        path = os.path.join(job, f"rank{r}.crash")
+        path = os.path.join(job, f"rank{r}.{kind}")
         line = _read(path)
         if line:
-            found[r] = (os.path.getmtime(path), line)
-    return {r: line for r, (_, line) in sorted(found.items(), key=lambda item: item[1][0])}
-
-
-def _rank_error(job, ranks):
-    """(rank, line) of the first rank that recorded a one-line error (fail), or None."""
-    for r in ranks:
-        line = _read(os.path.join(job, f"rank{r}.error"))
-        if line:
-            return r, line
-    return None
+            found.append((os.path.getmtime(path), r, line))
+    return {r: line for _, r, line in sorted(found)}
 
 
 def _who_died(job, msrun_log, ranks, rcs, n, crashed=None):
