@@ -338,11 +338,11 @@ class Pipeline:
         t, spec = self.target, self.spec
         sizes = [b for b in spec.batch_buckets if b <= spec.batch_bucket(n)]
         drafting = self.proposer is not None and (every_graph or any(r.speculate for r in reqs))
-        greedy = every_graph or any(r.params.plain_greedy and r.logprobs is None for r in reqs)
-        sample = every_graph or any(not r.params.plain_greedy or r.logprobs is not None for r in reqs)
+        kinds = {r.graph_kind for r in reqs}
+        greedy, sample = every_graph or "greedy" in kinds, every_graph or "sample" in kinds
         ks = [0] + [k for k in t.k_buckets if drafting and (every_graph or any(
             r.speculate and (r.k == "auto" or k <= r.k) for r in reqs))]  # a fixed K runs buckets <= K only
-        penal = penal or any(r.params.penalises_output for r in reqs)
+        penal = penal or "penal" in kinds
         names = t.graph_names(sizes, ks, greedy, sample, None if every_graph else need, penal)
         t.warmup(names, self.cache_dir, None if rows_now is None else sum(B <= rows_now for _, B, *_ in names))
         if drafting and (every_graph or any(r.k == "auto" for r in reqs)):

@@ -100,6 +100,15 @@ class Request:
     def seq(self):
         return self.prompt_ids + self.output
 
+    @property
+    def graph_kind(self):
+        """The decode graph this request's steps need: "greedy" (the target's argmax), "sample" (a sampled row,
+        a repetition penalty or logprobs) or "penal" (presence/frequency penalties: the output's counts are an
+        input, and they are never absent after the prompt). A step runs its most demanding row's kind
+        (greedy < sample < penal), so the graphs of a set of requests are their kinds' alone."""
+        p = self.params
+        return "penal" if p.penalises_output else "greedy" if p.plain_greedy and self.logprobs is None else "sample"
+
     def output_counts(self, V):
         """[V]: how often the output holds each token (the presence and frequency penalties')."""
         return np.bincount(np.asarray(self.output, np.int64), minlength=V)[:V]

@@ -695,6 +695,19 @@ def test_presence_and_frequency_penalties_count_the_output_alone(pipe, tiny_targ
     assert res[2].token_ids == pipe.generate(prompt_ids=PROMPTS[1], max_new_tokens=12, speculate=False).token_ids
 
 
+def test_a_request_names_the_one_decode_graph_its_steps_run(pipe):
+    """Found timing the suite: a request with presence/frequency penalties compiled the sampling graphs of
+    every batch and K as well as its own "penal" ones (a third of its graphs), and never ran them: a decode
+    step with such a row always runs the penal graph (its output's counts are its input). A step runs the
+    graph of its most demanding row, greedy < sample < penal, so a request needs its own kind alone."""
+    kinds = {name: pipe.request(prompt_ids=[5], **kw).graph_kind for name, kw in {
+        "plain": {}, "sampled": dict(temperature=0.8), "logprobs": dict(logprobs=0),
+        "repetition": dict(repetition_penalty=1.2), "presence": dict(presence_penalty=0.5),
+        "sampled frequency": dict(temperature=0.8, frequency_penalty=0.5, logprobs=2)}.items()}
+    assert kinds == {"plain": "greedy", "sampled": "sample", "logprobs": "sample", "repetition": "sample",
+                     "presence": "penal", "sampled frequency": "penal"}
+
+
 def test_abort_ends_a_row_still_reading_its_prompt(pipe):
     """Found by mutation testing: aborts reaped only running rows, so a row still prefilling a long prompt
     read it to the end (and got its first token) before it ended. Aborted mid-prompt, it ends at the next
