@@ -987,8 +987,17 @@ def test_kill_9_of_a_data_parallel_launcher_then_resume_writes_each_id_once(setu
     recs = records(out)
     assert [r["id"] for r in recs] == list(range(24)) and not any(q.exists() for q in parts)
     for r, x in zip(recs, lines):
-        assert r["token_ids"] == pipe.generate(prompt_ids=x["prompt_ids"], max_new_tokens=100,
-                                               speculate=False).token_ids, r["id"]
+        assert r["token_ids"] == _alone(pipe, x["prompt_ids"], 100), r["id"]
+
+
+_ALONE = {}  # (prompt, max_new_tokens) -> the target's own tokens (the moments' jobs share their lines)
+
+
+def _alone(pipe, prompt_ids, n):
+    key = (tuple(prompt_ids), n)
+    if key not in _ALONE:
+        _ALONE[key] = pipe.generate(prompt_ids=prompt_ids, max_new_tokens=n, speculate=False).token_ids
+    return _ALONE[key]
 
 
 def test_merge_in_input_order_once_and_only_when_complete(tmp_path, capsys, monkeypatch):
@@ -1159,8 +1168,7 @@ def test_killing_the_ranks_of_a_tensor_parallel_replica_fails_the_job_and_a_reru
     assert code == 0 and "this run: 0 done, 0 failed, 6 skipped" in err, err  # replica 1 had finished
     assert [r["id"] for r in records(out)] == list(range(12)) and _tp_dirs(tmp) == kept
     for r, x in zip(records(out), lines):
-        assert r["token_ids"] == pipe.generate(prompt_ids=x["prompt_ids"], max_new_tokens=40,
-                                               speculate=False).token_ids, r["id"]
+        assert r["token_ids"] == _alone(pipe, x["prompt_ids"], 40), r["id"]
 
 
 def _tp_dirs(tmp):

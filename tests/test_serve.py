@@ -2037,8 +2037,9 @@ def test_a_server_with_stdout_closed_serves(pair):
     loaded the model, then exited 2 on its "serving" line. That line is for whoever waits for it: the
     server serves all the same, and SIGTERM stops it cleanly."""
     target, draft = pair
+    # (the module server's graphs: its compile cache entry, whole, loads where another would compile)
     p = subprocess.Popen([sys.executable, "-m", "mindspec", "serve", "--target", target, "--draft", draft, "-k", "2",
-                          "--max-seq", str(MAX_SEQ), "--port", "0", "--max-batch", "1"], stderr=subprocess.PIPE,
+                          "--max-seq", str(MAX_SEQ), "--port", "0", "--max-batch", "2"], stderr=subprocess.PIPE,
                          text=True, preexec_fn=lambda: os.close(1))
     try:
         base = re.search(r"listening on (http://127\.0\.0\.1:\d+)", p.stderr.readline()).group(1)
