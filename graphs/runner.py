@@ -165,6 +165,9 @@ class TargetModel:
         self.cells = {kind: self._cell(kind) for kind in ("greedy", "sample", "penal", "prefill", "logits")}
         self.fingerprint = ckpt.fingerprint()
         self.compiled, self.compile_s = set(), 0.0
+        # a graph compiling now, and when the last compile ended (monotonic): a server's step that compiles is not
+        # hung (serve.App.stalled)
+        self.compiling, self.compiled_at = False, 0.0
         # graphs run at least once, and how many calls were a graph's first run (one costs ~0.3-0.9 s more
         # than the next, default model, 2 cores: timings that include one say nothing of the steady state)
         self.ran, self.cold_runs, self.warm_names = set(), 0, []
@@ -210,8 +213,13 @@ class TargetModel:
         fresh = key not in self.compiled
         _COMPILES += fresh
         t = time.perf_counter()
-        with cache_budget.compile_env(self._caching if fresh else None):  # (its first run: cache off)
-            out = self.cells[kind].compile(*args) if dry else self.cells[kind](*args)
+        self.compiling = fresh
+        try:
+            with cache_budget.compile_env(self._caching if fresh else None):  # (its first run: cache off)
+                out = self.cells[kind].compile(*args) if dry else self.cells[kind](*args)
+        finally:
+            if fresh:
+                self.compiling, self.compiled_at = False, time.monotonic()
         if dry or fresh:  # the first run of a graph compiled dry builds what compile left: not compile time
             self.compile_s += time.perf_counter() - t
         self.compiled.add(key)

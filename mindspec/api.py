@@ -360,10 +360,10 @@ class Api:
     # ---- health, models, metrics, version (MindIE: /health, /health/timed, Triton-style /v2/health/*)
 
     def _unhealthy(self):
-        """None, or the 503 of a server whose engine keeps failing (serve.FAILED_STEPS steps in a row):
-        one line of JSON naming the last error. Such a check also queues a health probe (App.probe), so a
+        """None, or the 503 of a server whose engine step hangs (App.stalled) or keeps failing (serve.FAILED_STEPS
+        steps in a row): one line of JSON saying why. Such a check also queues a health probe (App.probe), so a
         server nobody sends requests to any more still finds out that its engine works again."""
-        why = self.app.failing()
+        why = self.app.unhealthy()
         if why is None:
             return None
         self.app.probe()

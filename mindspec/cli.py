@@ -11,7 +11,7 @@ from .errors import MindspecError
 from .request import SEED_ENV, stop_strings
 from .device import CHOICES, DEVICE_ENV, check_device_env, check_tp, detect_device
 from .spec import DTYPES, K_BUCKETS, SpecConfig
-from .mindie_config import QUEUE_DELAY_US
+from .mindie_config import QUEUE_DELAY_US, STEP_TIMEOUT
 from . import signals, stdout
 from .omdir import OmDir
 from .signals import Signals
@@ -118,6 +118,17 @@ def int_in(lo, hi=None):
 
 
 positive_int = int_in(1)
+
+
+def non_negative_number(text):
+    """An argparse type: a finite number >= 0."""
+    try:
+        v = float(text)
+    except ValueError:
+        v = None
+    if v is None or not 0 <= v < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}")
+    return v
 
 
 def path_arg(text):
@@ -255,7 +266,7 @@ def cmd_serve(a):
     serve(lambda: load_pipeline(a), serve_defaults(a), host=a.host, port=a.port, model_name=a.model_name,
           tp=a.tp > 1, max_batch=a.max_batch, max_queue=a.max_queue, max_connections=a.max_connections,
           api_key=a.api_key, strict_model_name=a.strict_model_name, read_timeout=a.read_timeout,
-          queue_delay_us=a.max_queue_delay_us, **_planes(a))
+          queue_delay_us=a.max_queue_delay_us, step_timeout=a.step_timeout, **_planes(a))
 
 
 def _planes(a):
@@ -445,6 +456,9 @@ def parser():
     s.add_argument("--read-timeout", type=positive_int, default=30,
                    help="seconds a request's headers, and then its body, may take to arrive; also how long an "
                         "idle connection stays open (default 30)")
+    s.add_argument("--step-timeout", type=non_negative_number, default=STEP_TIMEOUT, metavar="S",
+                   help="seconds one engine step may run (graph compiles not counted) before /health answers 503: "
+                        f"a device or a tensor-parallel rank may hang (default {STEP_TIMEOUT}; 0 = never)")
     s.add_argument("--api-key", default=os.environ.get("MINDSPEC_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (health probes, /metrics and /version exempt; "
                         "default: $MINDSPEC_API_KEY, else none)")

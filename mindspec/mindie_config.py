@@ -15,6 +15,11 @@ from .spec import DTYPES
 
 MAX_BYTES = 1 << 20  # a MindIE config.json is a few kB
 QUEUE_DELAY_US = 5000  # MindIE's maxQueueDelayMicroseconds default, serve's --max-queue-delay-us (serve.wait_s)
+# serve's --step-timeout: s one engine step may run (graph compiles not counted) before /health answers 503. A step
+# stuck in a graph call (a device fault; a tensor-parallel rank that stopped answering, which a collective waits for
+# until its own time-out) cannot be ended from Python, so the server says so for an orchestrator to act; a step takes
+# well under a second, a first call of a shape may compile for minutes (App.stalled)
+STEP_TIMEOUT = 600
 
 
 def _int(lo=None, hi=None):
@@ -108,6 +113,7 @@ KEYS = {
     "mindspec.draftTemperature": ("draft_temperature", _number(0.01, 100)),
     "mindspec.maxQueue": ("max_queue", _int(0)),
     "mindspec.readTimeout": ("read_timeout", _int(1)),
+    "mindspec.stepTimeout": ("step_timeout", _number(0, 1e9)),
     "mindspec.apiKey": ("api_key", _str),
     "mindspec.dtype": ("dtype", _one_of(*DTYPES)),  # (the target's: --dtype)
     "mindspec.device": ("device", _one_of(*CHOICES)),

@@ -27,7 +27,7 @@ import traceback
 from .errors import MindspecError, NotFinite, summary
 from .formats import pieces
 from .metrics import Metrics
-from .mindie_config import QUEUE_DELAY_US
+from .mindie_config import QUEUE_DELAY_US, STEP_TIMEOUT
 from .request import RequestError, make, parse
 from . import signals
 from .tp import share, stoppable
@@ -66,8 +66,12 @@ class App:
     """What the endpoints share: the pipeline (once loaded), the request defaults, the job queue, the
     metrics."""
 
-    def __init__(self, defaults, model_name=None, tp=False, max_batch=1, max_queue=64, queue_delay_us=QUEUE_DELAY_US):
+    def __init__(self, defaults, model_name=None, tp=False, max_batch=1, max_queue=64, queue_delay_us=QUEUE_DELAY_US,
+                 step_timeout=STEP_TIMEOUT):
         self.defaults, self.model_name, self.tp, self.max_batch = defaults, model_name, tp, max_batch
+        self.step_timeout = step_timeout  # s (0: never); see stalled
+        self.step_began = None  # (monotonic) the engine step running now began; written by the worker
+        self._stall_said = None  # the step_began whose stall was logged
         self.queue_delay = queue_delay_us / 1e6  # s a freed row waits for a request before the next step
         self.max_queue = max_queue  # requests waiting for a row beyond the running ones; more: 429
         self.pipe, self.started = None, int(time.time())
@@ -76,7 +80,7 @@ class App:
         self.metrics = Metrics()
         self.metrics.waiting.set_function(lambda: self.jobs.qsize() + len(self._engine("waiting")))
         self.metrics.running.set_function(lambda: len(self._engine("rows")))
-        self.metrics.healthy.set_function(lambda: float(self.ready.is_set() and self.failing() is None))
+        self.metrics.healthy.set_function(lambda: float(self.ready.is_set() and self.unhealthy() is None))
         self.metrics.cold_graphs.set_function(lambda: self.pipe.target.cold_count() if self.ready.is_set() else 0)
         # (engine steps failed in a row, the last one's error in one line): written by the worker as one
         # tuple, read by the HTTP thread
@@ -170,7 +174,13 @@ class App:
         if eng.waiting and len(eng.rows) >= t.ready_rows():
             self._load_next()  # a request waits for a larger batch's graphs: one a step, the rows go on between
         decodes = eng.decodes
-        events = eng.step()
+        self.step_began = time.monotonic()
+        try:
+            events = eng.step()
+        finally:
+            began, self.step_began = self.step_began, None
+        if self._stall_said == began:
+            _log(f"mindspec: healthy again: the engine step ended after {time.monotonic() - began:.0f} s")
         if account:
             self._account(events, decoded=eng.decodes > decodes)
         for req, text in events:
@@ -229,6 +239,27 @@ class App:
             self.engine_state = 0, None
             if failed >= FAILED_STEPS:
                 _log("mindspec: healthy again: an engine step succeeded")
+
+    def unhealthy(self):
+        """Why /health answers 503 once ready (one line), or None: a step hung (stalled) or failing steps."""
+        return self.stalled() or self.failing()
+
+    def stalled(self):
+        """Why the engine looks hung (one line), or None: the step running now has gone on for more than
+        step_timeout s since it began or since its last graph compile ended, and is not compiling (a request's
+        first call of a shape may compile for minutes). Said on stderr once a step."""
+        began, t = self.step_began, self.pipe.target if self.pipe is not None else None
+        if began is None or not self.step_timeout or t is None or t.compiling:
+            return None
+        s = time.monotonic() - max(began, t.compiled_at)
+        if s <= self.step_timeout:
+            return None
+        why = (f"an engine step has run for {s:.0f} s, past --step-timeout {self.step_timeout:g} s: a device or a "
+               "tensor-parallel rank may hang")
+        if self._stall_said != began:
+            self._stall_said = began
+            _log(f"mindspec: unhealthy: {why}; /health answers 503 until the step ends")
+        return why
 
     def failing(self):
         """Why the server is unhealthy (one line), or None: FAILED_STEPS engine steps failed in a row."""
@@ -351,14 +382,14 @@ def prepare(pipe, max_batch, defaults=None):
 
 def serve(load, defaults, host="127.0.0.1", port=1025, model_name=None, tp=False, max_batch=1, max_queue=64,
           max_connections=None, api_key=None, strict_model_name=False, read_timeout=30, queue_delay_us=QUEUE_DELAY_US,
-          management=None, metrics=None):
+          management=None, metrics=None, step_timeout=STEP_TIMEOUT):
     """Listen, load the pipeline and compile its graphs, or on a warm start its one-row graphs (/health and
     /v2/health/ready answer 503 meanwhile, /v2/health/live 200), then generate until SIGINT/SIGTERM.
     management, metrics: (host, port) of MindIE's management plane (the health probes) and metrics plane
     (/metrics), each also served on the main port; None, or the main port: there alone."""
     from .api import MANAGEMENT, METRICS, Api
     from .http import HttpServer
-    app = App(defaults, model_name, tp, max_batch, max_queue, queue_delay_us)
+    app = App(defaults, model_name, tp, max_batch, max_queue, queue_delay_us, step_timeout)
     api = Api(app, api_key, strict_model_name, read_timeout)
     planes = {}  # (host, port) -> route names
     for where, names in ((management, MANAGEMENT), (metrics, METRICS)):

@@ -536,6 +536,15 @@ def test_help_gives_each_command_its_own_max_seq_default(capsys):
         assert words in text.split("--max-seq MAX_SEQ ")[1].split(" --")[0], text
 
 
+@pytest.mark.parametrize("bad", ["-1", "inf", "nan", "soon"])
+def test_a_step_timeout_is_a_finite_number_of_seconds(bad, capsys):
+    from mindspec.cli import parser
+    assert parser().parse_args(["serve", "--step-timeout", "0.5"]).step_timeout == 0.5
+    with pytest.raises(SystemExit) as e:
+        parser().parse_args(["serve", "--step-timeout", bad])
+    assert e.value.code == 2 and f"--step-timeout: must be a number >= 0, got '{bad}'" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("bad", ["0", "-2", "two"])
 def test_tp_must_be_positive(bad, capsys):
     from mindspec.cli import parser

@@ -1718,6 +1718,68 @@ def test_a_tgi_stream_that_fails_ends_in_tgis_error_shape(pipe, monkeypatch):
     _serve_in_process(pipe, monkeypatch, base, check)
 
 
+def test_a_step_that_hangs_makes_health_503_until_it_ends_but_a_compile_does_not(pipe, monkeypatch):
+    """Found reviewing the health probes: an engine step stuck in a graph call (a device fault; a tensor-parallel
+    rank that stopped answering, which a collective waits for until its time-out) left /health at 200 for as long
+    as it hung, and an orchestrator kept sending requests to a server that answered none. A step that has run
+    past --step-timeout now makes /health, /v2/health/ready and /health/timed answer 503 with one line naming
+    it (/v2/health/live stays 200) until it ends; its request then gets its exact tokens. A step that compiles
+    a graph is not hung (a request's first call of a shape can compile for minutes): health stays 200."""
+    ref = pipe.generate(prompt_ids=IDS, max_new_tokens=N, speculate=False).text
+    base, t = _free_base(), pipe.target
+    held, entered = threading.Event(), threading.Event()
+
+    def hold(call):
+        def held_call(*a, **kw):
+            entered.set()
+            held.wait(120)  # (a backstop: check releases it)
+            return call(*a, **kw)
+        return held_call
+
+    def completion(got):
+        thread = threading.Thread(target=lambda: got.append(post(base, "/v1/completions", {"prompt": IDS,
+                                                                                             "max_tokens": N})))
+        thread.start()
+        assert entered.wait(60), "the step never began"
+        return thread
+
+    def check():
+        assert call(base, "/health") == (200, "")
+        # a compile: every graph as if never compiled, the greedy ones held in their call (MindSpore compiles there)
+        monkeypatch.setattr(t, "compiled", set())
+        monkeypatch.setattr(t, "ran", set())
+        monkeypatch.setitem(t.cells, "greedy", hold(t.cells["greedy"]))
+        got = []
+        thread = completion(got)
+        time.sleep(1.5)  # three step time-outs
+        try:
+            assert call(base, "/health") == (200, "") and _metrics(base)[("mindspec_engine_healthy", ())] == 1
+        finally:
+            held.set()
+        thread.join(60)
+        assert got[0]["choices"][0]["text"] == ref
+        # a hang: the step held before its graph call
+        held.clear(), entered.clear()
+        monkeypatch.setattr(t, "step", hold(t.step))
+        got = []
+        thread = completion(got)
+        try:
+            assert wait_for(lambda: call(base, "/health")[0] == 503, 30), "health stayed 200"
+            for path in ("/health", "/v2/health/ready", "/health/timed-5"):
+                status, text = call(base, path)
+                err = json.loads(text)
+                assert status == 503 and "\n" not in text and err["status"] == "unhealthy", (path, status, text)
+                assert re.fullmatch(r"an engine step has run for \d+ s, past --step-timeout 0\.5 s: a device or a "
+                                    r"tensor-parallel rank may hang", err["error"]), err
+            assert call(base, "/v2/health/live")[0] == 200 and _metrics(base)[("mindspec_engine_healthy", ())] == 0
+        finally:
+            held.set()
+        thread.join(60)
+        assert got[0]["choices"][0]["text"] == ref and call(base, "/health") == (200, "")
+
+    _serve_in_process(pipe, monkeypatch, base, check, step_timeout=0.5)
+
+
 def test_health_says_503_while_the_engine_keeps_failing(pipe, monkeypatch):
     """An in-process server over the module's pipeline (the real HTTP stack, engine loop and health
     logic): with the

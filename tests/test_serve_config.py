@@ -413,19 +413,20 @@ def test_every_key_sets_its_flag_and_the_ranges_include_their_ends(tmp_path, cap
                                   "ModelConfig": [{"modelName": "m", "modelWeightPath": "/t", "worldSize": 2}]},
             "ScheduleConfig": {"maxBatchSize": 3, "maxIterTimes": 4, "maxQueueDelayMicroseconds": 1000000}},
         "mindspec": {"draft": "/d", "speculationGamma": 8, "draftTemperature": 0.5, "maxQueue": 0, "readTimeout": 7,
-                     "apiKey": "k"}}))
+                     "apiKey": "k", "stepTimeout": 2.5}}))
     a = vars(parse(["serve", "--config", str(path)]))
     assert {k: a[k] for k in ("host", "port", "max_connections", "max_seq", "max_input_tokens", "model_name", "target",
                               "tp", "max_batch", "max_new_tokens", "max_queue_delay_us", "draft", "k",
-                              "draft_temperature", "max_queue", "read_timeout", "api_key")} == dict(
+                              "draft_temperature", "max_queue", "read_timeout", "api_key", "step_timeout")} == dict(
         host="0.0.0.0", port=65535, max_connections=9, max_seq=2, max_input_tokens=1, model_name="m", target="/t",
         tp=2, max_batch=3, max_new_tokens=4, max_queue_delay_us=1000000, draft="/d", k=8, draft_temperature=0.5,
-        max_queue=0, read_timeout=7, api_key="k")
+        max_queue=0, read_timeout=7, api_key="k", step_timeout=2.5)
     assert capsys.readouterr().err == ""
     for block, key, value, dest in (("mindspec", "speculationGamma", "auto", "k"),
                                     ("mindspec", "draftTemperature", 0.01, "draft_temperature"),
                                     ("mindspec", "draftTemperature", 100, "draft_temperature"),
-                                    ("ServerConfig", "port", 0, "port")):
+                                    ("ServerConfig", "port", 0, "port"),
+                                    ("mindspec", "stepTimeout", 0, "step_timeout")):
         path.write_text(json.dumps({block: {key: value}}))
         assert getattr(parse(["serve", "--config", str(path)]), dest) == value
 
