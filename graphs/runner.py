@@ -201,7 +201,9 @@ class TargetModel:
             if dry or POISONED not in str(e):
                 raise
             self.cells[kind] = self._cell(kind)
+            # (the new cell compiles each shape again: a compile, for compile_s and a server's health)
             self.ran = {k for k in self.ran if not k.startswith(kind + "(")}
+            self.compiled = {k for k in self.compiled if not k.startswith(kind + "(")}
             return self._call(kind, key, args, dry)
 
     def _call(self, kind, key, args, dry):

@@ -371,7 +371,7 @@ class Api:
 
     async def health(self, request, *_):
         """Ready: the model is loaded, its graphs compiled (a warm start: the one-row ones, the rest compile while
-        it serves) and the engine is not failing step after step."""
+        it serves), the engine is not failing step after step and no step has hung past --step-timeout."""
         if not self.app.ready.is_set():
             return web.Response(status=503)
         return self._unhealthy() or web.Response(status=200)

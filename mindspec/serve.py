@@ -12,7 +12,8 @@ once (a graph's first run costs ~0.3 s more than the next), and loads the larger
 serves: one per idle tick, or one per step while a request waits for a batch no loaded graph holds yet;
 an idle server also runs each of them once (mindspec_graphs_cold counts what is left).
 A failing engine call ends its requests with a 500 and the worker goes on; FAILED_STEPS failed steps in
-a row make /health answer 503 until a step succeeds (see App._account).
+a row make /health answer 503 until a step succeeds (see App._account), as does a step that hangs past
+--step-timeout until it ends (App.stalled).
 """
 import asyncio
 import contextlib
@@ -70,8 +71,9 @@ class App:
                  step_timeout=STEP_TIMEOUT):
         self.defaults, self.model_name, self.tp, self.max_batch = defaults, model_name, tp, max_batch
         self.step_timeout = step_timeout  # s (0: never); see stalled
-        self.step_began = None  # (monotonic) the engine step running now began; written by the worker
-        self._stall_said = None  # the step_began whose stall was logged
+        self.busy_since = None  # (monotonic) when the worker's turn running now began (None: waiting for requests)
+        self._stall_said = None  # the busy_since whose stall was logged
+        self._stall_lock = threading.Lock()  # (the worker ends a turn, the HTTP thread finds it stalled: one at a time)
         self.queue_delay = queue_delay_us / 1e6  # s a freed row waits for a request before the next step
         self.max_queue = max_queue  # requests waiting for a row beyond the running ones; more: 429
         self.pipe, self.started = None, int(time.time())
@@ -140,12 +142,20 @@ class App:
                 raise
             free = self.max_batch - len(eng.rows) - len(eng.waiting) - self.jobs.qsize()
             new, gone, jobs = self._take(wait_s(eng.has_work or self.warming, ended and free > 0, self.queue_delay))
-            if self.tp:
-                share((new, gone))  # also when idle: the other ranks must not wait in a collective for long
-            for rid, kw in new:
-                self.live[rid] = jobs[rid]
-            with signals.deferred() if self.tp else contextlib.nullcontext():  # (the other ranks run it too)
-                ended = self.turn(new, gone, self._events, account=True)
+            self.busy_since = time.monotonic()  # (the turn's collectives, idle first runs and step: see stalled)
+            try:
+                if self.tp:
+                    share((new, gone))  # also when idle: the other ranks must not wait in a collective for long
+                for rid, kw in new:
+                    self.live[rid] = jobs[rid]
+                with signals.deferred() if self.tp else contextlib.nullcontext():  # (the other ranks run it too)
+                    ended = self.turn(new, gone, self._events, account=True)
+            finally:
+                with self._stall_lock:
+                    began, self.busy_since = self.busy_since, None
+                    said = self._stall_said == began
+                if said:
+                    _log(f"mindspec: healthy again: the engine's turn ended after {time.monotonic() - began:.0f} s")
 
     def turn(self, new, gone, on_event, account=False):
         """Apply one turn's new requests and aborts, then run one engine step (every rank runs this).
@@ -174,13 +184,7 @@ class App:
         if eng.waiting and len(eng.rows) >= t.ready_rows():
             self._load_next()  # a request waits for a larger batch's graphs: one a step, the rows go on between
         decodes = eng.decodes
-        self.step_began = time.monotonic()
-        try:
-            events = eng.step()
-        finally:
-            began, self.step_began = self.step_began, None
-        if self._stall_said == began:
-            _log(f"mindspec: healthy again: the engine step ended after {time.monotonic() - began:.0f} s")
+        events = eng.step()
         if account:
             self._account(events, decoded=eng.decodes > decodes)
         for req, text in events:
@@ -245,20 +249,23 @@ class App:
         return self.stalled() or self.failing()
 
     def stalled(self):
-        """Why the engine looks hung (one line), or None: the step running now has gone on for more than
-        step_timeout s since it began or since its last graph compile ended, and is not compiling (a request's
-        first call of a shape may compile for minutes). Said on stderr once a step."""
-        began, t = self.step_began, self.pipe.target if self.pipe is not None else None
-        if began is None or not self.step_timeout or t is None or t.compiling:
-            return None
-        s = time.monotonic() - max(began, t.compiled_at)
-        if s <= self.step_timeout:
-            return None
-        why = (f"an engine step has run for {s:.0f} s, past --step-timeout {self.step_timeout:g} s: a device or a "
-               "tensor-parallel rank may hang")
-        if self._stall_said != began:
-            self._stall_said = began
-            _log(f"mindspec: unhealthy: {why}; /health answers 503 until the step ends")
+        """Why the engine looks hung (one line), or None: the worker's turn running now (rank 0's collectives with
+        the other ranks, an idle graph's first run, the engine step) has gone on for more than step_timeout s
+        since it began or since the target's last graph compile ended, and the target is not compiling (a
+        request's first call of a shape may compile for minutes). Said on stderr once a turn."""
+        t = self.pipe.target if self.pipe is not None else None
+        with self._stall_lock:
+            began = self.busy_since
+            if began is None or not self.step_timeout or t is None or t.compiling:
+                return None
+            s = time.monotonic() - max(began, t.compiled_at)
+            if s <= self.step_timeout:
+                return None
+            why = (f"an engine step has run for {s:.0f} s, past --step-timeout {self.step_timeout:g} s: a device or "
+                   "a tensor-parallel rank may hang")
+            if self._stall_said != began:
+                self._stall_said = began
+                _log(f"mindspec: unhealthy: {why}; /health answers 503 until the step ends")
         return why
 
     def failing(self):

@@ -1723,61 +1723,107 @@ def test_a_step_that_hangs_makes_health_503_until_it_ends_but_a_compile_does_not
     rank that stopped answering, which a collective waits for until its time-out) left /health at 200 for as long
     as it hung, and an orchestrator kept sending requests to a server that answered none. A step that has run
     past --step-timeout now makes /health, /v2/health/ready and /health/timed answer 503 with one line naming
-    it (/v2/health/live stays 200) until it ends; its request then gets its exact tokens. A step that compiles
-    a graph is not hung (a request's first call of a shape can compile for minutes): health stays 200."""
+    it (/v2/health/live stays 200) until it ends; its request then gets its exact tokens. A graph compile is not
+    a hang (a request's first call of a shape can compile for minutes): health stays 200 while one runs, and the
+    step's time counts from its end."""
     ref = pipe.generate(prompt_ids=IDS, max_new_tokens=N, speculate=False).text
-    base, t = _free_base(), pipe.target
-    held, entered = threading.Event(), threading.Event()
+    base, t, real_step, timeout = _free_base(), pipe.target, pipe.target.step, 2.0
 
-    def hold(call):
+    def held(call, entered, release):
         def held_call(*a, **kw):
             entered.set()
-            held.wait(120)  # (a backstop: check releases it)
+            release.wait(120)  # (a backstop: check releases it)
             return call(*a, **kw)
         return held_call
 
-    def completion(got):
+    def completion(got, entered):
         thread = threading.Thread(target=lambda: got.append(post(base, "/v1/completions", {"prompt": IDS,
                                                                                              "max_tokens": N})))
         thread.start()
         assert entered.wait(60), "the step never began"
         return thread
 
+    def healthy():
+        return call(base, "/health") == (200, "") and _metrics(base)[("mindspec_engine_healthy", ())] == 1
+
     def check():
-        assert call(base, "/health") == (200, "")
-        # a compile: every graph as if never compiled, the greedy ones held in their call (MindSpore compiles there)
+        assert healthy()
+        # a compile: every graph as if never compiled, the greedy ones held in their call (MindSpore compiles
+        # there); after it, the step held again, for less than the time-out
+        compiling, compiled, after, ended = (threading.Event() for _ in range(4))
         monkeypatch.setattr(t, "compiled", set())
         monkeypatch.setattr(t, "ran", set())
-        monkeypatch.setitem(t.cells, "greedy", hold(t.cells["greedy"]))
+        monkeypatch.setitem(t.cells, "greedy", held(t.cells["greedy"], compiling, compiled))
+
+        def step_then_held(*a, **kw):
+            out = real_step(*a, **kw)
+            after.set()
+            ended.wait(120)
+            return out
+        monkeypatch.setattr(t, "step", step_then_held)
         got = []
-        thread = completion(got)
-        time.sleep(1.5)  # three step time-outs
+        thread = completion(got, compiling)
+        time.sleep(1.5 * timeout)
         try:
-            assert call(base, "/health") == (200, "") and _metrics(base)[("mindspec_engine_healthy", ())] == 1
+            assert healthy(), "a compile was taken for a hang"
+            compiled.set()
+            assert after.wait(60)
+            assert healthy(), "the compile's time was counted"  # (the step began 3 s ago; its compile ended now)
         finally:
-            held.set()
+            compiled.set(), ended.set()
         thread.join(60)
         assert got[0]["choices"][0]["text"] == ref
         # a hang: the step held before its graph call
-        held.clear(), entered.clear()
-        monkeypatch.setattr(t, "step", hold(t.step))
+        entered, release = threading.Event(), threading.Event()
+        monkeypatch.setattr(t, "step", held(real_step, entered, release))
         got = []
-        thread = completion(got)
+        thread = completion(got, entered)
         try:
             assert wait_for(lambda: call(base, "/health")[0] == 503, 30), "health stayed 200"
             for path in ("/health", "/v2/health/ready", "/health/timed-5"):
                 status, text = call(base, path)
                 err = json.loads(text)
                 assert status == 503 and "\n" not in text and err["status"] == "unhealthy", (path, status, text)
-                assert re.fullmatch(r"an engine step has run for \d+ s, past --step-timeout 0\.5 s: a device or a "
+                assert re.fullmatch(r"an engine step has run for \d+ s, past --step-timeout 2 s: a device or a "
                                     r"tensor-parallel rank may hang", err["error"]), err
             assert call(base, "/v2/health/live")[0] == 200 and _metrics(base)[("mindspec_engine_healthy", ())] == 0
         finally:
-            held.set()
+            release.set()
         thread.join(60)
-        assert got[0]["choices"][0]["text"] == ref and call(base, "/health") == (200, "")
+        assert got[0]["choices"][0]["text"] == ref and healthy()
 
-    _serve_in_process(pipe, monkeypatch, base, check, step_timeout=0.5)
+    _serve_in_process(pipe, monkeypatch, base, check, step_timeout=timeout)
+
+
+def test_rank_0_stuck_in_its_turns_collective_is_a_hang_too(pipe, monkeypatch):
+    """The review of the above: a tensor-parallel rank 0 also waits for the other ranks outside the engine step:
+    each turn it shares the new requests with them (every TICK while idle), and a rank that stopped answering
+    there left /health at 200. The whole turn is timed."""
+    import mindspec.serve as serve_module
+    from mindspec.serve import App
+    entered, release = threading.Event(), threading.Event()
+
+    class Stopped(Exception):
+        pass
+
+    def stuck(value):
+        entered.set()
+        release.wait(60)
+        raise Stopped  # (ends the worker's loop)
+    monkeypatch.setattr(serve_module, "share", stuck)
+    app = App({}, tp=True, step_timeout=0.2)
+    app.pipe = pipe
+    app.ready.set()
+    failed = []
+    worker = threading.Thread(target=lambda: failed.append(pytest.raises(Stopped, app._work)), daemon=True)
+    worker.start()
+    try:
+        assert entered.wait(30) and wait_for(lambda: app.unhealthy() is not None, 10), "never unhealthy"
+        assert app.unhealthy().startswith("an engine step has run for ")
+    finally:
+        release.set()
+    worker.join(30)
+    assert failed and app.unhealthy() is None
 
 
 def test_health_says_503_while_the_engine_keeps_failing(pipe, monkeypatch):
