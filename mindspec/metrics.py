@@ -19,7 +19,8 @@ class Metrics:
         self.waiting = Gauge("mindspec_requests_waiting", "requests queued for a row", registry=r)
         self.running = Gauge("mindspec_requests_running", "rows in the engine", registry=r)
         self.healthy = Gauge("mindspec_engine_healthy", "1 while /health answers 200: loaded, the engine has not "
-                             "failed serve.FAILED_STEPS steps in a row, and no step has run past --step-timeout", registry=r)
+                             "failed serve.FAILED_STEPS steps in a row, and no step has run past --step-timeout",
+                             registry=r)
         self.cold_graphs = Gauge("mindspec_graphs_cold", "graphs not yet run: the larger batches' compile after ready, "
                                  "and a graph's first run costs a fraction of a second more; an idle server does "
                                  "both, one graph per idle tick", registry=r)
