@@ -265,7 +265,7 @@ class Engine:
         caps = [min(room - r.pos, r.max_new_tokens - len(r.output)) - 1 for r in running]
         n_valid = self._choose(running, caps)
         want_lp = any(r.logprobs is not None for r in running)  # only the sampling graph has whole logits
-        need_q = want_lp or any(not r.params.plain_greedy for r in running)
+        need_q = any(r.graph_kind != "greedy" for r in running)  # (a sampling graph's step: it takes q)
         try:
             drafts, q, n_valid = self._propose(running, n_valid, need_q)
             failed = None

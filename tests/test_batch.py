@@ -406,10 +406,10 @@ def test_an_openai_batch_file_is_refused_before_anything_loads(setup, tmp_path):
     assert [(r.rid, r.err) for r in rows] == [("r0", None), ("r1", None)]
 
 
-def _interrupt(setup, tmp_path, inp, out, sig, wait, tag):
-    """Start a job, its home the tag's (a new tag: no compile cache, MindSpore compiles), `wait()`, send `sig`:
-    (exit code, stderr)."""
-    env = dict(os.environ, MINDSPEC_HOME=str(tmp_path / f"home{tag}"), TMPDIR=str(tmp_path / "tmp"),
+def _interrupt(setup, tmp_path, inp, out, sig, wait):
+    """Start a job, its home the test's (its first job: no compile cache, MindSpore compiles), `wait()`, send
+    `sig`: (exit code, stderr)."""
+    env = dict(os.environ, MINDSPEC_HOME=str(tmp_path / "home"), TMPDIR=str(tmp_path / "tmp"),
                MINDSPEC_PROGRESS_S="3600")  # compiling takes long enough for a progress line: not tested here
     p = subprocess.Popen(command(setup, out, inp, ["--max-new-tokens", "40"]),
                          stderr=subprocess.PIPE, text=True,
@@ -445,12 +445,12 @@ def test_interrupt_keeps_what_was_written_and_says_so(setup, tmp_path):
 
     # (one home for the five: the first compiles, the others load what it compiled; each is stopped after records)
     for sig in (signal.SIGINT, signal.SIGTERM):
-        code, err = _interrupt(setup, tmp_path, inp, out, [sig], after_two_more, "")
+        code, err = _interrupt(setup, tmp_path, inp, out, [sig], after_two_more)
         _check_interrupted(tmp_path, out, code, err)
     # the dp prober's: Ctrl-C twice (50 ms apart) printed "Exception ignored in: <function Cell.__del__ ...>
     # KeyboardInterrupt" tracebacks after the summary in 5 of 8 runs (the second landed in the shutdown)
     for n in range(3):
-        code, err = _interrupt(setup, tmp_path, inp, out, [signal.SIGINT] * 2, after_two_more, "")
+        code, err = _interrupt(setup, tmp_path, inp, out, [signal.SIGINT] * 2, after_two_more)
         _check_interrupted(tmp_path, out, code, err)
 
 
@@ -519,7 +519,7 @@ def test_a_signal_while_loading_or_compiling_exits_130_with_the_summary(setup, t
             time.sleep(0.01)
         time.sleep(delay)
 
-    code, err = _interrupt(setup, tmp_path, inp, out, [getattr(signal, "SIG" + s) for s in sigs.split()], begun, "")
+    code, err = _interrupt(setup, tmp_path, inp, out, [getattr(signal, "SIG" + s) for s in sigs.split()], begun)
     _check_interrupted(tmp_path, out, code, err)
 
 

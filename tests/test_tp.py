@@ -174,7 +174,7 @@ def crash_job(target, draft, out):
     signal.alarm(300)
     if tp_rank():
         os.kill(os.getpid(), signal.SIGSTOP)
-    if not tp_rank():
+    else:
         time.sleep(1)  # (rank 1 stopped)
         raise RuntimeError("Ring ReduceScatter wait receiving [1,2] failed.\n----\nC++ Call Stack: (For framework "
                            "developers)")
