@@ -2,6 +2,7 @@
 import json
 import os
 import signal
+import tempfile
 import time
 
 import numpy as np
@@ -27,6 +28,15 @@ SLOWEST_FIRST = ("test_batch.py", "test_pipeline.py", "test_serve.py", "test_tp.
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # (stable: each file's own order kept)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _scratch(tmp_path_factory):
+    """The temporary files of this process and the commands it starts go under pytest's base directory, which
+    keeps the last three runs: a failed --tp job keeps its logs in $TMPDIR for its user, and the suite fails
+    many on purpose (~40 directories a run were left in /tmp)."""
+    tmp = str(tmp_path_factory.mktemp("tmp"))
+    os.environ["TMPDIR"], tempfile.tempdir = tmp, tmp
 
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
