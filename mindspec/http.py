@@ -14,9 +14,12 @@ or HTTP/1.0: what `nc -N` and socat do) still gets its answer; elsewhere the end
 close only once the server writes."""
 import asyncio
 import json
+import os
+import resource
 import socket
 import sys
 import threading
+import time
 
 from aiohttp import HttpVersion10, HttpVersion11, web
 from aiohttp.web_protocol import RequestHandler, _ErrInfo
@@ -29,6 +32,9 @@ VERSION_SENT = web.RequestKey("version_sent", str)  # a request line's HTTP vers
 ENDED_WITH = web.ResponseKey("ended_with", int)  # the status of the error event that ended a stream (see said)
 IDLE_S = 1.0  # seconds a connection waits for a request before it may be closed to make room for another
 LINGER_S = 2.0  # seconds a connection refused at --max-connections reads (and drops) what its client still sends
+FD_RESERVE = 128  # open files kept beside the connections: the model's loading, logs, connections refused lingering
+LINGER_MOST = 32  # connections refused at --max-connections that linger at once; the others are closed at once
+ACCEPT_SAID_S = 10.0  # a failed accept (no file left) is said at most once in this many seconds
 
 
 def said(resp):
@@ -47,6 +53,7 @@ class _Protocol(RequestHandler):
     _held = b""  # received, not yet parsed: past aiohttp's queue of pipelined requests
     _broken = False  # a body failed to parse: nothing after it is (see _to_the_body)
     _refused = False  # answered 503 on connecting (see refuse)
+    _body_left = 0  # bytes of the last request's body (by its Content-Length) not yet fed to the parser
 
     def connection_made(self, transport):
         super().connection_made(transport)
@@ -75,17 +82,23 @@ class _Protocol(RequestHandler):
         self._seen = (self._seen + data)[-3:]
         data, self._held = self._held + data, b""
         pieces = _heads(before, data) if data else [data]  # (b"": aiohttp's own call, to parse what its parser
-        for i, piece in enumerate(pieces):  # holds back, or what is held here, once its queue has room)
+        while pieces:  # holds back, or what is held here, once its queue has room)
             if self._past_last():
                 break
             if len(self._messages) >= self._max_msg_queue_size:  # (aiohttp paused reading: on resuming it calls
-                self._held = b"".join(pieces[i:])  # data_received(b""))
+                self._held = b"".join(pieces)  # data_received(b""))
                 break
+            piece = pieces.pop(0)
+            if 0 < self._body_left < len(piece):  # a body and the head after it, fed apart: a parser error quotes
+                pieces.insert(0, piece[self._body_left:])  # its chunk from the start (it quoted the body before it)
+                piece = piece[:self._body_left]
+            body, queued = self._body_left > 0, len(self._messages)
             self._close = self._force_close = False  # (only a due body is let in: start() sees the flags again
             try:  # before it takes another message)
                 super().data_received(piece)
             finally:
                 self._close, self._force_close = self._close or closing[0], self._force_close or closing[1]
+            self._body_left = self._body_left - len(piece) if body else _length(self._messages, queued)
             self._to_the_body()
 
     def _to_the_body(self):
@@ -101,14 +114,16 @@ class _Protocol(RequestHandler):
             self._broken = True  # (nothing after it is parsed)
             self._lingering_time = 0.0  # (aiohttp's read of an unread body after the answer would raise it again)
 
-    def refuse(self, answer):
+    def refuse(self, answer, linger=True):
         """Send answer (a 503 at --max-connections) before any request is read, and close. Not at once: a socket
         closed with the client's request unread, or with its bytes still arriving, answers them with a reset,
         and most clients then lose the 503 (a chaos probe: 32 of 40 requests of 60 kB got a broken pipe). So it
         half-closes, drops what arrives, and closes when the client does or after LINGER_S (Apache's
-        lingering close)."""
+        lingering close). linger=False (a flood: each lingering connection holds an open file) closes at once."""
         self._refused = True
         self.transport.write(answer)
+        if not linger:
+            return self.force_close()
         if self.transport.can_write_eof():
             self.transport.write_eof()
         self._loop.call_later(LINGER_S, self.force_close)
@@ -219,8 +234,17 @@ class _Server(web.Server):
             body = _json_error(503, f"too many connections (at most {self.max_connections}); retry later").encode()
             handler.refuse(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
                            b"Retry-After: 1\r\nConnection: close\r\nContent-Length: " + str(len(body)).encode()
-                           + b"\r\n\r\n" + body)
+                           + b"\r\n\r\n" + body, linger=sum(h._refused for h in self._connections) < LINGER_MOST)
             self.on_error(503)
+
+
+def _length(messages, before):
+    """The Content-Length of the request aiohttp's parser queued last, when it queued one (more than `before`
+    messages) with a body of that length; else 0."""
+    if len(messages) <= before or isinstance(messages[-1][0], _ErrInfo) or messages[-1][0].chunked:
+        return 0
+    length = messages[-1][0].headers.get("Content-Length", "0")
+    return int(length) if length.isdigit() else 0
 
 
 def _heads(before, data, most=32):
@@ -238,6 +262,27 @@ def _heads(before, data, most=32):
     return pieces + [data[cuts[-1] if cuts else 0:]] if not cuts or cuts[-1] < len(data) else pieces
 
 
+def _room(max_connections):
+    """(the connections this process can hold open, at most max_connections; the line that says it had to lower
+    them, or None). The soft open-files limit is raised toward the hard one as far as they need (as vLLM does:
+    the usual soft limit of 1024 held ~1000 connections, and at it the server accepted none, a health probe's
+    neither); files open now and FD_RESERVE are kept aside."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    now = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else 64
+    need = max_connections + now + FD_RESERVE
+    if soft != resource.RLIM_INFINITY and soft < need:
+        try:
+            soft = need if hard == resource.RLIM_INFINITY else min(need, hard)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        except (ValueError, OSError):
+            soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return max_connections, None
+    room = max(1, soft - now - FD_RESERVE)
+    return room, (f"mindspec: warning: --max-connections {max_connections} lowered to {room}: this process may open "
+                  f"{soft} files (ulimit -n, its hard limit {hard}); raise it to serve more")
+
+
 def _listening(host, port):
     """A listening TCP socket on host's first address (an IPv6 one for "::")."""
     family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
@@ -253,6 +298,15 @@ def _listening(host, port):
     return sock
 
 
+class _Loop(asyncio.SelectorEventLoop):
+    """asyncio's loop, accepting one connection per readiness of a listening socket, not up to `backlog`: on a failed
+    accept (no file left) asyncio's loop goes on and schedules a retry per failure, and those retries fail alike
+    (~10,000 timers and tracebacks within seconds)."""
+
+    def _accept_connection(self, protocol_factory, sock, sslcontext=None, server=None, backlog=100, *args, **kw):
+        return super()._accept_connection(protocol_factory, sock, sslcontext, server, 1, *args, **kw)
+
+
 class HttpServer:
     """Serve `handle(request) -> response` on host:port from a thread of its own."""
 
@@ -264,7 +318,7 @@ class HttpServer:
         self.handle, self.host, self.port, self.on_error = handle, host, port, on_error or (lambda status: None)
         self.extra, self.failed, self.on_bound = list(extra), (host, port), on_bound or (lambda extra: None)
         self.max_connections, self.keepalive, self.stopping = max_connections, keepalive, False
-        self.loop = asyncio.new_event_loop()
+        self.loop = _Loop()
         self.thread = threading.Thread(target=self._run, name="http", daemon=True)
 
     async def _logged(self, request):
@@ -302,8 +356,20 @@ class HttpServer:
         for sock in self._socks:
             await web.SockSite(self.runner, sock).start()
 
+    def _loop_error(self, loop, context):
+        """asyncio's errors; a failed accept (no file left: its connections wait in the kernel's queue, asyncio tries
+        again a second later) one line at most every ACCEPT_SAID_S, not a traceback each time (~10,000 in seconds)."""
+        e = context.get("exception")
+        if not (isinstance(e, OSError) and context.get("message", "").startswith("socket.accept()")):
+            return loop.default_exception_handler(context)
+        if time.monotonic() - self._accept_said >= ACCEPT_SAID_S:
+            self._accept_said = time.monotonic()
+            sys.stderr.write(f"mindspec: cannot accept a connection: {e.strerror or e}; new ones wait\n")
+
     def _run(self):
         asyncio.set_event_loop(self.loop)
+        self._accept_said = -ACCEPT_SAID_S
+        self.loop.set_exception_handler(self._loop_error)
         self._socks, self.runner = [], None
         try:
             self.loop.run_until_complete(self._open())
@@ -320,6 +386,10 @@ class HttpServer:
 
     def start(self):
         """Listen (raises MindspecError when the address is taken); returns the port."""
+        if self.max_connections:
+            self.max_connections, lowered = _room(self.max_connections)
+            if lowered:
+                sys.stderr.write(lowered + "\n")
         self._opened, self.error = threading.Event(), None
         self.thread.start()
         self._opened.wait()

@@ -74,6 +74,11 @@ def loads(data):
             seen = set()
             twice.append((next(k for k, _ in pairs if k in seen or seen.add(k)), obj))
         return obj
+    if isinstance(data, (bytes, bytearray)):  # UTF-8 alone (RFC 8259; Python's json guessed UTF-16 and UTF-32 too: a
+        try:  # gateway checking the body as UTF-8 saw another request), a BOM allowed as before
+            data = bytes(data).decode("utf-8-sig")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"it is not UTF-8 text (byte 0x{e.object[e.start]:02x} at {e.start})") from None
     try:
         out = parse_json(data, object_pairs_hook=hook)
     except ValueError as e:

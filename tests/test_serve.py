@@ -945,6 +945,13 @@ BAD = [  # (path, body or raw bytes, status, words in the message)
      "unknown field 'stream_options.use'"),
     # the HTTP probe's: a lone surrogate in a name was echoed as "\\ud800", which strict JSON parsers refuse
     ("/v1/completions", b'{"prompt": "hi", "max_tokens": 4, "\\ud800": 1}', 400, "unknown field '\ufffd'"),
+    # the HTTP probe's: a body in UTF-16 or UTF-32 ran (Python's json guesses the encoding of bytes), where a gateway
+    # checking it as UTF-8, as RFC 8259 requires, sees another request
+    ("/v1/completions", '{"prompt": "hi", "max_tokens": 2}'.encode("utf-16-le"), 400, "not valid JSON"),
+    ("/v1/completions", '{"prompt": "hi", "max_tokens": 2}'.encode("utf-32"), 400,
+     "request body is not valid JSON: it is not UTF-8 text (byte 0xff at 0)"),
+    ("/v1/completions", b'{"prompt": "h\xe9"}', 400,
+     "request body is not valid JSON: it is not UTF-8 text (byte 0xe9 at 13)"),
 ]
 
 
