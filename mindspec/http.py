@@ -34,6 +34,7 @@ IDLE_S = 1.0  # seconds a connection waits for a request before it may be closed
 LINGER_S = 2.0  # seconds a connection refused at --max-connections reads (and drops) what its client still sends
 FD_RESERVE = 128  # open files kept beside the connections: the model's loading, logs, connections refused lingering
 LINGER_MOST = 32  # connections refused at --max-connections that linger at once; the others are closed at once
+PLANE_LINKS = 64  # connections at once on each extra address (health probes, /metrics): not counted in max_connections
 ACCEPT_SAID_S = 10.0  # a failed accept (no file left) is said at most once in this many seconds
 
 
@@ -54,8 +55,10 @@ class _Protocol(RequestHandler):
     _broken = False  # a body failed to parse: nothing after it is (see _to_the_body)
     _refused = False  # answered 503 on connecting (see refuse)
     _body_left = 0  # bytes of the last request's body (by its Content-Length) not yet fed to the parser
+    port = None  # the local port it came to
 
     def connection_made(self, transport):
+        self.port = (transport.get_extra_info("sockname") or (None, None))[1]  # (before aiohttp tells _Server)
         super().connection_made(transport)
         if self._keepalive_timeout:
             self._watch(transport, None, self._loop.time())
@@ -206,6 +209,7 @@ class _Server(web.Server):
     def __init__(self, handler, max_connections, on_error, **kw):
         super().__init__(handler, **kw)
         self.max_connections, self.on_error = max_connections, on_error
+        self.planes = set()  # the extra addresses' ports (HttpServer._open), each with PLANE_LINKS connections
 
     def __call__(self):
         return _Protocol(self, loop=self._loop, **self._kwargs)
@@ -221,17 +225,24 @@ class _Server(web.Server):
             protocol.request[VERSION_SENT] = f"HTTP/{version.major}.{version.minor}"
         return protocol.request
 
+    def _plane(self, handler):
+        """The address whose connections handler's counts among: an extra one's port, or None (the main one)."""
+        return handler.port if handler.port in self.planes else None
+
     def connection_made(self, handler, transport):
         super().connection_made(handler, transport)
-        # (those refused, lingering a moment, are not counted: a review's, they cost the next client its place)
-        if self.max_connections and sum(not h._refused for h in self._connections) > self.max_connections:
+        # an address's own connections count (health probes on one of their own are not locked out by the main one's);
+        # those refused, lingering a moment, do not (a review's: they cost the next client its place)
+        most = PLANE_LINKS if handler.port in self.planes else self.max_connections
+        plane = [h for h in self._connections if self._plane(h) == self._plane(handler)]
+        if most and sum(not h._refused for h in plane) > most:
             # the idle longest makes room, as nginx does; not one idle under IDLE_S, whose next request may be in
             # the kernel's buffer unparsed (a pool's POST, reset, is not retried)
-            idle = [(t, h) for h in self._connections if h is not handler and (t := h.idle_since()) is not None
+            idle = [(t, h) for h in plane if h is not handler and (t := h.idle_since()) is not None
                     and t <= self._loop.time() - IDLE_S]
             if idle:
                 return min(idle, key=lambda x: x[0])[1].force_close()
-            body = _json_error(503, f"too many connections (at most {self.max_connections}); retry later").encode()
+            body = _json_error(503, f"too many connections (at most {most}); retry later").encode()
             handler.refuse(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
                            b"Retry-After: 1\r\nConnection: close\r\nContent-Length: " + str(len(body)).encode()
                            + b"\r\n\r\n" + body, linger=sum(h._refused for h in self._connections) < LINGER_MOST)
@@ -262,13 +273,13 @@ def _heads(before, data, most=32):
     return pieces + [data[cuts[-1] if cuts else 0:]] if not cuts or cuts[-1] < len(data) else pieces
 
 
-def _room(max_connections):
+def _room(max_connections, planes=0):
     """(the connections this process can hold open, at most max_connections; the line that says it had to lower
     them, or None). The soft open-files limit is raised toward the hard one as far as they need (as vLLM does:
     the usual soft limit of 1024 held ~1000 connections, and at it the server accepted none, a health probe's
-    neither); files open now and FD_RESERVE are kept aside."""
+    neither); files open now, the extra addresses' `planes` connections and FD_RESERVE are kept aside."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    now = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else 64
+    now = (len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else 64) + planes
     need = max_connections + now + FD_RESERVE
     if soft != resource.RLIM_INFINITY and soft < need:
         try:
@@ -349,6 +360,7 @@ class HttpServer:
             self.failed = (host, port)  # (named if it cannot listen)
             self._socks.append(_listening(host, port))
         self.extra = [(host, sock.getsockname()[1]) for (host, _), sock in zip(self.extra, self._socks)]
+        server.planes = {port for _, port in self.extra}
         self.on_bound(self.extra)
         self.failed = (self.host, self.port)
         await web.TCPSite(self.runner, self.host, self.port).start()
@@ -387,7 +399,7 @@ class HttpServer:
     def start(self):
         """Listen (raises MindspecError when the address is taken); returns the port."""
         if self.max_connections:
-            self.max_connections, lowered = _room(self.max_connections)
+            self.max_connections, lowered = _room(self.max_connections, PLANE_LINKS * len(self.extra))
             if lowered:
                 sys.stderr.write(lowered + "\n")
         self._opened, self.error = threading.Event(), None

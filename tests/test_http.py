@@ -16,7 +16,7 @@ import pytest
 from aiohttp import web
 
 from mindspec.errors import MindspecError
-from mindspec.http import FD_RESERVE, IDLE_S, HttpServer
+from mindspec.http import FD_RESERVE, IDLE_S, PLANE_LINKS, HttpServer
 
 from conftest import wait_for
 
@@ -343,6 +343,43 @@ def test_at_max_connections_the_longest_idle_connection_makes_room_for_a_new_one
     assert sorted(paths) == ["/1", "/3", "/4", "/5", "/slow"]
     assert errors == [503]  # (early's)
     assert len(capfd.readouterr().err.splitlines()) == 5  # a line per answer, none for the connections closed
+
+
+def test_an_address_of_its_own_for_the_health_probes_is_not_locked_out_by_the_main_ones_connections(capfd):
+    """The HTTP probe's: at --max-connections with none idle, a liveness probe on MindIE's management port got the
+    503 too (all addresses shared the one limit), and an orchestrator would restart a server only flooded. The
+    limit counts the main address's connections; each extra address admits PLANE_LINKS of its own."""
+    paths, errors, release = [], [], threading.Event()
+    server = HttpServer(holding(paths, release), "127.0.0.1", 0, max_connections=1, extra=[("127.0.0.1", 0)],
+                        on_error=errors.append)
+    server.start()
+    try:
+        (plane,) = [port for _, port in server.extra]
+        with connect(server.port) as busy:
+            busy.sendall(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert wait_for(lambda: paths == ["/slow"], 10)
+            with connect(server.port) as beyond:
+                assert get_raw(beyond).startswith(b"HTTP/1.1 503 Service Unavailable")
+            held = [connect(plane) for _ in range(PLANE_LINKS - 1)]  # (none idle yet: each a request due)
+            for c in held:
+                c.sendall(b"GET /slow")
+            with connect(plane) as probe:
+                assert get(probe, "/live") == "HTTP/1.1 200 OK"
+                with connect(plane) as more:
+                    assert get_raw(more).startswith(b"HTTP/1.1 503 Service Unavailable")
+            for c in held:
+                c.close()
+            release.set()
+            assert answer(busy) == "HTTP/1.1 200 OK"
+    finally:
+        server.stop()
+    assert errors == [503, 503]
+
+
+def get_raw(s):
+    """All a GET of / on s got before the server closed."""
+    s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    return read_all(s)
 
 
 def test_a_bad_header_is_a_400_of_one_line_and_one_log_line(capfd):
