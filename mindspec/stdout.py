@@ -1,5 +1,6 @@
 """The command line's stdout: a failed write (a full disk, an I/O error, a closed descriptor) is told apart
-from any other file's OSError, so that a command says it in one line and exits 2 (cli._exit_code)."""
+from any other file's OSError, so that a command says it in one line and exits 2 (cli._exit_code). A closed
+stderr is /dev/null's."""
 import errno
 import io
 import os
@@ -60,17 +61,27 @@ class _Closed(io.TextIOBase):
         pass
 
 
+def _take(fd, flags):
+    """A closed descriptor fd taken by /dev/null, so that no file opened later lands there (a library's printf,
+    MindSpore's C++ log, would write into it)."""
+    try:
+        os.fstat(fd)
+    except OSError:
+        null = os.open(os.devnull, flags)
+        if null != fd:
+            os.dup2(null, fd)
+            os.close(null)
+
+
 def hold():
-    """Wrap sys.stdout (_Stdout); a closed descriptor 1 is taken by /dev/null opened read-only, so that no file
-    opened later lands there (a library's printf would write into it) and writes to it fail (EBADF)."""
+    """Wrap sys.stdout (_Stdout); a closed descriptor 1 is /dev/null opened read-only, so writes to it fail (EBADF).
+    A closed descriptor 2 (`2>&-`: Python leaves sys.stderr None; a batch job's progress asked it whether it was a
+    terminal, and the job ran nothing) is /dev/null's for writing: what would be said there is dropped."""
+    if sys.stderr is None:
+        _take(2, os.O_WRONLY)
+        sys.stderr = open(2, "w", errors="replace", closefd=False)  # noqa: SIM115 - until the process ends
     if sys.stdout is None:
-        try:
-            os.fstat(1)
-        except OSError:
-            fd = os.open(os.devnull, os.O_RDONLY)
-            if fd != 1:
-                os.dup2(fd, 1)
-                os.close(fd)
+        _take(1, os.O_RDONLY)
         sys.stdout = _Closed()
     if not isinstance(sys.stdout, _Stdout):
         if hasattr(sys.stdout, "reconfigure"):  # what the terminal's encoding lacks (a GBK locale: emoji, in a

@@ -734,6 +734,18 @@ def test_an_unwritable_or_closed_stdout_is_one_line_and_exit_2(tiny_target, tmp_
             (args, p.returncode, p.stderr[-2000:])
     (rec,) = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert len(rec["token_ids"]) == 3
+    # stderr closed (`2>&-`, a cron or daemon wrapper's): a batch job ran nothing and exited 1, "0 done, 0 failed"
+    # (its progress asked a None stderr whether it was a terminal), and generate printed its text, then exited 1.
+    # What would be said there is dropped; the work is done
+    batch[batch.index("--output") + 1] = str(tmp_path / "quiet.jsonl")
+    for args in (gen + ["--json"], batch):
+        p = subprocess.run([sys.executable, "-m", "mindspec", *args], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                           text=True, timeout=300, preexec_fn=lambda: os.close(2))
+        assert p.returncode == 0, (args, p.returncode, p.stdout[-2000:])
+        if args is not batch:
+            assert len(json.loads(p.stdout)["token_ids"]) == 8, p.stdout
+    (rec,) = [json.loads(line) for line in (tmp_path / "quiet.jsonl").read_text().splitlines()]
+    assert len(rec["token_ids"]) == 3
 
 
 def test_the_penalty_flags_are_the_defaults_of_a_job_and_older_job_ids_stay():
