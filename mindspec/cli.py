@@ -23,11 +23,12 @@ MAX_BATCH = 8  # rows per step of serve and batch: on 2 CPU cores 8 rows cost ~1
 
 
 def _ids(text):
-    """Token ids separated by commas and/or spaces ("1,2,3", "1, 2, 3", "1 2 3")."""
-    try:
-        return [int(x) for x in re.split(r"[,\s]+", text) if x]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a comma-separated list of token ids: {text!r}") from None
+    """Token ids separated by commas and/or spaces ("1,2,3", "1, 2, 3", "1 2 3"), in decimal digits: an empty item
+    ("1,,2", ",1") or another spelling int() reads ("1_0" is 10) is refused (a user probe's: they ran)."""
+    items = re.split(r"\s*,\s*|\s+", text.strip())
+    if not all(re.fullmatch(r"-?[0-9]+", x) for x in items):
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of token ids: {text!r}")
+    return [int(x) for x in items]
 
 
 def _k(text):
@@ -88,9 +89,10 @@ def add_model_args(p, max_seq="sized to the job"):
     p.add_argument("--target", type=path_arg, default=None, help="target checkpoint dir (default: the embedded model)")
     p.add_argument("--draft", type=path_arg, default=None,
                    help="draft .onnx from `mindspec export` (default: the embedded pair's; none with --target)")
-    p.add_argument("-k", type=_k, default="auto",
+    k = p.add_mutually_exclusive_group()  # (a user probe's: `-k 4 --dynamic-k` ran the last one given, unsaid)
+    k.add_argument("-k", type=_k, default="auto",
                    help="draft tokens per target call: a K bucket 1..8, or auto (dynamic K, the default)")
-    p.add_argument("--dynamic-k", dest="k", action="store_const", const="auto",
+    k.add_argument("--dynamic-k", dest="k", action="store_const", const="auto",
                    help="choose K each step from measured costs and acceptance (the default; same as -k auto)")
     p.add_argument("--max-seq", type=positive_int, default=None,
                    help=f"fix the KV-cache length (default: {max_seq})")

@@ -1,4 +1,5 @@
 """The `mindspec` command line, run as a real subprocess: output, JSON, and bad input -> exit 2."""
+import argparse
 import json
 import re
 import os
@@ -355,8 +356,13 @@ def test_bad_requests(pair):
     assert code == 2 and "--max-new-tokens: must be an integer >= 1, got '0'" in err
     code, _, err = run(*gen, "--prompt-ids", "5,x")
     assert code == 2 and "not a comma-separated list" in err
-    assert _ids("1 2 3") == _ids("1, 2,3") == [1, 2, 3]  # "1 2 3" was the one id 123
+    assert _ids("1 2 3") == _ids("1, 2,3") == _ids(" 1 , 2 3 ") == [1, 2, 3]  # "1 2 3" was the one id 123
+    for bad in ("1,,2", ",1", "1,", "1_0", "\uff11", ""):  # (a user probe's: ran as [1, 2], [1], [1], [10], [1], [])
+        with pytest.raises(argparse.ArgumentTypeError, match="not a comma-separated list of token ids"):
+            _ids(bad)
     _expect_error(gen + ["--prompt-ids", "5", "--logprobs", "2"], "--logprobs needs --json")  # were dropped
+    _expect_error(gen + ["--prompt-ids", "5", "-k", "4", "--dynamic-k"],  # (the last one given ran, unsaid)
+                  "argument --dynamic-k: not allowed with argument -k")
     _expect_error(gen + ["--prompt-ids", "5", "--chat"], "it does not apply to --prompt-ids")  # was ignored
     _expect_error(gen + ["--prompt-ids", "5", "--node-rank", "1"], "--node-rank must be in 0..0")  # was ignored
     _expect_error(gen + ["--prompt-ids", "5", "--no-speculate", "-k", "4"],  # was accepted, and never ran
