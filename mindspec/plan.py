@@ -436,12 +436,17 @@ def cmd_plan(a):
                                 "for (mindspec export --max-seq)")
         positions = min(positions or SEQ_LEN, drafted)
     seq_len = a.seq_len if a.seq_len is not None else min(SEQ_LEN, positions or SEQ_LEN)
-    if a.target and a.draft and not os.path.isdir(a.draft):  # (a pair no command would run: found planned)
+    if a.target and a.draft:  # (a pair no command would run: found planned, an export's or a checkpoint to export)
         from mindspec.export import read_pair_manifest
         from .tokenizer import Tokenizer
         from .checkpoint import Checkpoint
         has = os.path.exists(os.path.join(a.target, "tokenizer.json"))  # (a plan needs none: then the vocabulary)
-        read_pair_manifest(a.draft, Checkpoint(a.target).config, Tokenizer(a.target) if has else None, sha=False)
+        cfg, tok = Checkpoint(a.target).config, Tokenizer(a.target) if has else None
+        if not os.path.isdir(a.draft):
+            read_pair_manifest(a.draft, cfg, tok, sha=False)
+        elif (v := Checkpoint(a.draft).config.vocab_size) != cfg.vocab_size:
+            raise MindspecError(f"draft {a.draft} has vocabulary size {v}, the target has {cfg.vocab_size}: a draft "
+                                "must share its target's tokenizer")
     plan = make_plan(target, draft, tp=a.tp, devices=a.devices, device_mem=parse_size(a.device_mem, "--device-mem"),
                      reserve=a.reserve, seq_len=seq_len,
                      device_bw=parse_size(a.device_bw, "--device-bw", rate=True),
