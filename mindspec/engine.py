@@ -30,7 +30,7 @@ from collections import deque
 
 import numpy as np
 
-from .errors import NotFinite
+from .errors import MindspecError, NotFinite
 from .policy import fit
 from .sampling import ACCEPT, SAMPLE, uniforms
 from .sequence import FINISHED, PREFILL, RUNNING, WAITING
@@ -62,7 +62,13 @@ class Engine:
         return bool(self.waiting or self.rows)
 
     def add(self, req, arrived=None):
-        """Queue req; arrived: when it reached the caller (a server's), its queue_s counted from then."""
+        """Queue req; arrived: when it reached the caller (a server's), its queue_s counted from then. A request
+        held already, or one that has run, is refused (a user probe's: added twice, it ran as two rows of one
+        request, both in prefill for ever)."""
+        if any(r is req for r in list(self.waiting) + self.rows):
+            raise MindspecError("the engine holds this request already: make one per generation")
+        if req.state != WAITING or req.output or req.pos:
+            raise MindspecError("a request runs once: make one per generation (this one has run)")
         req.state, req.added = WAITING, time.perf_counter() if arrived is None else arrived
         self.waiting.append(req)
 

@@ -412,6 +412,20 @@ class Pipeline:
             raise MindspecError("the same request is given twice: make one per generation")
         if any(r.state != WAITING or r.output or r.pos for r in reqs):  # (it went on after its old output)
             raise MindspecError("a request runs once: make one per generation (this one has run)")
+        for r in reqs:
+            self._recheck(r)
+
+    def _recheck(self, r):
+        """What request() checked of a Request's prompt and length, again: its caller may have changed them since
+        (a user probe's: ids outside the vocabulary reached MindSpore's Gather as a many-line RuntimeError, an
+        emptied prompt an AssertionError, a max_new_tokens past the cache was cut unsaid)."""
+        r.prompt_ids = self.encode(prompt_ids=r.prompt_ids)
+        n, room = r.max_new_tokens, self.max_positions - len(r.prompt_ids)
+        if room < 1:
+            raise MindspecError(f"prompt is {len(r.prompt_ids)} tokens; it does not fit {self.max_seq_said}")
+        if not is_int(n) or not 1 <= n <= room:
+            raise MindspecError(f"max_new_tokens must be an integer from 1 to {room} (what the {len(r.prompt_ids)}-"
+                                f"token prompt leaves of {self.max_seq_said}), got {shown(n)}")
 
     def _check_holder(self):
         holder = self._holder

@@ -11,6 +11,7 @@ from scipy.stats import chisquare
 
 import mindspec
 from mindspec.checkpoint import Checkpoint
+from mindspec.errors import MindspecError
 from mindspec.reference import reference_logits
 from mindspec.sequence import FINISHED, PREFILL
 
@@ -259,6 +260,15 @@ def test_abort_ends_only_that_row(pipe, alone):
     waiting = pipe.request(prompt_ids=[7, 8], max_new_tokens=5)
     for r in reqs + [waiting]:
         eng.add(r)
+    # (a user probe's: the same request added twice ran as two rows of one request, both in prefill for ever, and
+    # the next generate spun) a request the engine holds, or one that has run, is refused
+    for again in (reqs[0], waiting):
+        with pytest.raises(MindspecError, match="the engine holds this request already"):
+            eng.add(again)
+    ran = pipe.request(prompt_ids=[7], max_new_tokens=1)
+    ran.output.append(5)  # (as a request that ran: its output, its position)
+    with pytest.raises(MindspecError, match="a request runs once: make one per generation"):
+        eng.add(ran)
     eng.abort(waiting.id)  # still queued
     for _ in range(3):
         eng.step()
@@ -269,6 +279,24 @@ def test_abort_ends_only_that_row(pipe, alone):
     assert reqs[0].output == alone[0][:len(reqs[0].output)] and len(reqs[0].output) < MAX_NEW[0]
     assert [r.output for r in reqs[1:]] == alone[1:3]
     assert sorted(eng.free_slots) == [0, 1, 2, 3] and not eng.rows
+
+
+def test_a_request_changed_after_it_was_made_is_checked_again(pipe, alone):
+    """A user probe's: a Request's fields changed after pipe.request() ran unchecked: ids outside the vocabulary
+    reached MindSpore's Gather (a many-line RuntimeError), an emptied prompt an AssertionError, and a max_new_tokens
+    past the cache was cut unsaid. The pipeline stays as it was."""
+    room = pipe.max_positions - len(PROMPTS[0])
+    for change, words in (
+            (lambda r: r.prompt_ids.append(10 ** 6), "prompt token id 1000000 is outside the vocabulary"),
+            (lambda r: r.prompt_ids.clear(), "the prompt is empty"),
+            (lambda r: setattr(r, "prompt_ids", [5] * pipe.max_positions), "prompt is .* tokens; it does not fit"),
+            (lambda r: setattr(r, "max_new_tokens", room + 1), f"max_new_tokens must be an integer from 1 to {room} "),
+            (lambda r: setattr(r, "max_new_tokens", 2.0), "max_new_tokens must be an integer from 1 to .*got 2.0")):
+        r = pipe.request(prompt_ids=PROMPTS[0], max_new_tokens=MAX_NEW[0])
+        change(r)
+        with pytest.raises(MindspecError, match=words):
+            pipe.run_one(r)
+    assert pipe.generate(prompt_ids=PROMPTS[0], max_new_tokens=MAX_NEW[0]).token_ids == alone[0]
 
 
 def test_the_first_token_does_not_wait_for_the_drafts_catch_up(pipe, alone):
