@@ -89,10 +89,9 @@ def add_model_args(p, max_seq="sized to the job"):
     p.add_argument("--target", type=path_arg, default=None, help="target checkpoint dir (default: the embedded model)")
     p.add_argument("--draft", type=path_arg, default=None,
                    help="draft .onnx from `mindspec export` (default: the embedded pair's; none with --target)")
-    k = p.add_mutually_exclusive_group()  # (a user probe's: `-k 4 --dynamic-k` ran the last one given, unsaid)
-    k.add_argument("-k", type=_k, default="auto",
+    p.add_argument("-k", type=_k, default="auto",
                    help="draft tokens per target call: a K bucket 1..8, or auto (dynamic K, the default)")
-    k.add_argument("--dynamic-k", dest="k", action="store_const", const="auto",
+    p.add_argument("--dynamic-k", dest="k", action="store_const", const="auto",
                    help="choose K each step from measured costs and acceptance (the default; same as -k auto)")
     p.add_argument("--max-seq", type=positive_int, default=None,
                    help=f"fix the KV-cache length (default: {max_seq})")

@@ -361,8 +361,6 @@ def test_bad_requests(pair):
         with pytest.raises(argparse.ArgumentTypeError, match="not a comma-separated list of token ids"):
             _ids(bad)
     _expect_error(gen + ["--prompt-ids", "5", "--logprobs", "2"], "--logprobs needs --json")  # were dropped
-    _expect_error(gen + ["--prompt-ids", "5", "-k", "4", "--dynamic-k"],  # (the last one given ran, unsaid)
-                  "argument --dynamic-k: not allowed with argument -k")
     _expect_error(gen + ["--prompt-ids", "5", "--chat"], "it does not apply to --prompt-ids")  # was ignored
     _expect_error(gen + ["--prompt-ids", "5", "--node-rank", "1"], "--node-rank must be in 0..0")  # was ignored
     _expect_error(gen + ["--prompt-ids", "5", "--no-speculate", "-k", "4"],  # was accepted, and never ran
