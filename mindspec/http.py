@@ -250,12 +250,13 @@ class _Server(web.Server):
 
 
 def _length(messages, before):
-    """The Content-Length of the request aiohttp's parser queued last, when it queued one (more than `before`
-    messages) with a body of that length; else 0."""
+    """The bytes of its body (by its Content-Length) not yet fed to aiohttp's parser of the request it queued last,
+    when it queued one (more than `before` messages); else 0. (A head and some of its body can come in one piece:
+    past _heads' 32 cuts, or a piece aiohttp's paused parser held back.)"""
     if len(messages) <= before or isinstance(messages[-1][0], _ErrInfo) or messages[-1][0].chunked:
         return 0
     length = messages[-1][0].headers.get("Content-Length", "0")
-    return int(length) if length.isdigit() else 0
+    return max(0, int(length) - messages[-1][1].total_bytes) if length.isdigit() else 0
 
 
 def _heads(before, data, most=32):
@@ -316,6 +317,11 @@ class _Loop(asyncio.SelectorEventLoop):
 
     def _accept_connection(self, protocol_factory, sock, sslcontext=None, server=None, backlog=100, *args, **kw):
         return super()._accept_connection(protocol_factory, sock, sslcontext, server, 1, *args, **kw)
+
+    def _start_serving(self, protocol_factory, sock, *args, **kw):
+        if sock.fileno() == -1:  # (a retry after a failed accept, once the server stopped: a traceback)
+            return None
+        return super()._start_serving(protocol_factory, sock, *args, **kw)
 
 
 class HttpServer:

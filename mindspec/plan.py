@@ -447,6 +447,10 @@ def cmd_plan(a):
         elif (v := Checkpoint(a.draft).config.vocab_size) != cfg.vocab_size:
             raise MindspecError(f"draft {a.draft} has vocabulary size {v}, the target has {cfg.vocab_size}: a draft "
                                 "must share its target's tokenizer")
+        elif tok and os.path.exists(os.path.join(a.draft, "tokenizer.json")) and \
+                Tokenizer(a.draft).vocab_fingerprint() != tok.vocab_fingerprint():
+            raise MindspecError(f"draft {a.draft} has a different tokenizer than the target's: a draft must share its "
+                                "target's tokenizer")
     plan = make_plan(target, draft, tp=a.tp, devices=a.devices, device_mem=parse_size(a.device_mem, "--device-mem"),
                      reserve=a.reserve, seq_len=seq_len,
                      device_bw=parse_size(a.device_bw, "--device-bw", rate=True),

@@ -78,7 +78,8 @@ def loads(data):
         try:  # gateway checking the body as UTF-8 saw another request), a BOM allowed as before
             data = bytes(data).decode("utf-8-sig")
         except UnicodeDecodeError as e:
-            raise ValueError(f"it is not UTF-8 text (byte 0x{e.object[e.start]:02x} at {e.start})") from None
+            at = e.start + 3 * data.startswith(b"\xef\xbb\xbf")  # (counted after the BOM)
+            raise ValueError(f"it is not UTF-8 text (byte 0x{e.object[e.start]:02x} at {at})") from None
     try:
         out = parse_json(data, object_pairs_hook=hook)
     except ValueError as e:

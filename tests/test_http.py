@@ -360,9 +360,10 @@ def test_an_address_of_its_own_for_the_health_probes_is_not_locked_out_by_the_ma
             assert wait_for(lambda: paths == ["/slow"], 10)
             with connect(server.port) as beyond:
                 assert get_raw(beyond).startswith(b"HTTP/1.1 503 Service Unavailable")
-            held = [connect(plane) for _ in range(PLANE_LINKS - 1)]  # (none idle yet: each a request due)
+            held = [connect(plane) for _ in range(PLANE_LINKS - 1)]  # each answering a request: none idle
             for c in held:
-                c.sendall(b"GET /slow")
+                c.sendall(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert wait_for(lambda: len(paths) == PLANE_LINKS, 10)
             with connect(plane) as probe:
                 assert get(probe, "/live") == "HTTP/1.1 200 OK"
                 with connect(plane) as more:
@@ -487,6 +488,14 @@ def test_a_request_pipelined_before_a_malformed_one_is_answered_first(capfd):
             # the error quotes the malformed request's bytes, not the body before them (the HTTP probe's: it quoted
             # another request's body, which a proxy pipelining several clients' requests would hand to this one)
             assert b"Invalid method encountered: b'BAD LINE" in two, got
+        with connect(port) as s:  # (a review's: a head and its body in one piece, past _heads' 32 cuts, were taken
+            blank = b"\r\n\r\n" * 40  # for a head alone, and the next read was cut a body's length in: b'BAD L')
+            s.sendall(b"POST /a HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(blank), blank) +
+                      b"POST /q HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello")
+            time.sleep(0.3)
+            s.sendall(b"BAD LINE\r\n\r\n")
+            got = read_all(s)
+        assert got.count(b"HTTP/1.1 200 OK") == 2 and b"Invalid method encountered: b'BAD LINE" in got, got[-300:]
     assert capfd.readouterr().err.count('"GET /a" 200') == 1
 
 
@@ -665,6 +674,8 @@ def test_the_connections_fit_the_open_files_limit_and_a_flood_beyond_it_is_answe
         _, err = proc.communicate("", timeout=30)
     said = [line for line in err.splitlines() if not line.startswith('mindspec: 127.0.0.1 "')]  # (the access log's)
     assert "Traceback" not in err and len(said) <= 3, err[:2000]
+    # (within the limit no accept failed: 200 refused connections lingering at once took the files left; a review's)
+    assert (how == "squeeze") == any("cannot accept" in line for line in said), said
     if how == "lowered":
         assert said[0] == (
             f"mindspec: warning: --max-connections {most} lowered to {admitted}: this process may open {hard} files "

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import make_tiny_checkpoint
+from conftest import make_tiny_checkpoint, write_tiny_tokenizer
 from mindspec import plan
 from mindspec.checkpoint import Checkpoint
 from mindspec.errors import MindspecError
@@ -274,6 +274,10 @@ def test_shapes_from_checkpoint_and_exported_draft(tiny_target, tmp_path, capsys
     for draft in (str(tmp_path / "other.onnx"), other):  # (the user probe's: its checkpoint, to be exported, was planned)
         with pytest.raises(MindspecError, match="has vocabulary size 400, the target has 320: a draft must share"):
             run_plan(["plan", "--target", target_dir, "--draft", draft, "--device-mem", "1GB"], capsys)
+    renamed = make_tiny_checkpoint(tmp_path / "renamed")[0]  # (its vocabulary's size, another tokenizer: a review's)
+    write_tiny_tokenizer(renamed, merges=[("a", "b")])
+    with pytest.raises(MindspecError, match="has a different tokenizer than the target's: a draft must share"):
+        run_plan(["plan", "--target", target_dir, "--draft", renamed, "--device-mem", "1GB"], capsys)
 
 
 def test_seq_len_is_within_the_drafts_positions(tiny_target, tmp_path, capsys):

@@ -952,6 +952,8 @@ BAD = [  # (path, body or raw bytes, status, words in the message)
      "request body is not valid JSON: it is not UTF-8 text (byte 0xff at 0)"),
     ("/v1/completions", b'{"prompt": "h\xe9"}', 400,
      "request body is not valid JSON: it is not UTF-8 text (byte 0xe9 at 13)"),
+    ("/v1/completions", b'\xef\xbb\xbf{"prompt": "h\xe9"}', 400,  # (a BOM is allowed; the offset counts it: a review's)
+     "request body is not valid JSON: it is not UTF-8 text (byte 0xe9 at 16)"),
 ]
 
 
