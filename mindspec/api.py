@@ -562,7 +562,7 @@ class Api:
                                "(null or \"None\": the model itself)", param="parameters.adapter_id")
         timeout = _timeout(params, "parameters.")
         fields = ("max_new_tokens", "do_sample") + SAMPLING
-        flat = dict({k: params[k] for k in fields if k in params}, prompt=inputs)
+        flat = dict({k: params[k] for k in fields + ("typical_p",) if k in params}, prompt=inputs)  # (see _warps)
         cut = prompt_cut("parameters.truncate_prompt_tokens", params.get("truncate_prompt_tokens"))
         if prompt_cut("parameters.truncate", params.get("truncate")) is not None:  # (TGI's name of it)
             if cut not in (None, params["truncate"]):

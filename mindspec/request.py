@@ -11,7 +11,7 @@ import os
 import random
 import sys
 
-from .errors import MindspecError, is_int, parse_json, shown
+from .errors import MindspecError, is_int, is_number, parse_json, shown
 
 SEED_ENV = "MINDSPEC_SEED_BASE"  # set by the tensor-parallel launcher: every rank draws the same seeds
 _seeds = None
@@ -193,15 +193,22 @@ def parse(req, defaults=None):
         if not isinstance(kw.get(flag, False), bool):
             raise RequestError(f"{flag} must be true or false, got {shown(kw[flag])}")
     do_sample = kw.pop("do_sample", None)
-    if do_sample is False:  # TGI / MindIE: greedy whatever the other sampling fields say
-        kw.update(temperature=0.0, top_k=0, top_p=1.0)
+    if do_sample is False and not _warps(req):  # TGI's rule: sampling = do_sample or a field that changes the logits
+        kw.update(temperature=0.0, top_k=0, top_p=1.0)  # (its text_generation client sends do_sample false always)
     elif do_sample and req.get("temperature") == 0:  # TGI's rule: sampling needs a temperature
         raise RequestError("temperature must be > 0 when do_sample is true")
-    elif do_sample and req.get("temperature") is None and not kw.get("temperature"):
+    elif do_sample is not None and req.get("temperature") is None and not kw.get("temperature"):
         kw["temperature"] = 1.0  # the client's missing temperature, not the server's greedy default
     if isinstance(kw.get("temperature"), (int, float)) and kw["temperature"] > 0 and kw.get("seed") is None:
         kw["seed"] = draw_seed()
     return kw
+
+
+def _warps(req):
+    """TGI's test of whether a request samples though its do_sample is false: a temperature other than 1, a top_k,
+    or a top_p or typical_p below 1 (values of another type are refused later)."""
+    t, k, p, typical = (v if is_number(v := req.get(f)) else None for f in ("temperature", "top_k", "top_p", "typical_p"))
+    return (t is not None and t != 1) or k not in (None, 0, -1) or any(v is not None and v < 1 for v in (p, typical))
 
 
 def draw_seed():

@@ -1070,11 +1070,18 @@ def test_seeded_sampling_repeats(server):
     del tgi["parameters"]["temperature"]
     assert post(base, "/generate", tgi)["generated_text"] == at_one
     assert at_one != post(base, "/generate", dict(tgi, parameters={"max_new_tokens": N}))["generated_text"]  # sampled
-    # do_sample false is greedy whatever the other fields say, as TGI's and MindIE's (found by mutation
-    # testing: nothing sent it)
+    # do_sample false is greedy unless a field changes the logits: TGI's rule, sampling = do_sample or a temperature
+    # other than 1, a top_k, or a top_p or typical_p below 1 (the compliance probe's: text_generation's client always
+    # sends do_sample false, and it was greedy whatever its temperature: that client could not sample)
     greedy = post(base, "/generate", {"inputs": TEXT, "parameters": {"max_new_tokens": N}})["generated_text"]
-    tgi["parameters"].update(do_sample=False, temperature=3.0, top_p=0.5)
+    tgi["parameters"].update(do_sample=False, temperature=1.0)
     assert post(base, "/generate", tgi)["generated_text"] == greedy != at_one
+    for warp in ({"temperature": 3.0}, {"top_k": 50}, {"top_p": 0.9}, {"typical_p": 0.9}):
+        tgi["parameters"] = {"max_new_tokens": N, "seed": 3, **warp}
+        sampled = post(base, "/generate", dict(tgi, parameters=dict(tgi["parameters"], do_sample=True)))["generated_text"]
+        assert post(base, "/generate", dict(tgi, parameters=dict(tgi["parameters"], do_sample=False)))[
+            "generated_text"] == sampled, warp
+        assert warp.get("temperature") != 3.0 or sampled != greedy
 
 
 def test_unmodified_client_libraries(server, pipe):
