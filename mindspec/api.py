@@ -28,7 +28,7 @@ _TEXT, _FLAG = (lambda v: isinstance(v, str), "a string"), (lambda v: isinstance
 IGNORED = {"user": _TEXT, "priority": (is_int, "an integer"), "service_tier": _TEXT, "store": _FLAG,
            "metadata": (lambda v: isinstance(v, dict), "an object"), "parallel_tool_calls": _FLAG,
            "typical_p": (lambda v: is_number(v) and 0 < v <= 1, "a number in (0, 1]"), "watermark": _FLAG,
-           "skip_special_tokens": _FLAG}
+           "skip_special_tokens": _FLAG, "verbosity": _TEXT, "reasoning_effort": _TEXT}  # (the last two: OpenAI's)
 MAX_TIMEOUT = 3600  # s: a request's own timeout, MindIE's range (0, 3600]
 # known but not implemented: refused unless they hold their "off" value
 OFF = {"best_of": (1,), "echo": (False,),
@@ -36,7 +36,8 @@ OFF = {"best_of": (1,), "echo": (False,),
        "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none",), "functions": ([],),
        "function_call": ("none",), "grammar": (),
        # vLLM's, in MindIE's OpenAI examples
-       "include_stop_str_in_output": (False,), "use_beam_search": (False,), "chat_template_kwargs": ({},)}
+       "include_stop_str_in_output": (False,), "use_beam_search": (False,), "chat_template_kwargs": ({},),
+       "modalities": (["text"],)}  # (OpenAI's)
 SAMPLING = ("temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty") + EXTENSIONS
 COMPLETION_KEYS = frozenset(("model", "prompt", "max_tokens", "stream", "stream_options", "n", "logprobs", "timeout")
                             + SAMPLING)

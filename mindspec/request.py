@@ -22,7 +22,7 @@ FIELDS = frozenset(PROMPT_FIELDS + (
     "repetition_penalty", "presence_penalty", "frequency_penalty", "draft_temperature", "seed", "stop", "do_sample",
     "k", "min_tokens", "ignore_eos",
     "stop_token_ids", "logprobs", "truncate_prompt_tokens"))
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant")
 MAX_STOPS = 32  # stop strings a request may give (OpenAI allows 4, TGI 4 by default, vLLM any number)
 
 
@@ -127,7 +127,9 @@ def _messages(v):
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
             raise RequestError(f"messages[{i}].content must be a string")
-        msg = {"role": m["role"], "content": checked_text(f"messages[{i}].content", content)}
+        # (OpenAI's "developer" messages take the place of "system" ones: a template knows the latter)
+        role = "system" if m["role"] == "developer" else m["role"]
+        msg = {"role": role, "content": checked_text(f"messages[{i}].content", content)}
         if m.get("name") not in (None, "") and not isinstance(m["name"], str):
             raise RequestError(f"messages[{i}].name must be a string")
         if m.get("name"):  # the chat template's to use (as vLLM passes it)
