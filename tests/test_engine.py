@@ -383,10 +383,13 @@ def test_a_real_graph_error_ends_its_rows_and_the_graph_runs_again(pipe, alone):
     """Found by a user probe: after a kernel error (here a token id past the vocabulary, slipped into a
     request after it was checked), MindSpore refused every later run of that graph ("An error occurred in
     the previous step of this model execution"): the pipeline failed every call after. The graph is now
-    made afresh when MindSpore says so, and the run retried."""
+    made afresh when MindSpore says so, and the run retried. (The pipeline checks a request's ids again when it
+    runs: the bad id reaches the graph through the engine's own add.)"""
     bad = pipe.request(prompt_ids=list(PROMPTS[0]), max_new_tokens=MAX_NEW[0])
     bad.prompt_ids[1] = 10 ** 6
-    pipe.run([bad])
+    pipe.prepare([bad])
+    pipe.engine.add(bad)
+    _run_out(pipe.engine)
     assert bad.result().finish_reason == "error" and "input_indices" in bad.result().error
     for _ in range(2):  # (the graph that failed made afresh, then its next run)
         assert pipe.generate(prompt_ids=list(PROMPTS[0]), max_new_tokens=MAX_NEW[0], k=2).token_ids == alone[0]
