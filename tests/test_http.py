@@ -609,7 +609,9 @@ def test_pipelined_requests_past_aiohttps_queue_and_heads_across_reads_are_all_a
 
 FDS = r"""
 import os, resource, sys
-resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[1]), int(sys.argv[2])))
+top = resource.getrlimit(resource.RLIMIT_NOFILE)[1]  # (a hard limit is raised by root alone)
+hard = int(sys.argv[2]) if top == resource.RLIM_INFINITY else min(int(sys.argv[2]), top)
+resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[1]), hard))
 from aiohttp import web
 from mindspec.http import HttpServer
 
@@ -621,7 +623,7 @@ server = HttpServer(handle, "127.0.0.1", 0, max_connections=int(sys.argv[3]))
 port = server.start()
 print(port, resource.getrlimit(resource.RLIMIT_NOFILE)[0], server.max_connections, flush=True)
 if sys.argv[4] == "squeeze":  # (another part of the process took the files left)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 4, int(sys.argv[2])))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 4, hard))
 print("ready", flush=True)
 sys.stdin.read()
 server.stop()
