@@ -33,7 +33,7 @@ import numpy as np
 from .errors import MindspecError, NotFinite
 from .policy import fit
 from .sampling import ACCEPT, SAMPLE, uniforms
-from .sequence import FINISHED, PREFILL, RUNNING, WAITING
+from .sequence import FINISHED, PREFILL, RUNNING, RUNS_ONCE, WAITING
 from .spec import DRAFT_CATCHUP, PREFILL_CHUNK
 from .tp import same_on_every_rank
 
@@ -67,8 +67,8 @@ class Engine:
         request, both in prefill for ever)."""
         if any(r is req for r in list(self.waiting) + self.rows):
             raise MindspecError("the engine holds this request already: make one per generation")
-        if req.state != WAITING or req.output or req.pos:
-            raise MindspecError("a request runs once: make one per generation (this one has run)")
+        if req.ran:
+            raise MindspecError(RUNS_ONCE)
         req.state, req.added = WAITING, time.perf_counter() if arrived is None else arrived
         self.waiting.append(req)
 

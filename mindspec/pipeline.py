@@ -17,7 +17,7 @@ from .engine import Engine
 from .errors import MindspecError, is_int, is_number, shown
 from .request import checked_text, stop_strings
 from .sampling import SamplingParams
-from .sequence import WAITING, Request, Result
+from .sequence import RUNS_ONCE, WAITING, Request, Result
 from .device import check_device_env, detect_device
 from .spec import BATCH_BUCKETS, K_BUCKETS, PLAN_DTYPE, TOP_LOGPROBS, SpecConfig, cache_positions, resolve_dtype
 from .tokenizer import Tokenizer
@@ -309,12 +309,11 @@ class Pipeline:
         max_new_tokens, logprobs = int(max_new_tokens), None if logprobs is None else int(logprobs)
         limit = self.max_positions
         ids = self.encode(prompt, prompt_ids, chat, limit)
-        if len(ids) + 1 > limit:
-            raise MindspecError(f"prompt is {len(ids)} tokens; it does not fit {self.max_seq_said}")
         # (the target's cache is rounded up to a prefill chunk: a request still ends at the pair's limit)
         r = Request(ids, params, min(max_new_tokens, limit - len(ids)), stop=stop, eos=self.eos, k=k,
                     speculate=speculate and self.draft_path is not None, tokenizer=self.tokenizer,
                     draft_min_conf=draft_min_conf, request_id=request_id)
+        self._fits(r)
         r.logprobs, r.made_by = logprobs, self._mark
         return r
 
@@ -410,8 +409,8 @@ class Pipeline:
             raise MindspecError("a request runs on the pipeline that made it: make it with this pipeline's request()")
         if len({id(r) for r in reqs}) < len(reqs):  # (its second turn never came: a spin)
             raise MindspecError("the same request is given twice: make one per generation")
-        if any(r.state != WAITING or r.output or r.pos for r in reqs):  # (it went on after its old output)
-            raise MindspecError("a request runs once: make one per generation (this one has run)")
+        if any(r.ran for r in reqs):
+            raise MindspecError(RUNS_ONCE)
         for r in reqs:
             self._recheck(r)
 
@@ -420,6 +419,10 @@ class Pipeline:
         (a user probe's: ids outside the vocabulary reached MindSpore's Gather as a many-line RuntimeError, an
         emptied prompt an AssertionError, a max_new_tokens past the cache was cut unsaid)."""
         r.prompt_ids = self.encode(prompt_ids=r.prompt_ids)
+        self._fits(r)
+
+    def _fits(self, r):
+        """Refuse a request whose prompt and max_new_tokens do not fit the pair's positions."""
         n, room = r.max_new_tokens, self.max_positions - len(r.prompt_ids)
         if room < 1:
             raise MindspecError(f"prompt is {len(r.prompt_ids)} tokens; it does not fit {self.max_seq_said}")

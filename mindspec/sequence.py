@@ -10,6 +10,7 @@ from .sampling import SamplingParams
 from .tokenizer import StreamDecoder
 
 WAITING, PREFILL, RUNNING, FINISHED = "waiting", "prefill", "running", "finished"
+RUNS_ONCE = "a request runs once: make one per generation (this one has run)"  # (see Request.ran)
 _ids = itertools.count()
 
 
@@ -99,6 +100,11 @@ class Request:
     @property
     def seq(self):
         return self.prompt_ids + self.output
+
+    @property
+    def ran(self):
+        """Whether an engine has taken it: a request runs once (run again, it went on after its old output)."""
+        return self.state != WAITING or bool(self.output) or bool(self.pos)
 
     @property
     def graph_kind(self):
